@@ -1,0 +1,154 @@
+"""Device memory meter: peak bytes alive on the training device over a window.
+
+On CUDA it reads the caching allocator's peak statistics. On CPU, where the "device" and the
+host are the same memory, it tracks live tensor storages itself: a ``TorchDispatchMode`` sees
+every tensor an op produces and follows its storage with a weak reference until it is freed,
+as ``torch.distributed._tools.mem_tracker`` does. Storages made inside
+:func:`host_allocation` (the offload host pool) are not device memory and are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["DeviceMemoryMeter", "host_allocation"]
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def host_allocation() -> Iterator[None]:
+    """Tensors produced inside this block are host memory: the CPU meter ignores them."""
+    previous = getattr(_local, "host", False)
+    _local.host = True
+    try:
+        yield
+    finally:
+        _local.host = previous
+
+
+def _in_host_allocation() -> bool:
+    return getattr(_local, "host", False)
+
+
+class _StorageTracker(TorchDispatchMode):
+    def __init__(self, meter: "DeviceMemoryMeter") -> None:
+        super().__init__()
+        self._meter = meter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not _in_host_allocation():
+            self._meter._observe(tree_leaves(out))
+        return out
+
+
+class DeviceMemoryMeter:
+    """Context manager measuring the peak bytes alive on ``device`` while it is open.
+
+    Note [CPU meter baseline]: on CPU only storages the meter has seen are counted: those
+    produced by ops inside the window, and those handed to :meth:`track` (parameters,
+    gradients, optimizer state, the batch). On CUDA the allocator counts everything, so the
+    caller should track the same things to make the two comparable; tracking is a no-op there.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._storages: dict[int, tuple[weakref.ref, int]] = {}
+        self._current = 0
+        self._peak = 0
+        self._mode: Optional[_StorageTracker] = None
+        self._open = False
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    # -- window -------------------------------------------------------------------------
+    def __enter__(self) -> "DeviceMemoryMeter":
+        if self._open:
+            raise RuntimeError("DeviceMemoryMeter is already open")
+        self._open = True
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._storages.clear()
+            self._current = self._peak = 0
+            self._mode = _StorageTracker(self)
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.is_cuda:
+            self._peak = torch.cuda.max_memory_allocated(self.device)
+            self._current = torch.cuda.memory_allocated(self.device)
+        else:
+            assert self._mode is not None
+            self._mode.__exit__(*exc)
+            self._mode = None
+            # Drop the weak references so their callbacks cannot touch a closed meter.
+            self._storages.clear()
+        self._open = False
+
+    # -- readings -----------------------------------------------------------------------
+    @property
+    def peak_bytes(self) -> int:
+        if self.is_cuda and self._open:
+            return torch.cuda.max_memory_allocated(self.device)
+        return self._peak
+
+    @property
+    def current_bytes(self) -> int:
+        if self.is_cuda and self._open:
+            return torch.cuda.memory_allocated(self.device)
+        return self._current
+
+    def reset_peak(self) -> None:
+        """Restart the peak from the bytes alive now."""
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._peak = self._current
+
+    # -- CPU tracking -------------------------------------------------------------------
+    def track(self, tensors: Iterable[Any]) -> None:
+        """Count these tensors' storages as alive from now until they are freed."""
+        if not self.is_cuda and self._open:
+            self._observe(tensors)
+
+    def _observe(self, leaves: Iterable[Any]) -> None:
+        for t in leaves:
+            if not isinstance(t, torch.Tensor) or t.device != self.device or t.layout != torch.strided:
+                continue
+            try:
+                storage = t.untyped_storage()
+            except (NotImplementedError, RuntimeError):  # tensors without storage
+                continue
+            key = id(storage)
+            entry = self._storages.get(key)
+            if entry is not None and entry[0]() is storage:
+                continue
+            nbytes = storage.nbytes()
+            if nbytes == 0:
+                continue
+            ref = weakref.ref(storage, self._make_release(key))
+            self._storages[key] = (ref, nbytes)
+            self._current += nbytes
+            if self._current > self._peak:
+                self._peak = self._current
+
+    def _make_release(self, key: int):
+        def release(ref: weakref.ref) -> None:
+            entry = self._storages.get(key)
+            if entry is not None and entry[0] is ref:
+                del self._storages[key]
+                self._current -= entry[1]
+
+        return release

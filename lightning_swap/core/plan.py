@@ -1,0 +1,99 @@
+"""The plan: one :class:`Action` per segment, with what the planner predicted for it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Optional
+
+from .actions import Action
+
+__all__ = ["Plan", "PlanRow", "format_bytes"]
+
+
+def format_bytes(nbytes: Optional[int]) -> str:
+    if nbytes is None:
+        return "-"
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """What one segment's action costs and saves, as the planner predicts it."""
+
+    segment: str
+    action: Action
+    kept_bytes: int = 0
+    offloaded_bytes: int = 0
+    recomputed_bytes: int = 0
+    added_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One action per segment, in execution order.
+
+    A forced policy gives a plan without predictions (``predicted_*`` are ``None``); the
+    planner fills them, and ``rows`` with the per-segment detail.
+    """
+
+    actions: Mapping[str, Action]
+    predicted_peak_bytes: Optional[int] = None
+    predicted_step_ms: Optional[float] = None
+    budget_bytes: Optional[int] = None
+    batch_size: Optional[int] = None
+    rows: tuple[PlanRow, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "actions", MappingProxyType(dict(self.actions)))
+
+    @property
+    def segments(self) -> tuple[str, ...]:
+        return tuple(self.actions)
+
+    def counts(self) -> dict[Action, int]:
+        """How many segments get each action (every action listed, zeros included)."""
+        c = Counter(self.actions.values())
+        return {a: c.get(a, 0) for a in Action}
+
+    def summary(self) -> str:
+        return " ".join(f"{a.value}={n}" for a, n in self.counts().items() if n)
+
+    def render(self) -> str:
+        """The plan as a text table (segment, action, bytes kept/offloaded/recomputed, ms added)."""
+        rows = self.rows or tuple(PlanRow(name, action) for name, action in self.actions.items())
+        header = ("segment", "action", "kept", "offloaded", "recomputed", "+ms")
+        body = [
+            (
+                r.segment,
+                r.action.value,
+                format_bytes(r.kept_bytes) if self.rows else "-",
+                format_bytes(r.offloaded_bytes) if self.rows else "-",
+                format_bytes(r.recomputed_bytes) if self.rows else "-",
+                f"{r.added_ms:.2f}" if self.rows else "-",
+            )
+            for r in rows
+        ]
+        widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+        lines.append("  ".join("-" * w for w in widths))
+        lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in body]
+        tail = []
+        if self.predicted_peak_bytes is not None:
+            tail.append(f"predicted peak {format_bytes(self.predicted_peak_bytes)}")
+        if self.budget_bytes is not None:
+            tail.append(f"budget {format_bytes(self.budget_bytes)}")
+        if self.predicted_step_ms is not None:
+            tail.append(f"predicted step {self.predicted_step_ms:.1f} ms")
+        if self.batch_size is not None:
+            tail.append(f"batch {self.batch_size}")
+        if tail:
+            lines.append(", ".join(tail))
+        return "\n".join(lines)

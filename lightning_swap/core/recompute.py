@@ -1,0 +1,203 @@
+"""Recomputation of a segment (activation checkpointing) that is invisible to training.
+
+Built on non-reentrant ``torch.utils.checkpoint`` (Chen et al. 2016), which restores the RNG
+state (dropout masks repeat) and the autocast state for the recomputation. ``SELECTIVE`` uses
+``create_selective_checkpoint_contexts``: outputs of compute-heavy ops are saved, the rest is
+recomputed.
+
+Note [Recompute leaves buffers alone]: plain ``torch.utils.checkpoint`` runs the segment's
+forward twice, so BatchNorm's running statistics (and ``num_batches_tracked``) are updated
+twice per step, and the model drifts from plain training. We record which buffers the real
+forward mutates (their version counters move; norm layers tracking running statistics are
+listed by type, since ``native_batch_norm`` writes them without bumping the version), snapshot them when the recomputation starts
+and copy the snapshot back when it ends. Batch-norm in training mode normalises with the
+batch's own statistics, so the recomputed values do not depend on the running ones.
+
+Note [Checkpointed segments must not modify their input]: the recomputation reruns the
+segment on its saved input; if the forward changed that input in place, the rerun would see
+the changed values. We compare the input's version before and after the forward and refuse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.utils.checkpoint import checkpoint
+from torch.utils._pytree import tree_leaves
+
+from .actions import Action
+
+__all__ = ["RecomputeTimer", "checkpointed", "compute_heavy_ops"]
+
+try:  # torch >= 2.4
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+except ImportError:  # pragma: no cover - older torch
+    CheckpointPolicy = None
+    create_selective_checkpoint_contexts = None
+
+_HEAVY_OP_NAMES = (
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "cudnn_convolution",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward", "_efficient_attention_forward",
+)
+
+
+@functools.lru_cache(maxsize=1)
+def compute_heavy_ops() -> frozenset:
+    """The aten ops whose outputs ``SELECTIVE`` saves rather than recomputes."""
+    ops = set()
+    for name in _HEAVY_OP_NAMES:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            ops.update(packet.overloads() and [getattr(packet, o) for o in packet.overloads()])
+    return frozenset(ops)
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    if op in compute_heavy_ops():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class RecomputeTimer:
+    """Accumulates the time spent recomputing (CUDA events on GPU, wall clock on CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cpu_ms = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    @contextlib.contextmanager
+    def measure(self):
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._events.append((start, end))
+        else:
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._cpu_ms += (time.perf_counter() - start) * 1e3
+
+    def reset(self) -> None:
+        self._cpu_ms = 0.0
+        self._events.clear()
+
+    def total_ms(self) -> float:
+        total = self._cpu_ms
+        if self._events:
+            self._events[-1][1].synchronize()
+            total += sum(a.elapsed_time(b) for a, b in self._events)
+        return total
+
+
+class _Chain:
+    """Enters context managers (or factories of them) in order when entered itself."""
+
+    def __init__(self, *parts: Any) -> None:
+        self._parts = parts
+        self._stack: Optional[contextlib.ExitStack] = None
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        try:
+            for part in self._parts:
+                stack.enter_context(part() if callable(part) and not hasattr(part, "__enter__") else part)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+
+    def __exit__(self, *exc: Any) -> Optional[bool]:
+        stack, self._stack = self._stack, None
+        return stack.__exit__(*exc) if stack is not None else None
+
+
+class _BufferGuard:
+    """Note [Recompute leaves buffers alone]."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+        self.mutated: list[torch.Tensor] = []
+
+    @contextlib.contextmanager
+    def watch_forward(self):
+        buffers = [b for b in self._module.buffers() if b is not None]
+        versions = [b._version for b in buffers]
+        yield
+        # ``native_batch_norm`` updates running statistics in place without bumping their
+        # version counter, so norm layers that track statistics are listed by type.
+        mutated = {id(b): b for b, v in zip(buffers, versions) if b._version != v}
+        for m in self._module.modules():
+            if isinstance(m, _NormBase) and m.training and m.track_running_stats:
+                for b in (m.running_mean, m.running_var, m.num_batches_tracked):
+                    if b is not None:
+                        mutated[id(b)] = b
+        self.mutated = list(mutated.values())
+
+    @contextlib.contextmanager
+    def preserve(self):
+        with torch.no_grad():
+            saved = [b.clone() for b in self.mutated]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, s in zip(self.mutated, saved):
+                    b.copy_(s)
+
+
+def checkpointed(
+    module: nn.Module,
+    forward: Callable[..., Any],
+    action: Action,
+    timer: RecomputeTimer,
+    outer: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
+) -> Callable[..., Any]:
+    """``forward`` wrapped so the segment is recomputed in backward.
+
+    ``outer`` (for ``RECOMPUTE_OFFLOAD``) gives the offload hooks: entered around the
+    checkpoint call, they receive exactly what checkpoint keeps, the segment's inputs, while
+    checkpoint's own inner hooks drop everything else.
+    """
+    if action is Action.SELECTIVE and create_selective_checkpoint_contexts is None:
+        raise RuntimeError("Action.SELECTIVE needs torch.utils.checkpoint.create_selective_checkpoint_contexts (torch >= 2.4).")
+    guard = _BufferGuard(module)
+
+    def context_fn():
+        if action is Action.SELECTIVE:
+            fwd, rec = create_selective_checkpoint_contexts(_selective_policy)
+        else:
+            fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
+        # Entered lazily: checkpoint enters the first now and the second only in backward.
+        return _Chain(fwd, guard.watch_forward), _Chain(timer.measure, guard.preserve, rec)
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        versions = [t._version for t in inputs]
+        with outer() if outer is not None else contextlib.nullcontext():
+            out = checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs)
+        if any(t._version != v for t, v in zip(inputs, versions)):
+            raise RuntimeError(
+                "A recomputed segment modified its input in place, so its recomputation would "
+                "see different values; keep or offload this segment instead "
+                "(Note [Checkpointed segments must not modify their input])."
+            )
+        return out
+
+    return run

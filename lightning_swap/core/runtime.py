@@ -1,0 +1,202 @@
+"""The runtime: applies one action per segment to a model, counts what it did, and removes
+itself completely (Note [Runtime leaves no trace]).
+
+Note [Runtime leaves no trace]: the only change to the model is an instance attribute
+``forward`` on each non-``KEEP`` segment, shadowing the class's method; no wrapper module is
+inserted, so ``state_dict`` keys are untouched. ``remove()`` deletes the attribute (or
+restores one the user had set), closes the offload engine (streams drained, host pool freed)
+and is idempotent. Saved-tensor hooks are only ever entered for the duration of a segment's
+forward, so none outlive a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .actions import Action
+from .meter import DeviceMemoryMeter
+from .offload import OffloadEngine
+from .plan import Plan
+from .recompute import RecomputeTimer, checkpointed
+
+__all__ = ["DEFAULT_MIN_OFFLOAD_BYTES", "StepStats", "SwapRuntime", "check_min_offload_bytes"]
+
+log = logging.getLogger(__name__)
+
+#: Tensors smaller than this stay on the device: copying them costs more than it frees.
+DEFAULT_MIN_OFFLOAD_BYTES = 1 << 14
+
+
+def check_min_offload_bytes(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"`min_offload_bytes` must be an int >= 0 (bytes); got {value!r}.")
+    return value
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the runtime did during one training step (forward and backward)."""
+
+    peak_device_bytes: int
+    offloaded_bytes: int
+    fetched_bytes: int
+    prefetched_bytes: int
+    offloaded_tensors: int
+    deduplicated_tensors: int
+    recompute_ms: float
+    exposed_transfer_ms: float
+    host_pool_bytes: int
+    step_ms: float
+
+    def as_metrics(self, prefix: str = "swap/") -> dict[str, float]:
+        return {prefix + k: float(v) for k, v in asdict(self).items()}
+
+
+class SwapRuntime:
+    """Applies ``plan`` (or a mapping from segment name to action) to ``model``.
+
+    Use as a context manager, or call :meth:`install` / :meth:`remove`. Around each training
+    step call :meth:`begin_step` and :meth:`end_step` to measure it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan | Mapping[str, Action],
+        *,
+        device: Optional[torch.device | str] = None,
+        min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+        prefetch_segments: Optional[int] = None,
+    ) -> None:
+        self.model = model
+        self.plan = plan if isinstance(plan, Plan) else Plan(actions=plan)
+        self.min_offload_bytes = check_min_offload_bytes(min_offload_bytes)
+        if device is None:
+            first = next(model.parameters(), None)
+            device = first.device if first is not None else torch.device("cpu")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if prefetch_segments is None:
+            # On CPU nothing overlaps, so fetching ahead only raises the peak.
+            prefetch_segments = 1 if self.device.type == "cuda" else 0
+        if isinstance(prefetch_segments, bool) or not isinstance(prefetch_segments, int) or prefetch_segments < 0:
+            raise ValueError(f"`prefetch_segments` must be an int >= 0; got {prefetch_segments!r}.")
+        self.prefetch_segments = prefetch_segments
+        modules = dict(model.named_modules())
+        unknown = [name for name in self.plan.actions if name not in modules or name == ""]
+        if unknown:
+            raise ValueError(f"`plan` names segments the model does not have: {unknown}.")
+        for name, action in self.plan.actions.items():
+            if not isinstance(action, Action):
+                raise ValueError(f"`plan` action for {name!r} must be an Action; got {action!r}.")
+        self._modules = {name: modules[name] for name in self.plan.actions}
+        self._saved_forward: dict[str, tuple[bool, Any]] = {}
+        self.engine: Optional[OffloadEngine] = None
+        self.timer = RecomputeTimer(self.device)
+        self.meter = DeviceMemoryMeter(self.device)
+        self._step_start = 0.0
+        self.last_stats: Optional[StepStats] = None
+
+    # -- install / remove ---------------------------------------------------------------
+    @property
+    def installed(self) -> bool:
+        return bool(self._saved_forward)
+
+    def install(self) -> "SwapRuntime":
+        if self.installed:
+            return self
+        if any(a.offloads for a in self.plan.actions.values()):
+            self.engine = OffloadEngine(
+                self.device, min_offload_bytes=self.min_offload_bytes, prefetch_segments=self.prefetch_segments
+            )
+        try:
+            for index, (name, action) in enumerate(self.plan.actions.items()):
+                if action is Action.KEEP:
+                    continue
+                module = self._modules[name]
+                had_attr = "forward" in module.__dict__
+                self._saved_forward[name] = (had_attr, module.__dict__.get("forward"))
+                module.forward = self._wrap(module, module.forward, action, index)
+        except BaseException:
+            self.remove()
+            raise
+        log.debug("SwapRuntime installed: %s", self.plan.summary())
+        return self
+
+    def _wrap(self, module: nn.Module, forward: Any, action: Action, index: int) -> Any:
+        engine = self.engine
+        if action is Action.OFFLOAD:
+            assert engine is not None
+
+            def offloaded(*args: Any, **kwargs: Any) -> Any:
+                with engine.hooks(index):
+                    return forward(*args, **kwargs)
+
+            return offloaded
+        outer = (lambda: engine.hooks(index)) if action is Action.RECOMPUTE_OFFLOAD else None
+        return checkpointed(module, forward, action, self.timer, outer=outer)
+
+    def remove(self) -> None:
+        if self.meter._open:
+            self.meter.__exit__(None, None, None)
+        for name, (had_attr, previous) in self._saved_forward.items():
+            module = self._modules[name]
+            if had_attr:
+                module.forward = previous
+            else:
+                module.__dict__.pop("forward", None)
+        self._saved_forward.clear()
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def __enter__(self) -> "SwapRuntime":
+        return self.install()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    # -- steps --------------------------------------------------------------------------
+    def begin_step(self, track: Iterable[Any] = ()) -> None:
+        """Open the measuring window; ``track`` are tensors alive before it (batch, optimizer state)."""
+        if self.meter._open:
+            self.meter.__exit__(None, None, None)
+        static = [*self.model.parameters(), *self.model.buffers()]
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        self.meter.__enter__()
+        self.meter.track([*static, *grads, *track])
+        if self.engine is not None:
+            self.engine.begin_step(static)
+        self.timer.reset()
+        self._step_start = time.perf_counter()
+
+    def end_step(self) -> StepStats:
+        if not self.meter._open:
+            raise RuntimeError("end_step() called without begin_step()")
+        counters = self.engine.end_step() if self.engine is not None else None
+        recompute_ms = self.timer.total_ms()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # step time covers the device's work
+        step_ms = (time.perf_counter() - self._step_start) * 1e3
+        self.meter.__exit__(None, None, None)
+        self.last_stats = StepStats(
+            peak_device_bytes=self.meter.peak_bytes,
+            offloaded_bytes=counters.offloaded_bytes if counters else 0,
+            fetched_bytes=counters.fetched_bytes if counters else 0,
+            prefetched_bytes=counters.prefetched_bytes if counters else 0,
+            offloaded_tensors=counters.offloaded_tensors if counters else 0,
+            deduplicated_tensors=counters.deduplicated_tensors if counters else 0,
+            recompute_ms=recompute_ms,
+            exposed_transfer_ms=counters.exposed_transfer_ms if counters else 0.0,
+            host_pool_bytes=self.engine.pool.reserved_bytes if self.engine is not None else 0,
+            step_ms=step_ms,
+        )
+        return self.last_stats
