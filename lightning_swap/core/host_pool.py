@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .meter import host_allocation
+from .meter import host_allocation, mark_host
 
 __all__ = ["HostPool"]
 
@@ -56,6 +56,7 @@ class HostPool:
         else:
             with host_allocation():
                 buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+            mark_host(buffer)
             self.reserved_bytes += size
             self.allocations += 1
         self.in_use_bytes += size

@@ -4,7 +4,8 @@ On CUDA it reads the caching allocator's peak statistics. On CPU, where the "dev
 host are the same memory, it tracks live tensor storages itself: a ``TorchDispatchMode`` sees
 every tensor an op produces and follows its storage with a weak reference until it is freed,
 as ``torch.distributed._tools.mem_tracker`` does. Storages made inside
-:func:`host_allocation` (the offload host pool) are not device memory and are not counted.
+:func:`host_allocation` or marked with :func:`mark_host` (the offload host pool) are not
+device memory and are not counted, nor are views of them.
 """
 
 from __future__ import annotations
@@ -19,9 +20,24 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["DeviceMemoryMeter", "host_allocation"]
+__all__ = ["DeviceMemoryMeter", "host_allocation", "mark_host"]
 
 _local = threading.local()
+# Storages that are host memory even though they sit on the CPU device (the offload host
+# pool): id(storage) -> weak reference, so any view of them is recognised too.
+_host_storages: dict[int, weakref.ref] = {}
+
+
+def mark_host(t: torch.Tensor) -> None:
+    """Declare ``t``'s storage host memory: the CPU meter never counts it, nor its views."""
+    storage = t.untyped_storage()
+    key = id(storage)
+    _host_storages[key] = weakref.ref(storage, lambda _ref, key=key: _host_storages.pop(key, None))
+
+
+def _is_host(storage: torch.UntypedStorage) -> bool:
+    ref = _host_storages.get(id(storage))
+    return ref is not None and ref() is storage
 
 
 @contextlib.contextmanager
@@ -130,6 +146,8 @@ class DeviceMemoryMeter:
             try:
                 storage = t.untyped_storage()
             except (NotImplementedError, RuntimeError):  # tensors without storage
+                continue
+            if _is_host(storage):
                 continue
             key = id(storage)
             entry = self._storages.get(key)
