@@ -1,0 +1,33 @@
+"""lightning-swap: train with activations that do not fit in device memory.
+
+``import lightning_swap`` registers the ``"cpu_swap"`` strategy with Lightning (and with
+``pytorch_lightning`` when it is installed), so ``Trainer(strategy="cpu_swap")`` works.
+"""
+
+from .core import (
+    Action,
+    DeviceMemoryMeter,
+    Plan,
+    PlanRow,
+    StepStats,
+    SwapRuntime,
+    find_segments,
+)
+from .core.session import SwapConfig, SwapSession
+from .strategy import CPUSwapStrategy, PLCPUSwapStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Action",
+    "CPUSwapStrategy",
+    "DeviceMemoryMeter",
+    "PLCPUSwapStrategy",
+    "Plan",
+    "PlanRow",
+    "StepStats",
+    "SwapConfig",
+    "SwapRuntime",
+    "SwapSession",
+    "find_segments",
+]

@@ -165,6 +165,11 @@ class SwapRuntime:
         self.remove()
 
     # -- steps --------------------------------------------------------------------------
+    @property
+    def measuring(self) -> bool:
+        """Whether a step window is open (between :meth:`begin_step` and :meth:`end_step`)."""
+        return self.meter._open
+
     def begin_step(self, track: Iterable[Any] = ()) -> None:
         """Open the measuring window; ``track`` are tensors alive before it (batch, optimizer state)."""
         if self.meter._open:

@@ -3,7 +3,9 @@
 By default the repeated blocks are found automatically: the children of ``nn.Sequential`` /
 ``nn.ModuleList`` containers that hold at least two non-leaf modules of one class (ResNet
 bottlenecks, transformer layers). A model with no such container (a flat ``nn.Sequential``
-of layers) falls back to the children of its outermost ``nn.Sequential`` that own parameters.
+of layers) falls back to every child of its outermost ``nn.Sequential``: each layer is then
+its own segment, which offload serves well and recompute hardly at all (a one-op segment
+keeps its input, which is as big as what it would have saved).
 Users may instead name module classes or qualified module names.
 """
 
@@ -50,11 +52,7 @@ def _flat_chain(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         if isinstance(module, nn.Sequential):
             prefix = f"{name}." if name else ""
-            return [
-                prefix + child_name
-                for child_name, child in module.named_children()
-                if any(True for _ in child.parameters(recurse=True))
-            ]
+            return [prefix + child_name for child_name, _ in module.named_children()]
     return []
 
 

@@ -1,0 +1,209 @@
+"""Lightning adapters: the ``"cpu_swap"`` strategy and its stats logger.
+
+Thin by design: every decision lives in :mod:`lightning_swap.core`; these classes only call
+it from Lightning's hooks. The same mixin serves ``lightning.pytorch`` and, when installed,
+the standalone ``pytorch_lightning`` package (a separate class for each, since a strategy
+must subclass that package's own ``Strategy``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from .core.actions import PolicyLike
+from .core.plan import Plan
+from .core.runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats
+from .core.segments import SegmentSpec
+from .core.session import SwapConfig, SwapSession
+
+log = logging.getLogger(__name__)
+
+
+class _SwapStrategyMixin:
+    """Wires a :class:`SwapSession` into a Lightning strategy's hooks."""
+
+    _stats_callback_class: type = None  # set per Lightning package
+
+    def _init_swap(
+        self,
+        *,
+        policy: PolicyLike,
+        segments: SegmentSpec,
+        min_offload_bytes: int,
+        budget_bytes: Optional[int],
+        prefetch_segments: Optional[int],
+        log_stats: bool,
+        device_given: bool,
+    ) -> None:
+        self.swap_config = SwapConfig(
+            policy=policy,
+            segments=segments,
+            min_offload_bytes=min_offload_bytes,
+            budget_bytes=budget_bytes,
+            prefetch_segments=prefetch_segments,
+        )
+        self.log_stats = bool(log_stats)
+        self._device_given = device_given
+        self._session: Optional[SwapSession] = None
+        self._stats_callback = None
+        self.step_stats: Optional[StepStats] = None
+
+    # -- what users read ----------------------------------------------------------------
+    @property
+    def plan(self) -> Optional[Plan]:
+        """The plan applied to the model (``None`` before setup)."""
+        return self._session.plan if self._session is not None else None
+
+    @property
+    def swap_session(self) -> Optional[SwapSession]:
+        return self._session
+
+    # -- device -------------------------------------------------------------------------
+    def _pick_device(self, trainer: Any) -> None:
+        """Lightning builds a registered strategy without a device; follow the accelerator."""
+        if self._device_given or self.accelerator is None:
+            return
+        if type(self.accelerator).__name__ == "CUDAAccelerator":
+            devices = getattr(getattr(trainer, "_accelerator_connector", None), "_parallel_devices", None)
+            if devices:
+                self._root_device = torch.device(devices[0])
+            else:
+                self._root_device = torch.device("cuda", torch.cuda.current_device())
+
+    # -- hooks --------------------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        self._pick_device(trainer)
+        super().setup(trainer)
+        module = self.lightning_module
+        self._session = SwapSession(module, self.swap_config, self.root_device)
+        self._session.apply(self._session.forced_plan())
+        if self.log_stats and self._stats_callback_class is not None:
+            self._stats_callback = self._stats_callback_class(self)
+            trainer.callbacks.append(self._stats_callback)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._session is not None:
+            track = [args, kwargs]
+            for optimizer in self.optimizers:
+                track.append(optimizer.state)
+            self._session.begin_step(track)
+        return super().training_step(*args, **kwargs)
+
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._session is not None:
+            stats = self._session.end_step()
+            if stats is not None:
+                self.step_stats = stats
+        return out
+
+    def teardown(self) -> None:
+        if self._session is not None:
+            self._session.close()
+        if self._stats_callback is not None and self.lightning_module is not None:
+            trainer = self.lightning_module._trainer
+            if trainer is not None and self._stats_callback in trainer.callbacks:
+                trainer.callbacks.remove(self._stats_callback)
+        self._stats_callback = None
+        super().teardown()
+
+
+def _stats_callback_for(callback_base: type) -> type:
+    class _SwapStatsLogger(callback_base):
+        """Logs the strategy's ``step_stats`` as ``swap/...`` metrics after each batch."""
+
+        def __init__(self, strategy: Any) -> None:
+            self._strategy = strategy
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            stats = self._strategy.step_stats
+            if stats is not None:
+                pl_module.log_dict(stats.as_metrics(), on_step=True, on_epoch=False, logger=True)
+
+    return _SwapStatsLogger
+
+
+def _build_strategy(single_device_base: type, callback_base: type, name: str) -> type:
+    class CPUSwapStrategy(_SwapStrategyMixin, single_device_base):
+        """Single-device training with activations kept, offloaded to CPU RAM or recomputed.
+
+        Args:
+            policy: one action for every segment (``"keep"``, ``"offload"``, ``"recompute"``,
+                ``"selective"``, ``"recompute_offload"``, case-insensitive, or an ``Action``),
+                or a dict from segment name to action.
+            segments: ``None`` to find the model's repeated blocks, or module classes /
+                qualified module names.
+            min_offload_bytes: saved tensors smaller than this stay on the device.
+            budget_bytes: the device memory budget for the planner (on CPU, simulated).
+            prefetch_segments: segments prefetched ahead in backward (default 1 on CUDA, 0 on CPU).
+            log_stats: log ``swap/...`` metrics after each training batch.
+            device: the device; by default ``cuda:<first device>`` with a CUDA accelerator, else CPU.
+        """
+
+        strategy_name = "cpu_swap"
+
+        def __init__(
+            self,
+            policy: PolicyLike = "keep",
+            segments: SegmentSpec = None,
+            min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+            budget_bytes: Optional[int] = None,
+            prefetch_segments: Optional[int] = None,
+            log_stats: bool = True,
+            device: Any = None,
+            accelerator: Any = None,
+            checkpoint_io: Any = None,
+            precision_plugin: Any = None,
+        ) -> None:
+            super().__init__(
+                device=device if device is not None else "cpu",
+                accelerator=accelerator,
+                checkpoint_io=checkpoint_io,
+                precision_plugin=precision_plugin,
+            )
+            self._init_swap(
+                policy=policy,
+                segments=segments,
+                min_offload_bytes=min_offload_bytes,
+                budget_bytes=budget_bytes,
+                prefetch_segments=prefetch_segments,
+                log_stats=log_stats,
+                device_given=device is not None,
+            )
+
+        @classmethod
+        def register_strategies(cls, strategy_registry: Any) -> None:
+            strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0], override=True)
+
+    CPUSwapStrategy._stats_callback_class = _stats_callback_for(callback_base)
+    CPUSwapStrategy.__qualname__ = CPUSwapStrategy.__name__ = name
+    return CPUSwapStrategy
+
+
+def _lightning_classes() -> type:
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+
+    cls = _build_strategy(SingleDeviceStrategy, Callback, "CPUSwapStrategy")
+    cls.__module__ = __name__
+    cls.register_strategies(StrategyRegistry)
+    return cls
+
+
+def _pytorch_lightning_classes() -> Optional[type]:
+    try:
+        from pytorch_lightning.callbacks import Callback
+        from pytorch_lightning.strategies import SingleDeviceStrategy, StrategyRegistry
+    except ImportError:
+        return None
+    cls = _build_strategy(SingleDeviceStrategy, Callback, "PLCPUSwapStrategy")
+    cls.__module__ = __name__
+    cls.register_strategies(StrategyRegistry)
+    return cls
+
+
+CPUSwapStrategy = _lightning_classes()
+PLCPUSwapStrategy = _pytorch_lightning_classes()

@@ -1,0 +1,55 @@
+"""Training loops used by several test files."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_swap.core import SwapRuntime, find_segments, resolve_policy
+
+from .models import MODELS
+
+POLICIES = ["keep", "offload", "recompute", "selective", "recompute_offload"]
+
+
+def train_core(name: str, policy: str | None, *, steps: int = 3, batch: int = 4, min_offload_bytes: int = 0, prefetch_segments=None, seed: int = 0):
+    """Train one of ``MODELS`` with SGD+momentum; ``policy=None`` is plain training.
+
+    Returns the model (runtime removed), the list of StepStats, and the last gradients.
+    """
+    build, data, loss_fn = MODELS[name]
+    torch.manual_seed(seed)
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    runtime = None
+    if policy is not None:
+        runtime = SwapRuntime(
+            model,
+            resolve_policy(policy, find_segments(model)),
+            min_offload_bytes=min_offload_bytes,
+            prefetch_segments=prefetch_segments,
+        ).install()
+    stats, grads = [], {}
+    torch.manual_seed(seed + 1)  # dropout masks
+    try:
+        for step in range(steps):
+            x, y = data(batch + step)
+            if runtime is not None:
+                runtime.begin_step([x, y, opt.state])
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            if runtime is not None:
+                stats.append(runtime.end_step())
+            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        if runtime is not None:
+            runtime.remove()
+    return model, stats, grads
+
+
+def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    different = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not different, f"differs from plain training: {different}"
