@@ -121,7 +121,7 @@ def _stats_callback_for(callback_base: type) -> type:
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             stats = self._strategy.step_stats
             if stats is not None:
-                pl_module.log_dict(stats.as_metrics(), on_step=True, on_epoch=False, logger=True)
+                pl_module.log_dict(stats.as_metrics(), on_step=True, on_epoch=False, logger=trainer.logger is not None)
 
     return _SwapStatsLogger
 

@@ -1,0 +1,132 @@
+"""``Trainer(strategy="cpu_swap")``: same weights as plain training, stats, cleanup, errors."""
+
+from __future__ import annotations
+
+import csv
+
+import lightning as L
+import pytest
+import torch
+
+import lightning_swap
+from lightning_swap import Action, CPUSwapStrategy
+
+from .helpers import POLICIES, assert_same_state
+from .lit import LitModel, fit
+from .models import MODELS
+
+_PLAIN = {}
+
+
+def _plain(name):
+    if name not in _PLAIN:
+        _PLAIN[name] = fit(name)[0]
+    return _PLAIN[name]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_trainer_cpu_swap_equals_plain(name, policy):
+    module, trainer = fit(name, CPUSwapStrategy(policy=policy, min_offload_bytes=0))
+    assert_same_state(module, _plain(name))
+    strategy = trainer.strategy
+    assert set(strategy.plan.actions.values()) == {Action.parse(policy)}
+    stats = strategy.step_stats
+    assert stats is not None and stats.peak_device_bytes > 0
+    if Action.parse(policy).offloads:
+        assert stats.offloaded_bytes > 0
+    if Action.parse(policy).recomputes:
+        assert stats.recompute_ms > 0
+
+
+def test_registered_name_and_metrics_logged(tmp_path):
+    assert "cpu_swap" in L.pytorch.strategies.StrategyRegistry
+    logger = L.pytorch.loggers.CSVLogger(tmp_path)
+    module, trainer = fit("cnn", "cpu_swap", logger=logger, log_every_n_steps=1)
+    assert isinstance(trainer.strategy, CPUSwapStrategy)
+    assert trainer.strategy.root_device == torch.device("cpu")
+    assert list(trainer.strategy.plan.actions) == [f"model.blocks.{i}" for i in range(4)]
+    for key in ("swap/peak_device_bytes", "swap/offloaded_bytes", "swap/recompute_ms", "swap/exposed_transfer_ms"):
+        assert key in trainer.callback_metrics
+    logger.save()
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert any(row.get("swap/peak_device_bytes") for row in rows)
+    assert_same_state(module, _plain("cnn"))
+
+
+def test_policy_dict_and_segment_names():
+    policy = {"model.blocks.0": "offload", "model.blocks.2": Action.RECOMPUTE}
+    module, trainer = fit("cnn", CPUSwapStrategy(policy=policy, min_offload_bytes=0))
+    actions = trainer.strategy.plan.actions
+    assert actions["model.blocks.0"] is Action.OFFLOAD
+    assert actions["model.blocks.1"] is Action.KEEP
+    assert actions["model.blocks.2"] is Action.RECOMPUTE
+    assert_same_state(module, _plain("cnn"))
+    strategy = CPUSwapStrategy(policy="OFFLOAD", segments=["model.blocks.1", "model.blocks.3"], min_offload_bytes=0)
+    module, trainer = fit("cnn", strategy)
+    assert dict(trainer.strategy.plan.actions) == {"model.blocks.1": Action.OFFLOAD, "model.blocks.3": Action.OFFLOAD}
+
+
+def test_strategy_removes_itself_after_fit():
+    plain_keys = list(LitModel("resnet18").state_dict())
+    module, trainer = fit("resnet18", CPUSwapStrategy(policy="recompute_offload", min_offload_bytes=0))
+    assert list(module.state_dict()) == plain_keys
+    assert not any("forward" in m.__dict__ for m in module.modules())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks for m in module.modules())
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not any(type(cb).__name__ == "_SwapStatsLogger" for cb in trainer.callbacks)
+    # the trained model still runs without the plugin
+    x, _ = MODELS["resnet18"][1](2)
+    module(x)
+
+
+def test_memory_drops_under_the_trainer():
+    peaks = {}
+    for policy in ("keep", "offload", "recompute", "recompute_offload"):
+        _, trainer = fit("resnet18", CPUSwapStrategy(policy=policy, min_offload_bytes=0), steps=1, batch_size=16)
+        peaks[policy] = trainer.strategy.step_stats.peak_device_bytes
+    assert peaks["offload"] < peaks["keep"]
+    assert peaks["recompute"] < peaks["keep"]
+    assert peaks["recompute_offload"] < peaks["keep"]
+
+
+def test_checkpoint_keys_unchanged(tmp_path):
+    module, trainer = fit("cnn", CPUSwapStrategy(policy="recompute", min_offload_bytes=0), default_root_dir=tmp_path)
+    path = tmp_path / "ckpt.ckpt"
+    trainer.save_checkpoint(path)
+    ckpt = torch.load(path, weights_only=False)
+    assert list(ckpt["state_dict"]) == list(LitModel("cnn").state_dict())
+
+
+def test_pytorch_lightning_gets_its_own_class():
+    pl = pytest.importorskip("pytorch_lightning")
+    assert "cpu_swap" in pl.strategies.StrategyRegistry
+    cls = lightning_swap.PLCPUSwapStrategy
+    assert issubclass(cls, pl.strategies.SingleDeviceStrategy)
+    assert not issubclass(cls, L.pytorch.strategies.SingleDeviceStrategy)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"policy": "swap"}, "policy"),
+        ({"policy": 3}, "policy"),
+        ({"policy": {"model.blocks.0": "nope"}}, "policy"),
+        ({"min_offload_bytes": -1}, "min_offload_bytes"),
+        ({"min_offload_bytes": 1.5}, "min_offload_bytes"),
+        ({"budget_bytes": 0}, "budget_bytes"),
+        ({"segments": []}, "segments"),
+        ({"prefetch_segments": -2}, "prefetch_segments"),
+    ],
+)
+def test_bad_arguments_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"`{field}"):
+        CPUSwapStrategy(**kwargs)
+
+
+def test_unknown_names_fail_at_setup():
+    with pytest.raises(ValueError, match="`segments`.*model.nope"):
+        fit("cnn", CPUSwapStrategy(segments=["model.nope"]))
+    with pytest.raises(ValueError, match="`policy`.*model.nope"):
+        fit("cnn", CPUSwapStrategy(policy={"model.nope": "offload"}))
