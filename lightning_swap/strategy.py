@@ -1,4 +1,4 @@
-"""Lightning adapters: the ``"cpu_swap"`` strategy and its stats logger.
+"""Lightning adapters: the ``"cpu_swap"`` and ``"ddp_cpu_swap"`` strategies and their stats logger.
 
 Thin by design: every decision lives in :mod:`lightning_swap.core`; these classes only call
 it from Lightning's hooks. The same mixin serves ``lightning.pytorch`` and, when installed,
@@ -79,7 +79,8 @@ class _SwapStrategyMixin:
         super().setup(trainer)
         module = self.lightning_module
         self._session = SwapSession(module, self.swap_config, self.root_device)
-        self._session.apply(self._session.forced_plan())
+        # Every rank runs rank 0's plan (identity on one device).
+        self._session.apply(self.broadcast(self._session.forced_plan(), src=0))
         if self.log_stats and self._stats_callback_class is not None:
             self._stats_callback = self._stats_callback_class(self)
             trainer.callbacks.append(self._stats_callback)
@@ -126,11 +127,7 @@ def _stats_callback_for(callback_base: type) -> type:
     return _SwapStatsLogger
 
 
-def _build_strategy(single_device_base: type, callback_base: type, name: str) -> type:
-    class CPUSwapStrategy(_SwapStrategyMixin, single_device_base):
-        """Single-device training with activations kept, offloaded to CPU RAM or recomputed.
-
-        Args:
+_SWAP_ARGS_DOC = """
             policy: one action for every segment (``"keep"``, ``"offload"``, ``"recompute"``,
                 ``"selective"``, ``"recompute_offload"``, case-insensitive, or an ``Action``),
                 or a dict from segment name to action.
@@ -139,10 +136,11 @@ def _build_strategy(single_device_base: type, callback_base: type, name: str) ->
             min_offload_bytes: saved tensors smaller than this stay on the device.
             budget_bytes: the device memory budget for the planner (on CPU, simulated).
             prefetch_segments: segments prefetched ahead in backward (default 1 on CUDA, 0 on CPU).
-            log_stats: log ``swap/...`` metrics after each training batch.
-            device: the device; by default ``cuda:<first device>`` with a CUDA accelerator, else CPU.
-        """
+            log_stats: log ``swap/...`` metrics after each training batch."""
 
+
+def _build_single(base: type, callback_base: type, name: str) -> type:
+    class CPUSwapStrategy(_SwapStrategyMixin, base):
         strategy_name = "cpu_swap"
 
         def __init__(
@@ -174,36 +172,79 @@ def _build_strategy(single_device_base: type, callback_base: type, name: str) ->
                 device_given=device is not None,
             )
 
-        @classmethod
-        def register_strategies(cls, strategy_registry: Any) -> None:
-            strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0], override=True)
+    CPUSwapStrategy.__doc__ = (
+        "Single-device training with activations kept, offloaded to CPU RAM or recomputed.\n\n"
+        "        Args:" + _SWAP_ARGS_DOC + "\n"
+        "            device: by default ``cuda:<first device>`` with a CUDA accelerator, else CPU.\n"
+    )
+    return _finish(CPUSwapStrategy, callback_base, name)
 
-    CPUSwapStrategy._stats_callback_class = _stats_callback_for(callback_base)
-    CPUSwapStrategy.__qualname__ = CPUSwapStrategy.__name__ = name
-    return CPUSwapStrategy
+
+def _build_ddp(base: type, callback_base: type, name: str) -> type:
+    class DDPCPUSwapStrategy(_SwapStrategyMixin, base):
+        strategy_name = "ddp_cpu_swap"
+
+        def __init__(
+            self,
+            policy: PolicyLike = "keep",
+            segments: SegmentSpec = None,
+            min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+            budget_bytes: Optional[int] = None,
+            prefetch_segments: Optional[int] = None,
+            log_stats: bool = True,
+            **ddp_kwargs: Any,
+        ) -> None:
+            super().__init__(**ddp_kwargs)
+            self._init_swap(
+                policy=policy,
+                segments=segments,
+                min_offload_bytes=min_offload_bytes,
+                budget_bytes=budget_bytes,
+                prefetch_segments=prefetch_segments,
+                log_stats=log_stats,
+                device_given=True,  # DDP places each rank on its own device already
+            )
+
+    DDPCPUSwapStrategy.__doc__ = (
+        "Lightning's DDP with the same runtime on every rank; the plan is solved on rank 0 and broadcast.\n\n"
+        "        Args:" + _SWAP_ARGS_DOC + "\n"
+        "            **ddp_kwargs: passed to Lightning's ``DDPStrategy``.\n"
+    )
+    return _finish(DDPCPUSwapStrategy, callback_base, name)
 
 
-def _lightning_classes() -> type:
-    from lightning.pytorch.callbacks import Callback
-    from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+def _finish(cls: type, callback_base: type, name: str) -> type:
+    @classmethod
+    def register_strategies(klass, strategy_registry: Any) -> None:
+        strategy_registry.register(klass.strategy_name, klass, description=klass.__doc__.splitlines()[0], override=True)
 
-    cls = _build_strategy(SingleDeviceStrategy, Callback, "CPUSwapStrategy")
+    cls.register_strategies = register_strategies
+    cls._stats_callback_class = _stats_callback_for(callback_base)
+    cls.__qualname__ = cls.__name__ = name
     cls.__module__ = __name__
-    cls.register_strategies(StrategyRegistry)
     return cls
 
 
-def _pytorch_lightning_classes() -> Optional[type]:
+def _classes_for(package: Any, prefix: str) -> tuple[type, type]:
+    """Build and register both strategies for one Lightning package."""
+    strategies = package.strategies
+    single = _build_single(strategies.SingleDeviceStrategy, package.callbacks.Callback, f"{prefix}CPUSwapStrategy")
+    ddp = _build_ddp(strategies.DDPStrategy, package.callbacks.Callback, f"{prefix}DDPCPUSwapStrategy")
+    for cls in (single, ddp):
+        cls.register_strategies(strategies.StrategyRegistry)
+    return single, ddp
+
+
+def _pytorch_lightning() -> Any:
     try:
-        from pytorch_lightning.callbacks import Callback
-        from pytorch_lightning.strategies import SingleDeviceStrategy, StrategyRegistry
+        import pytorch_lightning
     except ImportError:
         return None
-    cls = _build_strategy(SingleDeviceStrategy, Callback, "PLCPUSwapStrategy")
-    cls.__module__ = __name__
-    cls.register_strategies(StrategyRegistry)
-    return cls
+    return pytorch_lightning
 
 
-CPUSwapStrategy = _lightning_classes()
-PLCPUSwapStrategy = _pytorch_lightning_classes()
+import lightning.pytorch as _lightning_pytorch  # noqa: E402
+
+CPUSwapStrategy, DDPCPUSwapStrategy = _classes_for(_lightning_pytorch, "")
+_pl = _pytorch_lightning()
+PLCPUSwapStrategy, PLDDPCPUSwapStrategy = _classes_for(_pl, "PL") if _pl is not None else (None, None)

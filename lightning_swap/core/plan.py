@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Optional
 
@@ -54,6 +54,12 @@ class Plan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", MappingProxyType(dict(self.actions)))
 
+    def __reduce__(self):
+        # A mapping proxy does not pickle; plans cross processes (broadcast under DDP).
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        state["actions"] = dict(self.actions)
+        return (_rebuild_plan, (state,))
+
     @property
     def segments(self) -> tuple[str, ...]:
         return tuple(self.actions)
@@ -97,3 +103,7 @@ class Plan:
         if tail:
             lines.append(", ".join(tail))
         return "\n".join(lines)
+
+
+def _rebuild_plan(state: dict) -> Plan:
+    return Plan(**state)

@@ -1,0 +1,30 @@
+"""Exceptions that carry the data a caller needs to recover."""
+
+from __future__ import annotations
+
+__all__ = ["InfeasibleBudgetError"]
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan fits the memory budget; ``min_budget_bytes`` is the smallest budget one fits in."""
+
+    def __init__(self, *, budget_bytes: int, min_budget_bytes: int, batch_size: int | None = None) -> None:
+        self.budget_bytes = int(budget_bytes)
+        self.min_budget_bytes = int(min_budget_bytes)
+        self.batch_size = batch_size
+        at = f" at batch size {batch_size}" if batch_size is not None else ""
+        super().__init__(
+            f"No plan fits a budget of {_mib(self.budget_bytes)}{at}: the smallest budget any plan "
+            f"fits in is {_mib(self.min_budget_bytes)} ({self.min_budget_bytes} bytes)."
+        )
+
+    def __reduce__(self):  # keyword-only __init__: make pickling (DDP, multiprocessing) work
+        return (_rebuild, (self.budget_bytes, self.min_budget_bytes, self.batch_size))
+
+
+def _rebuild(budget_bytes: int, min_budget_bytes: int, batch_size: int | None) -> InfeasibleBudgetError:
+    return InfeasibleBudgetError(budget_bytes=budget_bytes, min_budget_bytes=min_budget_bytes, batch_size=batch_size)

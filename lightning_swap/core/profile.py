@@ -1,0 +1,458 @@
+"""The profiler: one measured training step becomes a frozen :class:`ModelProfile`.
+
+The step runs with every segment kept, instrumented as :mod:`.trace` describes. Memory can be
+measured without running the model's arithmetic: with ``fake=True`` the parameters, buffers
+and batch become ``FakeTensor``s (``torch._subclasses.fake_tensor.FakeTensorMode``), the meter
+counts their (meta) storages, and a ResNet-50 step at batch 128 takes about a second on a CPU.
+
+Note [Fake-mode times are estimates]: fake tensors do no arithmetic, so a fake profile's
+times are a roofline guess per op (FLOPs of matmul/convolution at a measured matmul rate, plus
+bytes touched at a measured copy rate; backward taken as twice the forward). They rank plans
+sensibly but are not measurements; a real profile times one plain step per segment.
+
+Note [Batch scaling]: every byte count is taken as ``a + b * batch_size``. The profile is
+measured at the given batch and, in fake mode (cheap), at twice that batch; the two points fix
+``a`` and ``b`` per field (:meth:`ModelProfile.at_batch`). Times are taken as proportional to
+the batch size.
+
+The profile leaves the model as it found it: buffers (BatchNorm statistics), gradients and
+the RNG state are restored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
+from .segments import SegmentSpec, find_segments
+from .trace import StepTrace, run_timing, run_trace
+
+__all__ = ["ModelProfile", "SegmentProfile", "measure_bandwidth", "profile"]
+
+log = logging.getLogger(__name__)
+
+StepFn = Callable[[nn.Module, Any], Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentProfile:
+    """What one segment costs in a plain (all kept) step; bytes are device bytes.
+
+    ``*_saved`` / ``*_small`` / ``*_heavy`` say whether the segment's input (output) storage is
+    saved for backward by this segment, is under ``min_offload_bytes``, is produced by a
+    compute-heavy op; ``input_from_previous`` whether the input is the previous segment's
+    output; ``*_held_elsewhere`` whether another part of the model saves it as well.
+    """
+
+    name: str
+    forward_ms: float
+    backward_ms: float
+    heavy_forward_ms: float
+    input_bytes: int
+    output_bytes: int
+    saved_bytes: int  # all storages saved for backward, parameters excluded
+    internal_saved_bytes: int  # ... other than the input and output
+    internal_small_bytes: int  # ... of those, under min_offload_bytes (never offloaded)
+    heavy_bytes: int  # outputs of compute-heavy ops, other than the input and output
+    heavy_unsaved_bytes: int  # ... of those, not saved for backward when kept
+    offload_bytes: int  # what OFFLOAD copies to the host
+    gradient_bytes: int  # parameter gradients allocated during this segment's backward
+    forward_working_bytes: int  # forward peak above the bytes alive when it starts
+    backward_working_bytes: int  # backward peak above the bytes alive when it starts
+    forward_peak_bytes: int  # peak bytes alive during the forward (all segments kept)
+    backward_peak_bytes: int  # peak bytes alive during the backward (all segments kept)
+    input_saved: bool
+    input_small: bool
+    input_from_previous: bool
+    input_held_elsewhere: bool
+    output_saved: bool
+    output_small: bool
+    output_heavy: bool
+    output_held_elsewhere: bool
+
+
+_SCALED_INT_FIELDS = tuple(
+    f.name for f in dataclasses.fields(SegmentProfile) if f.type in ("int", int) and f.name.endswith("_bytes")
+)
+_SCALED_MS_FIELDS = ("forward_ms", "backward_ms", "heavy_forward_ms")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelProfile:
+    """A measured (or fake-measured) training step at ``batch_size``.
+
+    ``prefix_*`` is the part of the model before the first segment, ``tail_*`` the part after
+    the last (head and loss). ``static_bytes`` is what is alive before the step (parameters,
+    buffers, batch, existing gradients, tracked optimizer state).
+    """
+
+    segments: tuple[SegmentProfile, ...]
+    batch_size: int
+    device_type: str
+    fake: bool
+    min_offload_bytes: int
+    static_bytes: int
+    parameter_bytes: int
+    gradient_bytes: int  # all parameter gradients allocated in the step
+    prefix_forward_peak_bytes: int
+    prefix_backward_peak_bytes: int
+    tail_peak_bytes: int
+    peak_bytes: int  # measured peak of the whole plain step
+    prefix_ms: float
+    tail_ms: float
+    step_ms: float
+    d2h_bytes_per_ms: float
+    h2d_bytes_per_ms: float
+    #: The same model measured at another batch size (Note [Batch scaling]); ``None``: no scaling.
+    reference: Optional["ModelProfile"] = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.segments)
+
+    @property
+    def copies_overlap(self) -> bool:
+        """Copies run on their own engines (CUDA); on CPU they are synchronous memcpys."""
+        return self.device_type == "cuda"
+
+    def at_batch(self, batch_size: int) -> "ModelProfile":
+        """This profile at another batch size (Note [Batch scaling])."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"`batch_size` must be an int > 0; got {batch_size!r}.")
+        if batch_size == self.batch_size:
+            return self
+        ref = self.reference
+        if ref is None or ref.batch_size == self.batch_size:
+            raise ValueError(
+                "`batch_size`: this profile was measured at one batch size only "
+                f"({self.batch_size}); profile with scale=True to predict other batch sizes."
+            )
+        b0, b1 = self.batch_size, ref.batch_size
+
+        def line(v0: float, v1: float) -> int:
+            return max(0, round(v0 + (v0 - v1) / (b0 - b1) * (batch_size - b0)))
+
+        ratio = batch_size / b0
+        segments = []
+        for s, r in zip(self.segments, ref.segments):
+            changes: dict[str, Any] = {f: line(getattr(s, f), getattr(r, f)) for f in _SCALED_INT_FIELDS}
+            changes.update({f: getattr(s, f) * ratio for f in _SCALED_MS_FIELDS})
+            segments.append(dataclasses.replace(s, **changes))
+        top = {
+            f: line(getattr(self, f), getattr(ref, f))
+            for f in ("static_bytes", "prefix_forward_peak_bytes", "prefix_backward_peak_bytes", "tail_peak_bytes", "peak_bytes")
+        }
+        return dataclasses.replace(
+            self,
+            segments=tuple(segments),
+            batch_size=batch_size,
+            prefix_ms=self.prefix_ms * ratio,
+            tail_ms=self.tail_ms * ratio,
+            step_ms=self.step_ms * ratio,
+            reference=dataclasses.replace(self, reference=None),
+            **top,
+        )
+
+
+# -- bandwidth -----------------------------------------------------------------------------
+_BANDWIDTH: dict[str, tuple[float, float]] = {}
+
+
+def measure_bandwidth(device: torch.device | str, *, nbytes: int = 32 << 20) -> tuple[float, float]:
+    """Device-to-host and host-to-device bytes per millisecond (cached per device).
+
+    On CUDA with pinned host memory, as the offload engine copies; on CPU a memcpy between two
+    buffers, which is what offloading costs there.
+    """
+    device = torch.device(device)
+    key = str(device)
+    if key in _BANDWIDTH:
+        return _BANDWIDTH[key]
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+    def rate(dst: torch.Tensor, src: torch.Tensor) -> float:
+        dst.copy_(src, non_blocking=True)  # warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # time the copies alone
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        return nbytes / max(best * 1e3, 1e-6)
+
+    result = (rate(host, dev), rate(dev, host))
+    _BANDWIDTH[key] = result
+    return result
+
+
+def _compute_rates(device: torch.device) -> tuple[float, float]:
+    """A matmul's FLOPs and a copy's bytes per ms on ``device`` (for fake-mode estimates)."""
+    key = f"rates:{device}"
+    if key in _BANDWIDTH:
+        return _BANDWIDTH[key]
+    n = 256
+    a = torch.randn(n, n, device=device)
+    a @ a
+    start = time.perf_counter()
+    for _ in range(4):
+        a @ a
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    flops_per_ms = 4 * 2 * n**3 / max((time.perf_counter() - start) * 1e3, 1e-6)
+    _BANDWIDTH[key] = (flops_per_ms, measure_bandwidth(device)[0])
+    return _BANDWIDTH[key]
+
+
+# -- the step ------------------------------------------------------------------------------
+def _default_step(model: nn.Module, batch: Any) -> Any:
+    out = model(batch)
+    return out
+
+
+def _loss_of(value: Any) -> torch.Tensor:
+    if isinstance(value, dict) and "loss" in value:
+        value = value["loss"]
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"`step_fn` must return a tensor or a dict with 'loss'; got {type(value).__name__}.")
+    return value if value.dim() == 0 else value.float().sum()
+
+
+def _infer_batch_size(batch: Any) -> int:
+    t = next((t for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    if t is None:
+        raise ValueError("`batch_size` could not be inferred: the batch holds no tensor; pass batch_size=.")
+    return int(t.shape[0])
+
+
+def _resize(batch: Any, old: int, new: int) -> Any:
+    """The batch with every tensor whose first dimension is ``old`` repeated to ``new`` rows."""
+
+    def grow(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == old:
+            reps = -(-new // old)
+            return t.repeat(reps, *([1] * (t.dim() - 1)))[:new]
+        return t
+
+    return tree_map(grow, batch)
+
+
+def _segment_from_trace(trace: StepTrace, i: int, names: list[str], order: list[int], *, fwd_ms: float, bwd_ms: float, heavy_ms: float, min_offload_bytes: int) -> SegmentProfile:
+    pos = order.index(i)
+    prev = order[pos - 1] if pos > 0 else None
+    nxt = order[pos + 1] if pos + 1 < len(order) else None
+    saved = trace.saved.get(i, {})
+    heavy = trace.heavy.get(i, {})
+    in_key, in_bytes = trace.input_key.get(i, (None, 0))
+    out_key, out_bytes = trace.output_key.get(i, (None, 0))
+    if out_key == in_key:  # the segment returned (a view of) its input: no new storage
+        out_bytes = 0
+    boundary = {in_key, out_key}
+    internal = {k: b for k, b in saved.items() if k not in boundary}
+    heavy_internal = {k: b for k, b in heavy.items() if k not in boundary}
+    input_from_previous = prev is not None and trace.output_key.get(prev, (None,))[0] == in_key
+    output_to_next = nxt is not None and trace.input_key.get(nxt, (None,))[0] == out_key
+
+    def held_elsewhere(key: Any, mine: set) -> bool:
+        return key is not None and any(key in s for region, s in trace.saved.items() if region not in mine)
+
+    fwd_peak = trace.window_peak.get(("fwd", i), 0)
+    bwd_peak = trace.window_peak.get(("bwd", i), 0)
+    return SegmentProfile(
+        name=names[i],
+        forward_ms=fwd_ms,
+        backward_ms=bwd_ms,
+        heavy_forward_ms=min(heavy_ms, fwd_ms),
+        input_bytes=in_bytes,
+        output_bytes=out_bytes,
+        saved_bytes=sum(saved.values()),
+        internal_saved_bytes=sum(internal.values()),
+        internal_small_bytes=sum(b for b in internal.values() if b < max(min_offload_bytes, 1)),
+        heavy_bytes=sum(heavy_internal.values()),
+        heavy_unsaved_bytes=sum(b for k, b in heavy_internal.items() if k not in saved),
+        offload_bytes=sum(b for b in saved.values() if b >= max(min_offload_bytes, 1)),
+        gradient_bytes=trace.grad_bytes.get(i, 0),
+        forward_working_bytes=max(0, fwd_peak - trace.fwd_start_bytes.get(i, fwd_peak)),
+        backward_working_bytes=max(0, bwd_peak - trace.bwd_start_bytes.get(i, bwd_peak)),
+        forward_peak_bytes=fwd_peak,
+        backward_peak_bytes=bwd_peak,
+        input_saved=in_key in saved,
+        input_small=in_bytes < max(min_offload_bytes, 1),
+        input_from_previous=input_from_previous,
+        input_held_elsewhere=held_elsewhere(in_key, {i, prev} if input_from_previous else {i}),
+        output_saved=out_key is not None and out_key in saved and out_bytes > 0,
+        output_small=out_bytes < max(min_offload_bytes, 1),
+        output_heavy=out_key is not None and out_key in heavy and out_bytes > 0,
+        output_held_elsewhere=out_bytes > 0 and held_elsewhere(out_key, {i, nxt} if output_to_next else {i}),
+    )
+
+
+class _Snapshot:
+    """Restores buffers, gradients and RNG after profiling steps."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+
+    def __enter__(self) -> "_Snapshot":
+        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        self.grads = [(p, p.grad) for p in self.model.parameters()]
+        self.rng = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
+        self.rng.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.rng.__exit__(*exc)
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                b.copy_(saved)
+        for p, g in self.grads:
+            p.grad = g
+
+
+def _trace_step(model, names, batch, step_fn, device, track, fake, rates) -> StepTrace:
+    params = list(model.parameters())
+    if not fake:
+        static = [*params, *model.buffers(), *(p.grad for p in params if p.grad is not None), *track]
+        static += [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+        return run_trace(model, names, lambda: _loss_of(step_fn(model, batch)), device=device, static=static, params=params, fake=False)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        mapping = {n: mode.from_tensor(p).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
+        mapping.update({n: mode.from_tensor(b) for n, b in model.named_buffers()})
+        fake_params = [mapping[n] for n, _ in model.named_parameters()]
+        for fp, (_, p) in zip(fake_params, model.named_parameters()):
+            if p.grad is not None:
+                fp.grad = mode.from_tensor(p.grad)
+        fake_batch = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
+        fake_track = [mode.from_tensor(t) for t in track]
+        static = [*mapping.values(), *(p.grad for p in fake_params if p.grad is not None), *fake_track]
+        static += [t for t in tree_leaves(fake_batch) if isinstance(t, torch.Tensor)]
+        with _reparametrize_module(model, mapping, tie_weights=True):
+            return run_trace(
+                model, names, lambda: _loss_of(step_fn(model, fake_batch)), device=device, static=static,
+                params=fake_params, fake=True, flops_per_ms=rates[0], bytes_per_ms=rates[1],
+            )
+
+
+def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_offload_bytes, rates) -> ModelProfile:
+    with _Snapshot(model, device):
+        trace = _trace_step(model, names, batch, step_fn, device, track, fake, rates)
+        if not fake:
+            fwd, bwd, step_ms = run_timing(model, names, lambda: _loss_of(step_fn(model, batch)), device)
+    n = len(names)
+    if fake:
+        fwd = {i: trace.est_all_ms.get(i, 0.0) for i in range(n)}
+        bwd = {i: 2 * fwd[i] for i in range(n)}
+        outside = sum(v for k, v in trace.est_all_ms.items() if not isinstance(k, int) or k < 0)
+        step_ms = 3 * (sum(fwd.values()) + outside)
+        heavy = {i: trace.est_heavy_ms.get(i, 0.0) for i in range(n)}
+    else:
+        heavy = {i: fwd[i] * trace.heavy_op_ms.get(i, 0.0) / max(trace.all_op_ms.get(i, 0.0), 1e-9) for i in range(n)}
+    order = [names.index(name) for name in trace.order]
+    segments = tuple(
+        _segment_from_trace(trace, i, names, order, fwd_ms=fwd[i], bwd_ms=bwd[i], heavy_ms=heavy[i], min_offload_bytes=min_offload_bytes)
+        for i in order
+    )
+    seg_ms = sum(fwd.values()) + sum(bwd.values())
+    outside_ms = max(step_ms - seg_ms, 0.0)
+    d2h, h2d = measure_bandwidth(device)
+    return ModelProfile(
+        segments=segments,
+        batch_size=batch_size,
+        device_type=device.type,
+        fake=fake,
+        min_offload_bytes=min_offload_bytes,
+        static_bytes=trace.static_bytes,
+        parameter_bytes=sum(p.untyped_storage().nbytes() for p in {id(p): p for p in model.parameters()}.values()),
+        gradient_bytes=sum(trace.grad_bytes.values()),
+        prefix_forward_peak_bytes=trace.window_peak.get("prefix_fwd", 0),
+        prefix_backward_peak_bytes=trace.window_peak.get("prefix_bwd", 0),
+        tail_peak_bytes=trace.window_peak.get("tail", 0),
+        peak_bytes=trace.peak_bytes,
+        prefix_ms=outside_ms / 2,
+        tail_ms=outside_ms / 2,
+        step_ms=step_ms,
+        d2h_bytes_per_ms=d2h,
+        h2d_bytes_per_ms=h2d,
+    )
+
+
+def profile(
+    model: nn.Module,
+    batch: Any,
+    *,
+    step_fn: Optional[StepFn] = None,
+    batch_size: Optional[int] = None,
+    segments: SegmentSpec = None,
+    track: Iterable[torch.Tensor] = (),
+    fake: bool = False,
+    scale: bool = True,
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+    device: Optional[torch.device | str] = None,
+) -> ModelProfile:
+    """Measure one training step of ``model`` on ``batch`` with every segment kept.
+
+    ``step_fn(model, batch)`` returns the loss (a tensor, or a dict with ``"loss"``); by
+    default ``model(batch)`` is summed. ``track`` are tensors alive during the step that the
+    model does not own (optimizer state), counted as the runtime's ``begin_step(track=)`` does.
+    ``fake=True`` measures memory without arithmetic (Note [Fake-mode times are estimates]);
+    ``scale=True`` also fake-measures twice the batch so :meth:`ModelProfile.at_batch` works.
+    ``min_offload_bytes`` must match the runtime's.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"`model` must be an nn.Module; got {type(model).__name__}.")
+    min_offload_bytes = check_min_offload_bytes(min_offload_bytes)
+    if batch_size is None:
+        batch_size = _infer_batch_size(batch)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"`batch_size` must be an int > 0; got {batch_size!r}.")
+    if device is None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    device = torch.device(device)
+    names = find_segments(model, segments)
+    step_fn = step_fn or _default_step
+    track = [t for t in tree_leaves(list(track)) if isinstance(t, torch.Tensor)]
+    rates = _compute_rates(device) if fake or scale else (1.0, 1.0)
+    start = time.perf_counter()
+    result = _build(model, names, batch, batch_size, step_fn, device, track, fake, min_offload_bytes, rates)
+    if scale:
+        big = 2 * batch_size
+        ref = _build(model, names, _resize(batch, batch_size, big), big, step_fn, device, track, True, min_offload_bytes, rates)
+        if not fake:  # Note [Batch scaling]: the slope from fake points, anchored at the real one
+            ref = _anchor(result, ref, fake_here=_build(model, names, batch, batch_size, step_fn, device, track, True, min_offload_bytes, rates))
+        result = dataclasses.replace(result, reference=ref)
+    log.debug("profiled %d segments at batch %d in %.2f s (fake=%s)", len(names), batch_size, time.perf_counter() - start, fake)
+    return result
+
+
+def _anchor(real: ModelProfile, fake_big: ModelProfile, *, fake_here: ModelProfile) -> ModelProfile:
+    """The real profile moved by the fake one's change from this batch to the other."""
+
+    def moved(r: Any, big: Any, here: Any, names: Iterable[str]) -> dict[str, int]:
+        return {f: max(0, getattr(r, f) + getattr(big, f) - getattr(here, f)) for f in names}
+
+    segments = tuple(
+        dataclasses.replace(r, **moved(r, b, h, _SCALED_INT_FIELDS), **{f: getattr(r, f) * 2 for f in _SCALED_MS_FIELDS})
+        for r, b, h in zip(real.segments, fake_big.segments, fake_here.segments)
+    )
+    top = ("static_bytes", "prefix_forward_peak_bytes", "prefix_backward_peak_bytes", "tail_peak_bytes", "peak_bytes")
+    return dataclasses.replace(
+        real, segments=segments, batch_size=fake_big.batch_size, prefix_ms=real.prefix_ms * 2, tail_ms=real.tail_ms * 2,
+        step_ms=real.step_ms * 2, reference=None, **moved(real, fake_big, fake_here, top),
+    )

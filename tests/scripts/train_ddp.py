@@ -1,0 +1,54 @@
+"""Train the test CNN with 2-process DDP on CPU (gloo) under plain "ddp" and "ddp_cpu_swap"
+with each given policy; rank 0 saves every resulting state_dict to --out.
+
+Run as a script: Lightning's DDP launcher starts the second rank by re-running this file.
+"""
+
+import argparse
+import os
+import sys
+
+import lightning as L
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import lightning_swap  # noqa: E402,F401  registers "ddp_cpu_swap"
+from lightning_swap import DDPCPUSwapStrategy  # noqa: E402
+from tests.lit import LitModel  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="cnn")
+    parser.add_argument("--policies", nargs="+", default=["offload"])
+    args = parser.parse_args()
+    results = {}
+    for policy in [None, *args.policies]:
+        L.seed_everything(0, verbose=False)
+        module = LitModel(args.model, batch_size=4)
+        strategy = "ddp" if policy is None else DDPCPUSwapStrategy(policy=policy, min_offload_bytes=0)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=3,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module)
+        key = policy or "plain"
+        results[key] = {k: v.clone() for k, v in module.state_dict().items()}
+        if policy is not None:
+            results[key + ":plan"] = {k: a.value for k, a in trainer.strategy.plan.actions.items()}
+            results[key + ":offloaded"] = trainer.strategy.step_stats.offloaded_bytes
+        results[key + ":world"] = trainer.world_size
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        torch.save(results, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""2-process DDP on CPU: "ddp_cpu_swap" gives exactly plain "ddp"'s weights."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_ddp.py"
+
+
+@pytest.mark.slow
+def test_ddp_cpu_swap_equals_plain_ddp(tmp_path):
+    out = tmp_path / "ddp.pt"
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    policies = ["offload", "recompute", "recompute_offload"]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), "--policies", *policies],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = torch.load(out, weights_only=False)
+    plain = results["plain"]
+    assert results["plain:world"] == 2
+    for policy in policies:
+        state = results[policy]
+        different = [k for k in plain if not torch.equal(plain[k], state[k])]
+        assert not different, f"{policy}: {different}"
+        assert set(results[policy + ":plan"].values()) == {policy}
+        assert results[policy + ":world"] == 2
+    assert results["offload:offloaded"] > 0
