@@ -12,6 +12,7 @@ import logging
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .core.actions import PolicyLike
 from .core.plan import Plan
@@ -39,6 +40,7 @@ class _SwapStrategyMixin:
         device_given: bool,
     ) -> None:
         self.swap_config = SwapConfig(
+            log_plan=False,  # logged here, on rank zero only
             policy=policy,
             segments=segments,
             min_offload_bytes=min_offload_bytes,
@@ -50,6 +52,7 @@ class _SwapStrategyMixin:
         self._session: Optional[SwapSession] = None
         self._stats_callback = None
         self.step_stats: Optional[StepStats] = None
+        self.stats_history: list[StepStats] = []
 
     # -- what users read ----------------------------------------------------------------
     @property
@@ -79,17 +82,41 @@ class _SwapStrategyMixin:
         super().setup(trainer)
         module = self.lightning_module
         self._session = SwapSession(module, self.swap_config, self.root_device)
-        # Every rank runs rank 0's plan (identity on one device).
-        self._session.apply(self.broadcast(self._session.forced_plan(), src=0))
+        self.stats_history = []
+        if not self.swap_config.is_auto:
+            # Every rank runs rank 0's plan (identity on one device).
+            self._log_plan(self._session.apply(self.broadcast(self._session.forced_plan(), src=0)))
         if self.log_stats and self._stats_callback_class is not None:
             self._stats_callback = self._stats_callback_class(self)
             trainer.callbacks.append(self._stats_callback)
+
+    def replan(self, batch: Any, track: Any = ()) -> Plan:
+        """Plan for ``batch`` on rank 0 (profiling one plain step for ``"auto"``), broadcast it
+        and apply it on every rank."""
+        session = self._session
+        module = self.lightning_module
+
+        def step_fn(model: Any, b: Any) -> Any:
+            return module.training_step(b, 0)
+
+        plan = session.plan_for_batch(batch, step_fn, track) if self.is_global_zero else None
+        plan = self.broadcast(plan, src=0)
+        session.apply(plan)
+        session.mark_planned(batch)
+        self._log_plan(plan)
+        return plan
+
+    def _log_plan(self, plan: Plan) -> None:
+        rank_zero_info(f"lightning-swap plan ({plan.summary()}):\n{plan.render()}")
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._session is not None:
             track = [args, kwargs]
             for optimizer in self.optimizers:
                 track.append(optimizer.state)
+            batch = args[0] if args else kwargs.get("batch")
+            if self._session.needs_plan(batch):
+                self.replan(batch, track)
             self._session.begin_step(track)
         return super().training_step(*args, **kwargs)
 
@@ -99,6 +126,8 @@ class _SwapStrategyMixin:
             stats = self._session.end_step()
             if stats is not None:
                 self.step_stats = stats
+                self.stats_history.append(stats)
+                del self.stats_history[:-64]  # the batch-size finder reads the last few
         return out
 
     def teardown(self) -> None:
@@ -128,13 +157,17 @@ def _stats_callback_for(callback_base: type) -> type:
 
 
 _SWAP_ARGS_DOC = """
-            policy: one action for every segment (``"keep"``, ``"offload"``, ``"recompute"``,
-                ``"selective"``, ``"recompute_offload"``, case-insensitive, or an ``Action``),
-                or a dict from segment name to action.
+            policy: ``"auto"`` (default: profile the first batch and let the planner choose
+                the fastest plan within ``budget_bytes``), one action for every segment
+                (``"keep"``, ``"offload"``, ``"recompute"``, ``"selective"``,
+                ``"recompute_offload"``, case-insensitive, or an ``Action``), or a dict from
+                segment name to action.
             segments: ``None`` to find the model's repeated blocks, or module classes /
                 qualified module names.
             min_offload_bytes: saved tensors smaller than this stay on the device.
-            budget_bytes: the device memory budget for the planner (on CPU, simulated).
+            budget_bytes: the device memory budget for the planner; on CPU the simulated device
+                capacity (without it, ``"auto"`` keeps everything on CPU); on CUDA by default
+                the free device memory less 10%.
             prefetch_segments: segments prefetched ahead in backward (default 1 on CUDA, 0 on CPU).
             log_stats: log ``swap/...`` metrics after each training batch."""
 
@@ -145,7 +178,7 @@ def _build_single(base: type, callback_base: type, name: str) -> type:
 
         def __init__(
             self,
-            policy: PolicyLike = "keep",
+            policy: PolicyLike = "auto",
             segments: SegmentSpec = None,
             min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
             budget_bytes: Optional[int] = None,
@@ -186,7 +219,7 @@ def _build_ddp(base: type, callback_base: type, name: str) -> type:
 
         def __init__(
             self,
-            policy: PolicyLike = "keep",
+            policy: PolicyLike = "auto",
             segments: SegmentSpec = None,
             min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
             budget_bytes: Optional[int] = None,

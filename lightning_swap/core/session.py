@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -20,7 +20,27 @@ from .plan import Plan
 from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats, SwapRuntime, check_min_offload_bytes
 from .segments import SegmentSpec, find_segments
 
-__all__ = ["SwapConfig", "SwapSession", "tensors_in"]
+__all__ = ["AUTO", "SwapConfig", "SwapSession", "device_budget_bytes", "tensors_in"]
+
+#: The policy that profiles the first batch and lets the planner choose.
+AUTO = "auto"
+
+#: Held back from the free device memory when no budget is given (allocator fragmentation,
+#: CUDA context growth, what the model does not predict).
+CUDA_BUDGET_MARGIN = 0.10
+
+
+def device_budget_bytes(device: torch.device) -> Optional[int]:
+    """What this process may use on a CUDA device: free memory plus what torch already holds,
+    less :data:`CUDA_BUDGET_MARGIN`; ``None`` on other devices (a budget must be given)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int((free + torch.cuda.memory_reserved(device)) * (1 - CUDA_BUDGET_MARGIN))
+
+
+def _batch_key(batch: Any) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in tensors_in(batch))
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +57,10 @@ def _check_budget(value: Any, field_name: str = "budget_bytes") -> Optional[int]
 class SwapConfig:
     """Options shared by every front end (strategy, plugin)."""
 
-    #: An action name (case-insensitive), an :class:`Action`, or a mapping from segment name
-    #: to action (segments left out are kept).
-    policy: PolicyLike = "keep"
+    #: ``"auto"`` (profile the first batch, let the planner choose under ``budget_bytes``), an
+    #: action name (case-insensitive), an :class:`Action`, or a mapping from segment name to
+    #: action (segments left out are kept).
+    policy: PolicyLike = AUTO
     #: ``None`` finds repeated blocks; or module classes / qualified names.
     segments: SegmentSpec = None
     #: Saved tensors smaller than this are never offloaded.
@@ -59,8 +80,13 @@ class SwapConfig:
                     raise ValueError(f"`policy` keys must be segment names (str); got {name!r}.")
                 Action.parse(value, field=f"policy[{name!r}]")
             object.__setattr__(self, "policy", dict(policy))
+        elif isinstance(policy, str) and policy.strip().lower() == AUTO:
+            object.__setattr__(self, "policy", AUTO)
         else:
-            object.__setattr__(self, "policy", Action.parse(policy, field="policy"))
+            try:
+                object.__setattr__(self, "policy", Action.parse(policy, field="policy"))
+            except ValueError as err:
+                raise ValueError(f"{err} Or 'auto' to let the planner choose.") from None
         segments = self.segments
         if segments is not None:
             if isinstance(segments, (str, type)):
@@ -80,6 +106,10 @@ class SwapConfig:
     def with_options(self, **changes: Any) -> "SwapConfig":
         """A copy with some options changed (validated again)."""
         return replace(self, **changes)
+
+    @property
+    def is_auto(self) -> bool:
+        return self.policy == AUTO
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:
@@ -110,9 +140,82 @@ class SwapSession:
         self.plan: Optional[Plan] = None
         self.runtime: Optional[SwapRuntime] = None
         self.last_stats: Optional[StepStats] = None
+        self.profile = None  # the ModelProfile behind an auto plan
+        self._planned_for: Optional[tuple] = None
 
     def forced_plan(self) -> Plan:
+        if self.config.is_auto:
+            raise RuntimeError("policy='auto' has no forced plan; use plan_for_batch()")
         return Plan(actions=resolve_policy(self.config.policy, self.segments), budget_bytes=self.config.budget_bytes)
+
+    def budget_bytes(self) -> Optional[int]:
+        """The budget the planner works to: the configured one, else what the CUDA device has."""
+        return self.config.budget_bytes if self.config.budget_bytes is not None else device_budget_bytes(self.device)
+
+    def needs_plan(self, batch: Any) -> bool:
+        """Whether :meth:`plan_for_batch` must run before this batch (none yet, or, for an auto
+        policy, a batch of another shape than the plan was made for)."""
+        if self.plan is None:
+            return True
+        return self.config.is_auto and _batch_key(batch) != self._planned_for
+
+    def measure(self, batch: Any, step_fn: Callable[[nn.Module, Any], Any], track: Iterable[Any] = ()):
+        """Profile one plain step on ``batch`` (the runtime is removed first); scalable in batch size.
+
+        On CUDA a step that does not fit is profiled in fake mode instead (memory exact, times
+        estimated: Note [Fake-mode times are estimates])."""
+        from .profiler import profile
+        from .scale import is_out_of_memory
+
+        self.remove()
+        kwargs = dict(
+            step_fn=step_fn,
+            segments=list(self.segments),
+            track=tensors_in(list(track)),
+            min_offload_bytes=self.config.min_offload_bytes,
+            device=self.device,
+            scale=True,
+        )
+        try:
+            self.profile = profile(self.model, batch, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            if not is_out_of_memory(exc):
+                raise
+            log.info("plain step does not fit on %s; profiling in fake mode", self.device)
+            torch.cuda.empty_cache()
+            self.profile = profile(self.model, batch, fake=True, **kwargs)
+        return self.profile
+
+    def plan_for_batch(self, batch: Any, step_fn: Callable[[nn.Module, Any], Any], track: Iterable[Any] = ()) -> Plan:
+        """The plan for this batch: the forced one, or for ``"auto"`` the planner's under the
+        budget (all segments kept when no budget is known: CPU without ``budget_bytes``).
+
+        Only a batch of new shape is profiled again; a new batch size alone rescales the profile.
+        """
+        from .solver import solve
+        from .profiler import _infer_batch_size
+
+        if not self.config.is_auto:
+            return self.forced_plan()
+        budget = self.budget_bytes()
+        if budget is None:
+            log.info("policy='auto' without budget_bytes on %s: every segment kept", self.device.type)
+            return Plan(actions={name: Action.KEEP for name in self.segments})
+        key = _batch_key(batch)
+        previous = self._planned_for
+        same_but_batch = (
+            self.profile is not None
+            and previous is not None
+            and len(previous) == len(key)
+            and all(a[0][1:] == b[0][1:] and a[1] == b[1] for a, b in zip(previous, key))
+        )
+        if not same_but_batch:
+            self.measure(batch, step_fn, track)
+        plan = solve(self.profile, budget_bytes=budget, batch_size=_infer_batch_size(batch))
+        return plan
+
+    def mark_planned(self, batch: Any) -> None:
+        self._planned_for = _batch_key(batch)
 
     def apply(self, plan: Plan) -> Plan:
         """Install ``plan`` (replacing any installed one)."""
@@ -132,6 +235,8 @@ class SwapSession:
 
     def begin_step(self, track: Iterable[Any] = ()) -> None:
         if self.runtime is None:
+            if self.config.is_auto:
+                raise RuntimeError("policy='auto': call plan_for_batch() and apply() before the first step")
             self.apply(self.forced_plan())
         assert self.runtime is not None
         self.runtime.begin_step(tensors_in(list(track)))
