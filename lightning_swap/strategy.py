@@ -94,17 +94,26 @@ class _SwapStrategyMixin:
         """Plan for ``batch`` on rank 0 (profiling one plain step for ``"auto"``), broadcast it
         and apply it on every rank."""
         session = self._session
-        module = self.lightning_module
-
-        def step_fn(model: Any, b: Any) -> Any:
-            return module.training_step(b, 0)
-
-        plan = session.plan_for_batch(batch, step_fn, track) if self.is_global_zero else None
+        plan = session.plan_for_batch(batch, self.profile_step_fn(), track) if self.is_global_zero else None
         plan = self.broadcast(plan, src=0)
         session.apply(plan)
-        session.mark_planned(batch)
+        session.mark_planned(batch, _optimizer_states(self.optimizers))
         self._log_plan(plan)
         return plan
+
+    def profile_step_fn(self) -> Any:
+        """One training step as the profiler runs it, in Lightning's closure order: forward,
+        zero_grad (last step's gradients are freed), backward. The profiler restores gradients."""
+        module = self.lightning_module
+        optimizers = list(self.optimizers)
+
+        def step_fn(model: Any, batch: Any) -> Any:
+            loss = module.training_step(batch, 0)
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            return loss
+
+        return step_fn
 
     def _log_plan(self, plan: Plan) -> None:
         rank_zero_info(f"lightning-swap plan ({plan.summary()}):\n{plan.render()}")
@@ -115,8 +124,9 @@ class _SwapStrategyMixin:
             for optimizer in self.optimizers:
                 track.append(optimizer.state)
             batch = args[0] if args else kwargs.get("batch")
-            if self._session.needs_plan(batch):
-                self.replan(batch, track)
+            states = _optimizer_states(self.optimizers)
+            if self._session.needs_plan(batch) or (not self._session._pinned and self._session.state_changed(states)):
+                self.replan(batch, states)
             self._session.begin_step(track)
         return super().training_step(*args, **kwargs)
 
@@ -139,6 +149,10 @@ class _SwapStrategyMixin:
                 trainer.callbacks.remove(self._stats_callback)
         self._stats_callback = None
         super().teardown()
+
+
+def _optimizer_states(optimizers: Any) -> list:
+    return [optimizer.state for optimizer in optimizers]
 
 
 def _stats_callback_for(callback_base: type) -> type:

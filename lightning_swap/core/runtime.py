@@ -26,12 +26,29 @@ from .offload import OffloadEngine
 from .plan import Plan
 from .recompute import RecomputeTimer, checkpointed
 
-__all__ = ["DEFAULT_MIN_OFFLOAD_BYTES", "StepStats", "SwapRuntime", "check_min_offload_bytes"]
+__all__ = ["DEFAULT_MIN_OFFLOAD_BYTES", "StepStats", "SwapRuntime", "check_min_offload_bytes", "tensors_in"]
 
 log = logging.getLogger(__name__)
 
 #: Tensors smaller than this stay on the device: copying them costs more than it frees.
 DEFAULT_MIN_OFFLOAD_BYTES = 1 << 14
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside a (nested) batch or optimizer state."""
+    out: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set)):
+            stack.extend(item)
+        elif hasattr(item, "__dataclass_fields__"):
+            stack.extend(getattr(item, f) for f in item.__dataclass_fields__)
+    return out
 
 
 def check_min_offload_bytes(value: Any) -> int:
@@ -171,13 +188,14 @@ class SwapRuntime:
         return self.meter._open
 
     def begin_step(self, track: Iterable[Any] = ()) -> None:
-        """Open the measuring window; ``track`` are tensors alive before it (batch, optimizer state)."""
+        """Open the measuring window; ``track`` holds tensors alive before it (batch, optimizer
+        state), nested in lists, tuples, dicts or dataclasses."""
         if self.meter._open:
             self.meter.__exit__(None, None, None)
         static = [*self.model.parameters(), *self.model.buffers()]
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         self.meter.__enter__()
-        self.meter.track([*static, *grads, *track])
+        self.meter.track([*static, *grads, *tensors_in(list(track))])
         if self.engine is not None:
             self.engine.begin_step(static)
         self.timer.reset()

@@ -17,7 +17,7 @@ from torch import nn
 
 from .actions import Action, PolicyLike, resolve_policy
 from .plan import Plan
-from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats, SwapRuntime, check_min_offload_bytes
+from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats, SwapRuntime, check_min_offload_bytes, tensors_in
 from .segments import SegmentSpec, find_segments
 
 __all__ = ["AUTO", "SwapConfig", "SwapSession", "device_budget_bytes", "tensors_in"]
@@ -41,6 +41,17 @@ def device_budget_bytes(device: torch.device) -> Optional[int]:
 
 def _batch_key(batch: Any) -> tuple:
     return tuple((tuple(t.shape), t.dtype) for t in tensors_in(batch))
+
+
+def _state_bytes(model: nn.Module, track: Any) -> int:
+    """Bytes of what a step starts with besides the batch: gradients and optimizer state.
+
+    Note [Re-plan when the optimizer state appears]: the first step runs before the optimizer
+    has state (momentum, Adam moments) and before gradients exist; from the second step on
+    both are alive during the forward. An auto plan is re-made when this total changes.
+    """
+    grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
+    return grads + sum(t.untyped_storage().nbytes() for t in tensors_in(track))
 
 log = logging.getLogger(__name__)
 
@@ -112,23 +123,6 @@ class SwapConfig:
         return self.policy == AUTO
 
 
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """Every tensor inside a (nested) batch or optimizer state."""
-    out: list[torch.Tensor] = []
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            out.append(item)
-        elif isinstance(item, Mapping):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple, set)):
-            stack.extend(item)
-        elif hasattr(item, "__dataclass_fields__"):
-            stack.extend(getattr(item, f) for f in item.__dataclass_fields__)
-    return out
-
-
 class SwapSession:
     """The segments, plan and runtime of one model on one device."""
 
@@ -142,6 +136,8 @@ class SwapSession:
         self.last_stats: Optional[StepStats] = None
         self.profile = None  # the ModelProfile behind an auto plan
         self._planned_for: Optional[tuple] = None
+        self._planned_state: Optional[int] = None
+        self._pinned = False
 
     def forced_plan(self) -> Plan:
         if self.config.is_auto:
@@ -157,7 +153,13 @@ class SwapSession:
         policy, a batch of another shape than the plan was made for)."""
         if self.plan is None:
             return True
+        if self._pinned:
+            return False
         return self.config.is_auto and _batch_key(batch) != self._planned_for
+
+    def state_changed(self, track: Any) -> bool:
+        """Note [Re-plan when the optimizer state appears]."""
+        return self.config.is_auto and self.budget_bytes() is not None and _state_bytes(self.model, track) != self._planned_state
 
     def measure(self, batch: Any, step_fn: Callable[[nn.Module, Any], Any], track: Iterable[Any] = ()):
         """Profile one plain step on ``batch`` (the runtime is removed first); scalable in batch size.
@@ -209,17 +211,41 @@ class SwapSession:
             and len(previous) == len(key)
             and all(a[0][1:] == b[0][1:] and a[1] == b[1] for a, b in zip(previous, key))
         )
-        if not same_but_batch:
+        if not same_but_batch or _state_bytes(self.model, track) != self._planned_state:
             self.measure(batch, step_fn, track)
         plan = solve(self.profile, budget_bytes=budget, batch_size=_infer_batch_size(batch))
         return plan
 
-    def mark_planned(self, batch: Any) -> None:
+    def mark_planned(self, batch: Any, track: Any = ()) -> None:
         self._planned_for = _batch_key(batch)
+        self._planned_state = _state_bytes(self.model, track)
 
-    def apply(self, plan: Plan) -> Plan:
-        """Install ``plan`` (replacing any installed one)."""
+    def allowed_actions(self) -> Optional[tuple[Action, ...]]:
+        """The actions the planner may use: all for ``"auto"``, the one for a single forced action.
+
+        A per-segment mapping cannot be re-planned at another batch size: ``ValueError``."""
+        if self.config.is_auto:
+            return None
+        if isinstance(self.config.policy, Action):
+            return (self.config.policy,)
+        raise ValueError(
+            "`policy`: a per-segment mapping fixes the plan, so the batch-size search cannot re-plan "
+            "it; use policy='auto' or a single action."
+        )
+
+    def reset(self) -> None:
+        """Remove the runtime and forget the plan: the next step plans afresh."""
         self.remove()
+        self.plan = None
+        self._planned_for = None
+        self._planned_state = None
+        self._pinned = False
+
+    def apply(self, plan: Plan, *, pinned: bool = False) -> Plan:
+        """Install ``plan`` (replacing any installed one). A ``pinned`` plan stays whatever the
+        batch (the batch-size finder's trials); :meth:`reset` unpins."""
+        self.remove()
+        self._pinned = pinned
         runtime = SwapRuntime(
             self.model,
             plan,
