@@ -15,6 +15,7 @@ from .core import (
     find_segments,
 )
 from .core.session import SwapConfig, SwapSession
+from .finder import SwapBatchSizeFinder
 from .strategy import CPUSwapStrategy, DDPCPUSwapStrategy, PLCPUSwapStrategy, PLDDPCPUSwapStrategy
 
 __version__ = "0.1.0"
@@ -29,6 +30,7 @@ __all__ = [
     "Plan",
     "PlanRow",
     "StepStats",
+    "SwapBatchSizeFinder",
     "SwapConfig",
     "SwapRuntime",
     "SwapSession",

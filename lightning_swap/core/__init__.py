@@ -1,21 +1,35 @@
 """The core of lightning-swap: measure, decide, act, scale. Imports torch only."""
 
 from .actions import Action, resolve_policy
+from .costmodel import Prediction, simulate
+from .errors import InfeasibleBudgetError
 from .meter import DeviceMemoryMeter, host_allocation
 from .plan import Plan, PlanRow, format_bytes
+from .profiler import ModelProfile, SegmentProfile, measure_bandwidth, profile
 from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats, SwapRuntime
 from .segments import find_segments
+from .solver import brute_force, min_budget_bytes, solve
 
 __all__ = [
     "Action",
     "DEFAULT_MIN_OFFLOAD_BYTES",
     "DeviceMemoryMeter",
+    "InfeasibleBudgetError",
+    "ModelProfile",
     "Plan",
     "PlanRow",
+    "Prediction",
+    "SegmentProfile",
     "StepStats",
     "SwapRuntime",
+    "brute_force",
     "find_segments",
     "format_bytes",
     "host_allocation",
+    "measure_bandwidth",
+    "min_budget_bytes",
+    "profile",
     "resolve_policy",
+    "simulate",
+    "solve",
 ]

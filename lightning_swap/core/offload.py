@@ -116,7 +116,6 @@ class OffloadEngine:
         self._skip_ptrs: frozenset[int] = frozenset()
         self._by_storage: dict[int, weakref.ref] = {}
         self._by_segment: dict[int, list[weakref.ref]] = {}
-        self._order: list[int] = []
         self._pending_sources: list[_Entry] = []
         self._waits: list[tuple[Any, Any]] = []
         self.counters = OffloadCounters()
@@ -127,7 +126,6 @@ class OffloadEngine:
         self._skip_ptrs = frozenset(t.untyped_storage().data_ptr() for t in skip)
         self._by_storage.clear()
         self._by_segment.clear()
-        self._order.clear()
         self._waits.clear()
         self.counters = OffloadCounters()
 
@@ -170,7 +168,6 @@ class OffloadEngine:
             return t
         if segment not in self._by_segment:
             self._by_segment[segment] = []
-            self._order.append(segment)
         self._poll_sources(wait=False)
         storage = t.untyped_storage()
         key = id(storage)
@@ -256,11 +253,24 @@ class OffloadEngine:
             self.counters.prefetched_bytes += entry.nbytes
 
     def _prefetch_after(self, segment: int) -> None:
-        if self.prefetch_segments <= 0 or segment not in self._order:
+        """Bring back the rest of ``segment`` and the ``prefetch_segments`` before it."""
+        if self.prefetch_segments <= 0:
             return
-        i = self._order.index(segment)
-        for j in range(i, max(i - self.prefetch_segments, 0) - 1, -1):
-            self._prefetch_segment(self._order[j])
+        for j in range(segment, segment - self.prefetch_segments - 1, -1):
+            if j in self._by_segment:
+                self._prefetch_segment(j)
+
+    def backward_started(self, segment: int) -> None:
+        """Note [Prefetch schedule]: when segment ``i``'s backward starts (the gradient of its
+        output is ready), the host-to-device copies of segments ``i-1 .. i-k`` are queued, so
+        they run on the copy engine while ``i`` computes; ``k = prefetch_segments``. An unpack
+        that finds its bytes not yet queued copies them on demand."""
+        if self.prefetch_segments <= 0:
+            return
+        with self._lock:
+            for j in range(segment - 1, segment - self.prefetch_segments - 1, -1):
+                if j in self._by_segment:
+                    self._prefetch_segment(j)
 
     def _device_bytes(self, entry: _Entry) -> torch.Tensor:
         if entry.landed is not None:

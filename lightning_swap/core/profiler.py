@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from .meter import host_allocation, mark_host
 from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
 from .segments import SegmentSpec, find_segments
 from .trace import StepTrace, run_timing, run_trace
@@ -70,6 +71,8 @@ class SegmentProfile:
     backward_working_bytes: int  # backward peak above the bytes alive when it starts
     forward_peak_bytes: int  # peak bytes alive during the forward (all segments kept)
     backward_peak_bytes: int  # peak bytes alive during the backward (all segments kept)
+    #: the same, estimated for this segment offloaded and fetched on demand (no prefetch)
+    offload_backward_peak_bytes: int
     input_saved: bool
     input_small: bool
     input_from_previous: bool
@@ -288,6 +291,7 @@ def _segment_from_trace(trace: StepTrace, i: int, names: list[str], order: list[
         backward_working_bytes=max(0, bwd_peak - trace.bwd_start_bytes.get(i, bwd_peak)),
         forward_peak_bytes=fwd_peak,
         backward_peak_bytes=bwd_peak,
+        offload_backward_peak_bytes=min(bwd_peak, trace.offload_bwd_peak.get(i, bwd_peak)),
         input_saved=in_key in saved,
         input_small=in_bytes < max(min_offload_bytes, 1),
         input_from_previous=input_from_previous,
@@ -300,15 +304,28 @@ def _segment_from_trace(trace: StepTrace, i: int, names: list[str], order: list[
 
 
 class _Snapshot:
-    """Restores buffers, gradients and RNG after profiling steps."""
+    """Restores buffers, gradients and RNG after profiling steps.
+
+    Note [The snapshot must not keep gradients alive]: a training loop's ``zero_grad`` between
+    forward and backward frees the last step's gradients, and the profiled step must see that
+    drop as the real one does. So the gradients are copied to host memory (which the meter
+    does not count) instead of being referenced, and rebuilt on the device afterwards.
+    """
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.model = model
         self.device = device
 
     def __enter__(self) -> "_Snapshot":
-        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-        self.grads = [(p, p.grad) for p in self.model.parameters()]
+        with torch.no_grad(), host_allocation():
+            self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+            self.grads = []
+            for p in self.model.parameters():
+                saved = None
+                if p.grad is not None:
+                    saved = p.grad.detach().to("cpu", copy=True)
+                    mark_host(saved)
+                self.grads.append((p, saved))
         self.rng = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
         self.rng.__enter__()
         return self
@@ -318,16 +335,19 @@ class _Snapshot:
         with torch.no_grad():
             for b, saved in self.buffers:
                 b.copy_(saved)
-        for p, g in self.grads:
-            p.grad = g
+            for p, saved in self.grads:
+                p.grad = None if saved is None else saved.to(p.device, copy=True)
 
 
-def _trace_step(model, names, batch, step_fn, device, track, fake, rates) -> StepTrace:
+def _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_offload_bytes) -> StepTrace:
     params = list(model.parameters())
     if not fake:
         static = [*params, *model.buffers(), *(p.grad for p in params if p.grad is not None), *track]
         static += [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
-        return run_trace(model, names, lambda: _loss_of(step_fn(model, batch)), device=device, static=static, params=params, fake=False)
+        return run_trace(
+            model, names, lambda: _loss_of(step_fn(model, batch)), device=device, static=static, params=params,
+            fake=False, min_offload_bytes=min_offload_bytes,
+        )
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
 
@@ -345,13 +365,13 @@ def _trace_step(model, names, batch, step_fn, device, track, fake, rates) -> Ste
         with _reparametrize_module(model, mapping, tie_weights=True):
             return run_trace(
                 model, names, lambda: _loss_of(step_fn(model, fake_batch)), device=device, static=static,
-                params=fake_params, fake=True, flops_per_ms=rates[0], bytes_per_ms=rates[1],
+                params=fake_params, fake=True, min_offload_bytes=min_offload_bytes, flops_per_ms=rates[0], bytes_per_ms=rates[1],
             )
 
 
 def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_offload_bytes, rates) -> ModelProfile:
     with _Snapshot(model, device):
-        trace = _trace_step(model, names, batch, step_fn, device, track, fake, rates)
+        trace = _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_offload_bytes)
         if not fake:
             fwd, bwd, step_ms = run_timing(model, names, lambda: _loss_of(step_fn(model, batch)), device)
     n = len(names)

@@ -116,6 +116,7 @@ class SwapRuntime:
                 raise ValueError(f"`plan` action for {name!r} must be an Action; got {action!r}.")
         self._modules = {name: modules[name] for name in self.plan.actions}
         self._saved_forward: dict[str, tuple[bool, Any]] = {}
+        self._handles: list[Any] = []
         self.engine: Optional[OffloadEngine] = None
         self.timer = RecomputeTimer(self.device)
         self.meter = DeviceMemoryMeter(self.device)
@@ -125,7 +126,7 @@ class SwapRuntime:
     # -- install / remove ---------------------------------------------------------------
     @property
     def installed(self) -> bool:
-        return bool(self._saved_forward)
+        return bool(self._saved_forward) or bool(self._handles)
 
     def install(self) -> "SwapRuntime":
         if self.installed:
@@ -142,6 +143,9 @@ class SwapRuntime:
                 had_attr = "forward" in module.__dict__
                 self._saved_forward[name] = (had_attr, module.__dict__.get("forward"))
                 module.forward = self._wrap(module, module.forward, action, index)
+            if self.engine is not None and self.prefetch_segments > 0:
+                for index, name in enumerate(self.plan.actions):
+                    self._handles.append(self._modules[name].register_forward_hook(self._backward_trigger(index)))
         except BaseException:
             self.remove()
             raise
@@ -161,9 +165,33 @@ class SwapRuntime:
         outer = (lambda: engine.hooks(index)) if action is Action.RECOMPUTE_OFFLOAD else None
         return checkpointed(module, forward, action, self.timer, outer=outer)
 
+    def _backward_trigger(self, index: int) -> Any:
+        """A forward hook marking, on the segment's outputs, when its backward starts
+        (Note [Prefetch schedule] in offload.py)."""
+        engine = self.engine
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            fired = [False]
+
+            def on_grad(grad: torch.Tensor) -> None:
+                if not fired[0]:
+                    fired[0] = True
+                    engine.backward_started(index)
+
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(on_grad)
+
+        return hook
+
     def remove(self) -> None:
         if self.meter._open:
             self.meter.__exit__(None, None, None)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
         for name, (had_attr, previous) in self._saved_forward.items():
             module = self._modules[name]
             if had_attr:

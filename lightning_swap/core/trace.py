@@ -63,6 +63,7 @@ class _Storages:
 
     def __init__(self) -> None:
         self._refs: dict[int, tuple[weakref.ref, int]] = {}
+        self.by_key: dict[int, weakref.ref] = {}
         self._next = 0
 
     def key(self, storage: torch.UntypedStorage) -> int:
@@ -70,7 +71,9 @@ class _Storages:
         if entry is not None and entry[0]() is storage:
             return entry[1]
         self._next += 1
-        self._refs[id(storage)] = (weakref.ref(storage), self._next)
+        ref = weakref.ref(storage)
+        self._refs[id(storage)] = (ref, self._next)
+        self.by_key[self._next] = ref
         return self._next
 
 
@@ -87,6 +90,7 @@ class StepTrace:
     input_key: dict[int, tuple[int, int]] = field(default_factory=dict)
     output_key: dict[int, tuple[int, int]] = field(default_factory=dict)
     grad_bytes: dict[Any, int] = field(default_factory=lambda: defaultdict(int))
+    offload_bwd_peak: dict[int, int] = field(default_factory=dict)
     heavy_op_ms: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     all_op_ms: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     est_heavy_ms: dict[int, float] = field(default_factory=lambda: defaultdict(float))
@@ -125,6 +129,8 @@ class _OpRecorder(TorchDispatchMode):
                     rec.trace.est_heavy_ms[region] += est
         elif rec.fake and rec.phase_is_forward:
             rec.trace.est_all_ms[region] += self._estimate_ms(func, args, kwargs, out)
+        elif isinstance(region, tuple) and region[0] == "bwd":
+            rec.offload_candidate(region[1], args, kwargs)
         return out
 
     def _estimate_ms(self, func, args, kwargs, out) -> float:
@@ -153,6 +159,7 @@ class _Recorder:
         self.meter = meter
         self.param_storages = param_storages
         self.fake = fake
+        self.min_offload_bytes = 1
         self.trace = StepTrace()
         self.keys = _Storages()
         self.region: Any = PREFIX
@@ -223,6 +230,28 @@ class _Recorder:
             region = region[1]
         self.trace.grad_bytes[region if isinstance(region, int) else "outside"] += p.grad.untyped_storage().nbytes()
 
+    def offload_candidate(self, i: int, args: Any, kwargs: Any) -> None:
+        """Note [Offloaded backward fetches on demand]: with an offloaded segment and no
+        prefetch, a saved tensor is on the device only while the op using it runs. So the
+        bytes alive now, less this segment's offloadable saved storages this op does not use,
+        estimate the offloaded segment's backward at this moment. Boundary storages (input,
+        output) are left in: a neighbour may hold them."""
+        needed = set()
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None:
+                needed.add(self.keys.key(s))
+        boundary = {self.trace.input_key.get(i, (None,))[0], self.trace.output_key.get(i, (None,))[0]}
+        drop = 0
+        for key, nbytes in self.trace.saved.get(i, {}).items():
+            if key in needed or key in boundary or nbytes < self.min_offload_bytes:
+                continue
+            ref = self.keys.by_key.get(key)
+            if ref is not None and ref() is not None:
+                drop += nbytes
+        level = self.meter.current_bytes - drop
+        if level > self.trace.offload_bwd_peak.get(i, 0):
+            self.trace.offload_bwd_peak[i] = level
+
     # -- saved tensors ------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         s = _storage(t)
@@ -246,6 +275,15 @@ class _Recorder:
         self.handles.clear()
 
 
+class _FakeMeter(DeviceMemoryMeter):
+    """Counts (fake) storages like the CPU meter, whatever device the fake tensors claim:
+    fake CUDA tensors never reach the CUDA allocator."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return False
+
+
 def run_trace(
     model: nn.Module,
     names: list[str],
@@ -255,18 +293,23 @@ def run_trace(
     static: list[torch.Tensor],
     params: list[torch.Tensor],
     fake: bool,
+    min_offload_bytes: int = 1,
     flops_per_ms: float = 1e9,
     bytes_per_ms: float = 1e7,
 ) -> StepTrace:
     """Run ``step`` (forward, loss, backward) once with every window measured."""
-    meter = DeviceMemoryMeter(device)
+    meter = _FakeMeter(device) if fake else DeviceMemoryMeter(device)
     param_storages = {id(_storage(t)) for t in static if _storage(t) is not None}
     rec = _Recorder(model, names, meter, param_storages, fake)
+    rec.min_offload_bytes = max(min_offload_bytes, 1)
     rec.install(params)
     ops = _OpRecorder(rec, flops_per_ms=flops_per_ms, bytes_per_ms=bytes_per_ms)
     try:
         with meter:
             meter.track(static)
+            # Hold no reference: the step may free some of these (``zero_grad`` frees the last
+            # step's gradients), as Note [The snapshot must not keep gradients alive] explains.
+            static.clear()
             rec.trace.static_bytes = meter.current_bytes
             meter.reset_peak()
             with ops, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
@@ -285,7 +328,7 @@ def run_trace(
     return trace
 
 
-def run_timing(model: nn.Module, names: list[str], step: Callable[[], torch.Tensor], device: torch.device) -> tuple[dict[int, float], dict[int, float], float]:
+def run_timing(model: nn.Module, names: list[str], step: Callable[[], torch.Tensor], device: torch.device, *, repeats: int = 2) -> tuple[dict[int, float], dict[int, float], float]:
     """Forward and backward milliseconds per segment, and of the whole step, from one plain step."""
     cuda = device.type == "cuda"
     index = {name: i for i, name in enumerate(names)}
@@ -319,18 +362,21 @@ def run_timing(model: nn.Module, names: list[str], step: Callable[[], torch.Tens
     for name in names:
         handles.append(modules[name].register_forward_pre_hook(pre(index[name])))
         handles.append(modules[name].register_forward_hook(post(index[name])))
+    fwd: dict[int, float] = {}
+    bwd: dict[int, float] = {}
+    total = float("inf")
     try:
-        start = now()
-        step().backward()
-        end = now()
+        for _ in range(repeats):  # the fastest of a few steps: the first pays for warm-up
+            marks.clear()
+            start = now()
+            step().backward()
+            end = now()
+            total = min(total, end - start)
+            for i in range(len(names)):
+                fwd[i] = min(fwd.get(i, float("inf")), marks[("fe", i)] - marks[("fs", i)])
+                finish = marks.get(("be", i), end)  # input without grad: the backward ends with the step
+                bwd[i] = min(bwd.get(i, float("inf")), max(finish - marks.get(("bs", i), finish), 0.0))
     finally:
         for h in handles:
             h.remove()
-    fwd = {i: marks[("fe", i)] - marks[("fs", i)] for i in range(len(names))}
-    bwd = {}
-    for i in range(len(names)):
-        finish = marks.get(("be", i))
-        if finish is None:  # input without grad: the backward ends with the step
-            finish = end
-        bwd[i] = max(finish - marks.get(("bs", i), finish), 0.0)
-    return fwd, bwd, end - start
+    return fwd, bwd, total

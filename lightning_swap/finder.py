@@ -1,0 +1,223 @@
+"""``SwapBatchSizeFinder``: Lightning's batch-size finder, driven by the planner.
+
+It behaves like :class:`~lightning.pytorch.callbacks.BatchSizeFinder` — finds the
+``batch_size`` attribute on the model, its hparams or the datamodule, sets it, exposes
+``optimal_batch_size``, restores model and optimizer state from a temporary checkpoint it
+deletes afterwards — but the search is :func:`lightning_swap.core.scale.search_batch_size`:
+predictions first, a few confirming trial runs second. Thin: trials run Lightning's own fit
+loop; every decision is in the core.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.callbacks import BatchSizeFinder
+from lightning.pytorch.tuner import batch_size_scaling as _bss
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, _TunerExitException
+from lightning.pytorch.utilities.memory import garbage_collection_cuda
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from .core.actions import Action
+from .core.plan import Plan
+from .core.scale import ScaleConfig, ScaleResult, TrialMeasurement, search_batch_size
+from .core.session import _check_budget
+from .strategy import _SwapStrategyMixin
+
+__all__ = ["SwapBatchSizeFinder"]
+
+log = logging.getLogger(__name__)
+
+# Lightning's own helpers for running trial loops (module-private names).
+_dump_params = getattr(_bss, "__scale_batch_dump_params")
+_reset_params = getattr(_bss, "__scale_batch_reset_params")
+_restore_params = getattr(_bss, "__scale_batch_restore_params")
+
+
+class SwapBatchSizeFinder(BatchSizeFinder):
+    """Find the largest (``mode="max"``) or fastest (``mode="throughput"``) batch size that
+    trains within the memory budget with a plan, in a few trial runs.
+
+    Args:
+        mode: ``"max"`` or ``"throughput"``.
+        margin: fraction of the budget held back, in [0, 1).
+        min_batch_size / max_batch_size: the range searched.
+        steps_per_trial: real steps per confirming trial run.
+        max_trials: trial runs before giving up.
+        candidates: trial runs timing the best predictions in ``mode="throughput"``.
+        budget_bytes: the device budget; default: the strategy's ``budget_bytes``, else the
+            free CUDA memory less 10%. Required on CPU, where it is the simulated capacity.
+        batch_arg_name: the attribute holding the batch size, as for ``BatchSizeFinder``.
+
+    Needs ``strategy="cpu_swap"`` or ``"ddp_cpu_swap"``. Under DDP every rank runs the same
+    search (rank 0's profile, measurements reduced by max) and the smallest answer wins.
+    """
+
+    SUPPORTED_MODES = ("max", "throughput")
+
+    def __init__(
+        self,
+        mode: str = "max",
+        *,
+        margin: float = 0.05,
+        min_batch_size: int = 1,
+        max_batch_size: int = 8192,
+        steps_per_trial: int = 2,
+        max_trials: int = 6,
+        candidates: int = 3,
+        budget_bytes: Optional[int] = None,
+        batch_arg_name: str = "batch_size",
+    ) -> None:
+        self.scale_config = ScaleConfig(
+            mode=mode.lower() if isinstance(mode, str) else mode,
+            margin=margin,
+            min_batch_size=min_batch_size,
+            max_batch_size=max_batch_size,
+            steps_per_trial=steps_per_trial,
+            max_trials=max_trials,
+            candidates=candidates,
+        )
+        super().__init__(
+            mode=self.scale_config.mode,
+            steps_per_trial=steps_per_trial,
+            init_val=min_batch_size,
+            max_trials=max_trials,
+            batch_arg_name=batch_arg_name,
+            margin=margin,
+            max_val=max_batch_size,
+        )
+        self.budget_bytes = _check_budget(budget_bytes)
+        self.result: Optional[ScaleResult] = None
+        self.optimal_batch_size: Optional[int] = None
+
+    @override
+    def setup(self, trainer: Any, pl_module: Any, stage: Optional[str] = None) -> None:
+        if not isinstance(trainer.strategy, _SwapStrategyMixin):
+            raise MisconfigurationException(
+                "SwapBatchSizeFinder plans memory with lightning-swap's runtime, so it needs "
+                "Trainer(strategy='cpu_swap') or strategy='ddp_cpu_swap' (or CPUSwapStrategy / "
+                f"DDPCPUSwapStrategy); got {type(trainer.strategy).__name__}. For other strategies "
+                "use Lightning's BatchSizeFinder."
+            )
+        if not trainer.fit_loop._data_source.is_module():
+            raise MisconfigurationException(
+                "SwapBatchSizeFinder cannot be used with dataloaders passed directly to `.fit()`: "
+                "define them in the LightningModule or a LightningDataModule."
+            )
+        if not lightning_hasattr(pl_module, self._batch_arg_name):
+            raise MisconfigurationException(
+                f"Field {self._batch_arg_name} not found in `model`, `datamodule`, nor their `hparams` attributes."
+            )
+
+    @override
+    def scale_batch_size(self, trainer: Any, pl_module: Any) -> None:
+        self.result = _search(trainer, self)
+        self.optimal_batch_size = self.result.batch_size
+        if self._early_exit:
+            raise _TunerExitException()
+
+    # The search measures training memory; evaluation loops are left alone.
+    @override
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        return None
+
+    @override
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        return None
+
+    @override
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        return None
+
+
+def _first_batch(trainer: Any) -> Any:
+    loop = trainer.fit_loop
+    loop.setup_data()
+    batch = next(iter(trainer.train_dataloader))
+    return trainer.strategy.batch_to_device(batch)
+
+
+def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:
+    strategy = trainer.strategy
+    session = strategy.swap_session
+    module = trainer.lightning_module
+    config = finder.scale_config
+    budget = finder.budget_bytes or session.budget_bytes()
+    if budget is None:
+        raise MisconfigurationException(
+            "SwapBatchSizeFinder needs a memory budget on CPU: pass `budget_bytes` to the finder or the strategy."
+        )
+
+    ckpt_path = os.path.join(trainer.default_root_dir, f".scale_batch_size_{uuid.uuid4()}.ckpt")
+    trainer.save_checkpoint(ckpt_path)
+    params = _dump_params(trainer)
+    _reset_params(trainer, config.steps_per_trial)
+    if trainer.progress_bar_callback:
+        trainer.progress_bar_callback.disable()
+    try:
+        actions = session.allowed_actions()  # a per-segment policy cannot be searched: fail early
+        # Note [Profile in the steady state]: every step but the first starts with gradients
+        # and optimizer state alive; one warm-up step under the leanest plan creates them
+        # (the checkpoint restores the model and optimizer afterwards).
+        session.apply(Plan(actions={name: Action.RECOMPUTE_OFFLOAD for name in session.segments}), pinned=True)
+        trainer.fit_loop.epoch_loop.max_steps = 1
+        try:
+            _bss._try_loop_run(trainer, params)
+        finally:
+            trainer.fit_loop.epoch_loop.max_steps = config.steps_per_trial
+            session.remove()
+        _bss._reset_progress(trainer)
+        batch = _first_batch(trainer)
+        track = [o.state for o in strategy.optimizers]
+        prof = session.measure(batch, strategy.profile_step_fn(), track) if strategy.is_global_zero else None
+        prof = strategy.broadcast(prof, src=0)
+
+        def run_trial(batch_size: int, plan: Plan) -> TrialMeasurement:
+            lightning_setattr_batch(trainer, finder._batch_arg_name, batch_size)
+            _bss._reset_dataloaders(trainer)
+            _bss._reset_progress(trainer)
+            session.apply(plan, pinned=True)
+            strategy.stats_history.clear()
+            garbage_collection_cuda()
+            try:
+                _bss._try_loop_run(trainer, params)
+            finally:
+                session.remove()
+                garbage_collection_cuda()
+            stats = list(strategy.stats_history)
+            if not stats:
+                raise RuntimeError("the trial run made no training step; is the train dataloader empty?")
+            warm = stats[1:] or stats
+            peak = torch.tensor(float(max(s.peak_device_bytes for s in stats)), device=strategy.root_device)
+            step_ms = torch.tensor(sum(s.step_ms for s in warm) / len(warm), device=strategy.root_device)
+            peak = strategy.reduce(peak, reduce_op="max")
+            step_ms = strategy.reduce(step_ms, reduce_op="max")
+            return TrialMeasurement(peak_bytes=int(peak.item()), step_ms=float(step_ms.item()))
+
+        result = search_batch_size(prof, budget, run_trial, config, actions=actions)
+        agreed = int(strategy.reduce(torch.tensor(result.batch_size, device=strategy.root_device), reduce_op="min").item())
+        if agreed != result.batch_size:  # another rank found less: its batch wins
+            result = ScaleResult(agreed, result.plan, result.mode, result.budget_bytes, result.trials, result.search_s)
+        lightning_setattr_batch(trainer, finder._batch_arg_name, result.batch_size)
+        rank_zero_info(f"SwapBatchSizeFinder:\n{result.render()}")
+    finally:
+        _restore_params(trainer, params)
+        if trainer.progress_bar_callback:
+            trainer.progress_bar_callback.enable()
+        trainer._checkpoint_connector.restore(ckpt_path)
+        trainer.strategy.remove_checkpoint(ckpt_path)
+        session.reset()  # the next training step plans for the batch found
+    return result
+
+
+def lightning_setattr_batch(trainer: Any, name: str, value: int) -> None:
+    from lightning.pytorch.utilities.parsing import lightning_setattr
+
+    lightning_setattr(trainer.lightning_module, name, value)
+    log.debug("batch size set to %d (was %s)", value, lightning_getattr(trainer.lightning_module, name))

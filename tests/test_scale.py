@@ -1,0 +1,216 @@
+"""The auto-scaler: predictions first, a few confirming trials, recovery from out-of-memory."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch._subclasses.fake_tensor import FakeTensor
+
+from lightning_swap import Action, CPUSwapStrategy, SwapBatchSizeFinder, SwapRuntime
+from lightning_swap.core import profile
+from lightning_swap.core.scale import ScaleConfig, TrialMeasurement, search_batch_size
+
+from .lit import LitModel
+from .models import MODELS
+
+
+class Loop:
+    """A plain PyTorch loop (zero_grad, forward, backward, step) around a test model."""
+
+    def __init__(self, name: str) -> None:
+        build, self.data, self.loss_fn = MODELS[name]
+        torch.manual_seed(0)
+        self.model = build()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.trials = 0
+        self.step(4)  # steady state: optimizer state exists
+
+    def step(self, batch: int, runtime: SwapRuntime | None = None):
+        x, y = self.data(batch)
+        self.opt.zero_grad(set_to_none=True)
+        if runtime is not None:
+            runtime.begin_step([x, y, self.opt.state])
+        self.loss_fn(self.model(x), y).backward()
+        stats = runtime.end_step() if runtime is not None else None
+        self.opt.step()
+        return stats
+
+    def peak(self, batch: int, actions) -> int:
+        with SwapRuntime(self.model, actions, min_offload_bytes=0) as runtime:
+            return max(self.step(batch, runtime).peak_device_bytes for _ in range(2))
+
+    def profile(self, batch: int):
+        self.opt.zero_grad(set_to_none=True)
+        return profile(self.model, self.data(batch), step_fn=lambda m, b: self.loss_fn(m(b[0]), b[1]), track=[self.opt.state], min_offload_bytes=0)
+
+    def run_trial(self, batch: int, plan) -> TrialMeasurement:
+        self.trials += 1
+        saved = copy.deepcopy((self.model.state_dict(), self.opt.state_dict()))
+        try:
+            with SwapRuntime(self.model, plan, min_offload_bytes=0) as runtime:
+                stats = [self.step(batch, runtime) for _ in range(2)]
+        finally:
+            self.model.load_state_dict(saved[0])
+            self.opt.load_state_dict(saved[1])
+        return TrialMeasurement(max(s.peak_device_bytes for s in stats), stats[-1].step_ms)
+
+
+# Batch sizes where activations, not weights, dominate the plain peak.
+_BATCH = {"mlp": 256, "gpt": 16}
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_max_mode_finds_at_least_twice_the_plain_batch(name):
+    loop = Loop(name)
+    batch = _BATCH[name]
+    keep = {n: Action.KEEP for n in loop.profile(batch).names}
+    budget = loop.peak(batch, keep)  # the plain peak at batch 16 is the whole (simulated) device
+    result = search_batch_size(loop.profile(batch), budget, loop.run_trial, ScaleConfig(mode="max", max_batch_size=4096))
+    # Trial runs made: one per confirmed candidate; with no out-of-memory, at most 3.
+    assert result.failed_trials == 0
+    assert loop.trials == len(result.trials) <= 3
+    assert result.batch_size >= 2 * batch
+    assert loop.peak(result.batch_size, result.plan.actions) <= budget
+    assert "chosen" in result.render()
+
+
+def test_throughput_mode_times_the_best_predictions():
+    loop = Loop("mlp")
+    keep = {n: Action.KEEP for n in loop.profile(64).names}
+    budget = loop.peak(64, keep)
+    result = search_batch_size(loop.profile(64), budget, loop.run_trial, ScaleConfig(mode="throughput", max_batch_size=1024, candidates=3))
+    assert 1 <= len(result.trials) <= 3 == loop.trials or len(result.trials) == loop.trials
+    best = max((t for t in result.trials if not t.failed), key=lambda t: t.samples_per_s)
+    assert result.batch_size == best.batch_size
+
+
+def test_failed_trials_lower_the_estimate():
+    loop = Loop("mlp")
+    prof = loop.profile(16)
+    limit = 40
+    real = loop.run_trial
+
+    def run_trial(batch, plan):
+        if batch > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(batch, plan)
+
+    result = search_batch_size(prof, 1 << 40, run_trial, ScaleConfig(mode="max", max_batch_size=1024, max_trials=12))
+    assert result.batch_size <= limit
+    assert result.failed_trials >= 1
+    assert all(t.reason == "out of memory" for t in result.trials if t.failed)
+
+
+def test_other_errors_are_not_swallowed():
+    loop = Loop("mlp")
+
+    def run_trial(batch, plan):
+        raise ValueError("a bug in the user's code")
+
+    with pytest.raises(ValueError, match="a bug"):
+        search_batch_size(loop.profile(8), 1 << 40, run_trial, ScaleConfig(max_batch_size=64))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"mode": "power"}, "mode"),
+        ({"margin": 1.0}, "margin"),
+        ({"margin": -0.1}, "margin"),
+        ({"min_batch_size": 64, "max_batch_size": 32}, "min_batch_size"),
+        ({"steps_per_trial": 0}, "steps_per_trial"),
+    ],
+)
+def test_bad_options_name_the_argument(kwargs, field):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        ScaleConfig(**kwargs)
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        SwapBatchSizeFinder(**kwargs)
+
+
+# -- Lightning ---------------------------------------------------------------------------------
+
+
+def _trainer(strategy, finder, **kwargs):
+    options = dict(
+        accelerator="cpu",
+        strategy=strategy,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[finder],
+    )
+    options.update(kwargs)
+    return L.Trainer(**options)
+
+
+def _plain_peak(name, batch_size):
+    L.seed_everything(0, verbose=False)
+    module = LitModel(name, batch_size=batch_size, samples=4 * batch_size)
+    trainer = _trainer(CPUSwapStrategy(policy="keep", min_offload_bytes=0), L.Callback(), max_steps=3)
+    trainer.fit(module)
+    return trainer.strategy.step_stats.peak_device_bytes
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_finder_callback_doubles_the_batch_within_the_budget(name, tmp_path):
+    batch = _BATCH[name]
+    budget = _plain_peak(name, batch)
+    L.seed_everything(0, verbose=False)
+    module = LitModel(name, batch_size=batch, samples=4096)
+    finder = SwapBatchSizeFinder(mode="max", max_batch_size=1024)
+    trainer = _trainer(CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0), finder, default_root_dir=tmp_path)
+    trainer.fit(module)
+    assert finder.optimal_batch_size == module.batch_size >= 2 * batch
+    assert finder.result.failed_trials == 0 and len(finder.result.trials) <= 3
+    assert trainer.strategy.step_stats.peak_device_bytes <= budget  # training at the found batch fits
+    assert not list(tmp_path.glob(".scale_batch_size_*.ckpt"))
+
+
+class OOMAbove(LitModel):
+    """Raises CUDA's out-of-memory error for real batches larger than ``limit`` (fake tensors,
+    which the profiler uses to predict larger batches, allocate nothing)."""
+
+    limit = 24
+
+    def training_step(self, batch, batch_idx):
+        if batch[0].shape[0] > self.limit and not isinstance(batch[0], FakeTensor):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate (injected)")
+        return super().training_step(batch, batch_idx)
+
+
+class RecordingFinder(SwapBatchSizeFinder):
+    def scale_batch_size(self, trainer, pl_module):
+        self.before = (copy.deepcopy(pl_module.state_dict()), copy.deepcopy(trainer.optimizers[0].state_dict()))
+        super().scale_batch_size(trainer, pl_module)
+        self.after = (copy.deepcopy(pl_module.state_dict()), copy.deepcopy(trainer.optimizers[0].state_dict()))
+
+
+def test_injected_out_of_memory_converges_below_and_restores_state(tmp_path):
+    L.seed_everything(0, verbose=False)
+    module = OOMAbove("cnn", batch_size=4, samples=512)
+    finder = RecordingFinder(mode="max", max_batch_size=256, max_trials=10)
+    trainer = _trainer(CPUSwapStrategy(budget_bytes=1 << 40, min_offload_bytes=0), finder, default_root_dir=tmp_path)
+    trainer.fit(module)
+    assert finder.optimal_batch_size <= OOMAbove.limit
+    assert finder.result.failed_trials >= 1
+    weights_before, opt_before = finder.before
+    weights_after, opt_after = finder.after
+    assert all(torch.equal(weights_before[k], weights_after[k]) for k in weights_before)
+    assert opt_before["param_groups"] == opt_after["param_groups"]
+    assert opt_before["state"].keys() == opt_after["state"].keys()
+    for k, state in opt_before["state"].items():
+        assert all(torch.equal(v, opt_after["state"][k][n]) for n, v in state.items())
+
+
+def test_finder_explains_which_strategies_it_needs():
+    module = LitModel("mlp", batch_size=8)
+    trainer = _trainer("auto", SwapBatchSizeFinder(budget_bytes=1 << 30))
+    with pytest.raises(MisconfigurationException, match="cpu_swap"):
+        trainer.fit(module)
