@@ -77,7 +77,9 @@ class DeviceMemoryMeter:
     """
 
     def __init__(self, device: torch.device | str) -> None:
-        self.device = torch.device(device)
+        device = torch.device(device)
+        # CPU tensors report ``cpu``, never ``cpu:N`` (Accelerate's multi-CPU device name).
+        self.device = torch.device("cpu") if device.type == "cpu" else device
         self._storages: dict[int, tuple[weakref.ref, int]] = {}
         self._current = 0
         self._peak = 0

@@ -51,6 +51,17 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return out
 
 
+def _normalize_device(device: torch.device | str) -> torch.device:
+    """``cuda`` gets its index; ``cpu:N`` (Accelerate's multi-CPU device) is plain ``cpu``,
+    which is what CPU tensors report, so device comparisons hold."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu":
+        return torch.device("cpu")
+    return device
+
+
 def check_min_offload_bytes(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"`min_offload_bytes` must be an int >= 0 (bytes); got {value!r}.")
@@ -98,9 +109,7 @@ class SwapRuntime:
         if device is None:
             first = next(model.parameters(), None)
             device = first.device if first is not None else torch.device("cpu")
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _normalize_device(device)
         if prefetch_segments is None:
             # On CPU nothing overlaps, so fetching ahead only raises the peak.
             prefetch_segments = 1 if self.device.type == "cuda" else 0

@@ -17,7 +17,7 @@ from torch import nn
 
 from .actions import Action, PolicyLike, resolve_policy
 from .plan import Plan
-from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats, SwapRuntime, check_min_offload_bytes, tensors_in
+from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats, SwapRuntime, _normalize_device, check_min_offload_bytes, tensors_in
 from .segments import SegmentSpec, find_segments
 
 __all__ = ["AUTO", "SwapConfig", "SwapSession", "device_budget_bytes", "tensors_in"]
@@ -129,7 +129,7 @@ class SwapSession:
     def __init__(self, model: nn.Module, config: SwapConfig, device: torch.device | str) -> None:
         self.model = model
         self.config = config
-        self.device = torch.device(device)
+        self.device = _normalize_device(device)
         self.segments = find_segments(model, None if config.segments is None else list(config.segments))
         self.plan: Optional[Plan] = None
         self.runtime: Optional[SwapRuntime] = None

@@ -1,0 +1,274 @@
+"""``SwapAccelerator``: ``accelerate.Accelerator`` with planned offload and recompute.
+
+Thin by design: every decision lives in :mod:`lightning_swap.core`; this module only calls
+it from the places an Accelerate training loop already goes through. ``prepare_model``
+builds a :class:`~lightning_swap.core.session.SwapSession` on the user's (unwrapped) model
+and applies the plan; a forward pre-hook on that model opens each step's window and
+``backward`` closes it.
+
+Note [Accelerate step window]: the core measures one training step between
+``begin_step`` (before the forward) and ``end_step`` (after the backward). An Accelerate
+loop has no step hook, so the window opens in a forward pre-hook on the unwrapped model,
+only when autograd is recording and the model is in training mode (an evaluation forward
+never opens it), and closes in :meth:`SwapAccelerator.backward` after the real backward.
+The batch (the forward's arguments) and every prepared optimizer's state are tracked as
+alive before the step, as the Lightning strategy does. A loop that calls ``loss.backward()``
+itself leaves the window open; the next training forward restarts it, so only that step's
+statistics are lost. A failed backward (for instance out of memory) also leaves it open,
+for the same reason: closing it would report a step that did not happen.
+
+Note [Accelerate leaves no trace]: the runtime is applied to ``unwrap_model(model)``, never
+to the DDP wrapper, so segment names are the user's and ``state_dict`` keys do not change.
+The session owns its forward pre-hook handle; ``swap_session.close()``,
+``free_memory()``/``clear()`` and ``end_training()`` remove the hook and the runtime
+(wrappers, host pool), after which the model is exactly the user's again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, DynamoBackend, broadcast_object_list
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from lightning_swap.core.plan import Plan
+from lightning_swap.core.runtime import StepStats
+from lightning_swap.core.session import SwapConfig, SwapSession
+
+from .plugin import SwapPlugin
+
+__all__ = ["AcceleratedSwapSession", "SwapAccelerator"]
+
+log = logging.getLogger(__name__)
+
+#: One process, or plain data parallel (DDP): the runtime acts on each process's own copy of
+#: the model. Tested on CPU (one process and MULTI_CPU); MULTI_GPU is the same code on CUDA.
+_SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+
+class AcceleratedSwapSession(SwapSession):
+    """A :class:`SwapSession` that also owns the forward pre-hook opening each step's window
+    (Note [Accelerate step window]); :meth:`close` removes both."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: SwapConfig,
+        device: torch.device | str,
+        *,
+        extra_tracked: Callable[[], Iterable[Any]] = tuple,
+    ) -> None:
+        super().__init__(model, config, device)
+        self._extra_tracked = extra_tracked
+        self._pre_hook: Optional[RemovableHandle] = None
+
+    @property
+    def hooked(self) -> bool:
+        return self._pre_hook is not None
+
+    def install_hook(self) -> None:
+        if self._pre_hook is None:
+            self._pre_hook = self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+
+    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.runtime is not None and module.training and torch.is_grad_enabled():
+            self.begin_step([args, kwargs, *self._extra_tracked()])
+        return None
+
+    @override
+    def remove(self) -> None:
+        if self._pre_hook is not None:
+            self._pre_hook.remove()
+            self._pre_hook = None
+        super().remove()
+
+    close = remove
+
+
+def _optimizer_states(optimizers: Iterable[Any]) -> list[Any]:
+    # AcceleratedOptimizer wraps the user's optimizer; its state is the wrapped one's.
+    return [getattr(opt, "optimizer", opt).state for opt in optimizers]
+
+
+class SwapAccelerator(Accelerator):
+    """A drop-in :class:`accelerate.Accelerator` that keeps, offloads or recomputes each
+    segment's activations.
+
+    Switched on by ``swap_plugin=SwapPlugin(...)``, or, when that is not given, by the
+    ``ACCELERATE_CPU_SWAP`` environment variable or the file in ``ACCELERATE_CPU_SWAP_CONFIG``
+    (see :meth:`SwapPlugin.from_env`). Switched off, it is exactly ``Accelerator``.
+
+    Switched on, ``prepare(model, ...)`` (or ``prepare_model``) cuts the model into segments,
+    decides the plan on the main process, broadcasts it, and applies it to every process's
+    copy. Then:
+
+    - ``swap_plan``: the applied :class:`~lightning_swap.Plan`;
+    - ``swap_step_stats``: the last step's :class:`~lightning_swap.StepStats`, also sent to
+      :meth:`log` as ``swap/...`` values at step ``swap_steps`` when trackers are set up;
+    - ``swap_session.close()``: removes everything from the model (as do ``free_memory()``,
+      ``clear()`` and ``end_training()``).
+
+    One model per accelerator is trained with the plan; call ``free_memory()`` before
+    preparing another. Models prepared with ``evaluation_mode=True`` are left alone.
+    """
+
+    def __init__(self, *args: Any, swap_plugin: Optional[SwapPlugin] = None, **kwargs: Any) -> None:
+        if swap_plugin is not None and not isinstance(swap_plugin, SwapPlugin):
+            raise ValueError(f"`swap_plugin` must be a SwapPlugin or None; got {swap_plugin!r}.")
+        # Read (and validate) the environment before Accelerate starts any process group.
+        self.swap_plugin: Optional[SwapPlugin] = swap_plugin if swap_plugin is not None else SwapPlugin.from_env()
+        self._swap_session: Optional[AcceleratedSwapSession] = None
+        #: The last measured step's statistics (``None`` before the first).
+        self.swap_step_stats: Optional[StepStats] = None
+        #: How many steps have been measured (the ``step`` their statistics are logged at).
+        self.swap_steps = 0
+        super().__init__(*args, **kwargs)
+        if self.swap_plugin is not None:
+            self._check_swap_supported()
+
+    # -- what users read ----------------------------------------------------------------
+    @property
+    def swap_enabled(self) -> bool:
+        return self.swap_plugin is not None
+
+    @property
+    def swap_session(self) -> Optional[AcceleratedSwapSession]:
+        """The session of the prepared model (``None`` when off, before ``prepare`` or once closed)."""
+        session = self._swap_session
+        return session if session is not None and session.hooked else None
+
+    @property
+    def swap_plan(self) -> Optional[Plan]:
+        """The plan applied to the prepared model (``None`` when off, before ``prepare`` or once closed)."""
+        session = self.swap_session
+        return session.plan if session is not None else None
+
+    # -- checks -------------------------------------------------------------------------
+    def _check_swap_supported(self) -> None:
+        if self.distributed_type not in _SUPPORTED:
+            allowed = ", ".join(d.value for d in _SUPPORTED)
+            raise ValueError(
+                f"The swap plugin (ACCELERATE_CPU_SWAP) does not support distributed_type={self.distributed_type.value}; "
+                f"allowed: {allowed}. Switch the plugin off, or launch plain data parallel."
+            )
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"The swap plugin supports devices cpu and cuda; this accelerator uses {self.device}.")
+        dynamo = getattr(self.state, "dynamo_plugin", None)
+        if dynamo is not None and dynamo.backend != DynamoBackend.NO:
+            # The runtime shadows segments' forward after compilation; untested, so refused.
+            raise ValueError(
+                f"The swap plugin cannot be combined with torch.compile (dynamo_backend={dynamo.backend.value}); "
+                "allowed: dynamo_backend='no' while ACCELERATE_CPU_SWAP is on."
+            )
+
+    # -- prepare ------------------------------------------------------------------------
+    @override
+    def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False):
+        prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if self.swap_plugin is not None and not evaluation_mode:
+            self._attach(self.unwrap_model(prepared, keep_torch_compile=False))
+        return prepared
+
+    def _attach(self, module: nn.Module) -> None:
+        session = self.swap_session
+        if session is not None:
+            if session.model is module:
+                return  # prepared twice: already in place
+            raise ValueError(
+                "SwapAccelerator trains one model with a plan, and one is already prepared; "
+                "call `accelerator.free_memory()` before preparing another model, or prepare it "
+                "with `evaluation_mode=True`."
+            )
+        session = AcceleratedSwapSession(
+            module,
+            self.swap_plugin.to_config(),
+            self.device,
+            extra_tracked=lambda: _optimizer_states(self._optimizers),
+        )
+        try:
+            session.apply(self._plan_on_main(session))
+            session.install_hook()
+        except BaseException:
+            session.close()
+            raise
+        self._swap_session = session
+
+    def _solve(self, session: AcceleratedSwapSession) -> Plan:
+        """The plan for ``session``, decided on the main process.
+
+        Note [Auto policy in Accelerate]: only forced policies are served, so the plan needs
+        no batch and is made in ``prepare``. ``policy="auto"`` (refused by ``SwapPlugin`` for
+        now) needs a profiled step on the first batch: it would call
+        ``session.plan_for_batch(batch, step_fn, track)`` here from the forward pre-hook
+        (every process is in its first forward, so the broadcast in :meth:`_plan_on_main`
+        still pairs up), with ``step_fn`` running the unwrapped model on the forward's
+        arguments; the loss is the user's code, so the profile would sum the outputs.
+        """
+        return session.forced_plan()
+
+    def _plan_on_main(self, session: AcceleratedSwapSession) -> Plan:
+        """Decide on the main process and broadcast, so every process applies the same plan.
+
+        Every process reaches this collective (``prepare`` runs on all of them); a failure on
+        the main process is broadcast too, so the others raise instead of waiting forever.
+        """
+        payload: list[Any] = [None]
+        error: Optional[BaseException] = None
+        if self.is_main_process:
+            try:
+                payload[0] = ("plan", self._solve(session))
+            except Exception as err:  # re-raised below, after the others have been told
+                error = err
+                payload[0] = ("error", f"{type(err).__name__}: {err}")
+        broadcast_object_list(payload, from_process=0)
+        kind, body = payload[0]
+        if kind == "error":
+            if error is not None:
+                raise error
+            raise RuntimeError(f"the main process could not plan the model: {body}")
+        plan: Plan = body
+        if list(plan.segments) != list(session.segments):
+            raise ValueError(
+                f"process {self.process_index} cut the model into segments {list(session.segments)}, "
+                f"but the main process planned {list(plan.segments)}; every process must build the same model."
+            )
+        return plan
+
+    # -- steps --------------------------------------------------------------------------
+    @override
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        super().backward(loss, **kwargs)
+        session = self.swap_session
+        if session is None:
+            return
+        stats = session.end_step()  # Note [Accelerate step window]
+        if stats is None:
+            return
+        self.swap_step_stats = stats
+        self.swap_steps += 1
+        if self.swap_plugin.log_stats and self.trackers:
+            self.log(stats.as_metrics(), step=self.swap_steps)
+
+    # -- teardown -----------------------------------------------------------------------
+    def _close_swap(self) -> None:
+        if self._swap_session is not None:
+            self._swap_session.close()
+            self._swap_session = None
+
+    @override
+    def free_memory(self, *objects: Any):
+        self._close_swap()
+        self.swap_step_stats = None
+        self.swap_steps = 0
+        return super().free_memory(*objects)
+
+    @override
+    def end_training(self) -> None:
+        self._close_swap()
+        super().end_training()
