@@ -33,9 +33,9 @@ class LitModel(L.LightningModule):
         return DataLoader(TensorDataset(*self._data), batch_size=self.batch_size, shuffle=False)
 
 
-def fit(name: str, strategy="auto", *, steps: int = 3, batch_size: int = 4, **trainer_kwargs):
+def fit(name: str, strategy="auto", *, steps: int = 3, batch_size: int = 4, samples: int | None = None, **trainer_kwargs):
     L.seed_everything(0, verbose=False)
-    module = LitModel(name, batch_size=batch_size)
+    module = LitModel(name, batch_size=batch_size, samples=samples if samples is not None else max(32, batch_size * steps))
     kwargs = dict(
         accelerator="cpu",
         devices=1,

@@ -151,3 +151,29 @@ def test_at_batch_rejects_bad_sizes_and_unscaled_profiles() -> None:
     with pytest.raises(ValueError, match="batch_size"):
         prof.at_batch(4)
     assert prof.at_batch(2) is prof
+
+
+def test_profiling_leaves_rng_weights_and_gradients_as_they_were():
+    """Profiling runs real steps; training afterwards must not notice (Note [The snapshot
+    must not keep gradients alive], and dropout masks drawn from the same RNG stream)."""
+    from lightning_swap.core import profile as run_profile
+
+    from .models import MODELS
+
+    build, data, loss_fn = MODELS["gpt"]
+    torch.manual_seed(0)
+    model = build()
+    x, y = data(4)
+    loss_fn(model(x), y).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    torch.manual_seed(1)
+    expected = torch.rand(4)
+    torch.manual_seed(1)
+    run_profile(model, (x, y), step_fn=lambda m, b: loss_fn(m(b[0]), b[1]), min_offload_bytes=0)
+    assert torch.equal(torch.rand(4), expected)
+    assert model.lm_head.weight is model.wte.weight
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
