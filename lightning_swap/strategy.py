@@ -9,6 +9,7 @@ must subclass that package's own ``Strategy``).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -19,6 +20,8 @@ from .core.plan import Plan
 from .core.runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats
 from .core.segments import SegmentSpec
 from .core.session import SwapConfig, SwapSession
+from .core.timeline import Timeline, TimelineRecorder
+from .report import plot_timelines
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,7 @@ class _SwapStrategyMixin:
         prefetch_segments: Optional[int],
         log_stats: bool,
         device_given: bool,
+        report: bool = False,
     ) -> None:
         self.swap_config = SwapConfig(
             log_plan=False,  # logged here, on rank zero only
@@ -47,7 +51,15 @@ class _SwapStrategyMixin:
             budget_bytes=budget_bytes,
             prefetch_segments=prefetch_segments,
         )
-        self.log_stats = bool(log_stats)
+        if not isinstance(log_stats, bool):
+            raise ValueError(f"`log_stats` must be True or False; got {log_stats!r}.")
+        if not isinstance(report, bool):
+            raise ValueError(f"`report` must be True or False; got {report!r}.")
+        self.log_stats = log_stats
+        self.report = report
+        self.report_path: Optional[Path] = None
+        self._recorder: Optional[TimelineRecorder] = None
+        self._plain_timeline: Optional[Timeline] = None
         self._device_given = device_given
         self._session: Optional[SwapSession] = None
         self._stats_callback = None
@@ -127,11 +139,42 @@ class _SwapStrategyMixin:
             states = _optimizer_states(self.optimizers)
             if self._session.needs_plan(batch) or (not self._session._pinned and self._session.state_changed(states)):
                 self.replan(batch, states)
+            record = self._report_due()
+            if record:
+                self._plain_timeline = self._session.record_plain_timeline(batch, self.profile_step_fn(), states)
             self._session.begin_step(track)
+            if record:
+                plan = self._session.plan
+                self._recorder = TimelineRecorder(
+                    self.lightning_module, self._session.segments, self._session.runtime.meter, f"planned ({plan.summary()})"
+                ).__enter__()
         return super().training_step(*args, **kwargs)
+
+    def _report_due(self) -> bool:
+        """Record once, in the steady state: after the first optimizer step made its state."""
+        return (
+            self.report
+            and self.report_path is None
+            and self._recorder is None
+            and not self._session._pinned
+            and any(len(o.state) for o in self.optimizers)
+        )
+
+    def _finish_report(self) -> None:
+        recorder, self._recorder = self._recorder, None
+        recorder.__exit__(None, None, None)
+        timelines = [t for t in (self._plain_timeline, recorder.timeline) if t is not None]
+        trainer = self.lightning_module.trainer
+        path = Path(trainer.log_dir or trainer.default_root_dir) / "swap_memory_timeline.png"
+        if self.is_global_zero:
+            plot_timelines(timelines, path, budget_bytes=self._session.budget_bytes())
+            rank_zero_info(f"lightning-swap memory timeline written to {path}")
+        self.report_path = path
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._recorder is not None:
+            self._finish_report()
         if self._session is not None:
             stats = self._session.end_step()
             if stats is not None:
@@ -141,6 +184,9 @@ class _SwapStrategyMixin:
         return out
 
     def teardown(self) -> None:
+        if self._recorder is not None:  # a step that never reached backward
+            self._recorder.__exit__(None, None, None)
+            self._recorder = None
         if self._session is not None:
             self._session.close()
         if self._stats_callback is not None and self.lightning_module is not None:
@@ -183,7 +229,10 @@ _SWAP_ARGS_DOC = """
                 capacity (without it, ``"auto"`` keeps everything on CPU); on CUDA by default
                 the free device memory less 10%.
             prefetch_segments: segments prefetched ahead in backward (default 1 on CUDA, 0 on CPU).
-            log_stats: log ``swap/...`` metrics after each training batch."""
+            log_stats: log ``swap/...`` metrics after each training batch.
+            report: once training is in its steady state, draw one plain and one planned
+                step's device memory on ``swap_memory_timeline.png`` in the trainer's log
+                directory (``strategy.report_path``)."""
 
 
 def _build_single(base: type, callback_base: type, name: str) -> type:
@@ -198,6 +247,7 @@ def _build_single(base: type, callback_base: type, name: str) -> type:
             budget_bytes: Optional[int] = None,
             prefetch_segments: Optional[int] = None,
             log_stats: bool = True,
+            report: bool = False,
             device: Any = None,
             accelerator: Any = None,
             checkpoint_io: Any = None,
@@ -217,6 +267,7 @@ def _build_single(base: type, callback_base: type, name: str) -> type:
                 prefetch_segments=prefetch_segments,
                 log_stats=log_stats,
                 device_given=device is not None,
+                report=report,
             )
 
     CPUSwapStrategy.__doc__ = (
@@ -239,6 +290,7 @@ def _build_ddp(base: type, callback_base: type, name: str) -> type:
             budget_bytes: Optional[int] = None,
             prefetch_segments: Optional[int] = None,
             log_stats: bool = True,
+            report: bool = False,
             **ddp_kwargs: Any,
         ) -> None:
             super().__init__(**ddp_kwargs)
@@ -250,6 +302,7 @@ def _build_ddp(base: type, callback_base: type, name: str) -> type:
                 prefetch_segments=prefetch_segments,
                 log_stats=log_stats,
                 device_given=True,  # DDP places each rank on its own device already
+                report=report,
             )
 
     DDPCPUSwapStrategy.__doc__ = (

@@ -53,3 +53,40 @@ def test_budget_below_any_plan_names_the_smallest_budget():
     with pytest.raises(InfeasibleBudgetError, match="smallest budget") as info:
         fit("cnn", CPUSwapStrategy(budget_bytes=1024, min_offload_bytes=0))
     assert info.value.min_budget_bytes > 1024
+
+
+def test_report_draws_plain_and_planned_timelines(tmp_path):
+    plain, trainer = fit("gpt", CPUSwapStrategy(policy="keep", min_offload_bytes=0), batch_size=16, steps=3)
+    budget = int(0.6 * max(_peaks(trainer)[1:]))
+    strategy = CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0, report=True)
+    module, trainer = fit("gpt", strategy, batch_size=16, steps=3, default_root_dir=tmp_path)
+    path = strategy.report_path
+    assert path is not None and path.parent == tmp_path and path.stat().st_size > 10_000
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert strategy._recorder is None
+    assert strategy._plain_timeline.peak_bytes > budget  # the plain step does not fit the budget...
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in module.modules())
+    assert_same_state(module, plain)  # ...and recording it changed nothing in training
+
+
+def test_timeline_marks_every_segment_forward_and_backward():
+    from lightning_swap.core import DeviceMemoryMeter, SwapRuntime, find_segments
+    from lightning_swap.core.timeline import TimelineRecorder
+
+    from .models import MODELS
+
+    build, data, loss_fn = MODELS["cnn"]
+    model = build()
+    x, y = data(8)
+    names = find_segments(model)
+    with SwapRuntime(model, {n: Action.OFFLOAD for n in names}, min_offload_bytes=0) as runtime:
+        runtime.begin_step([x, y])
+        with TimelineRecorder(model, names, runtime.meter, "offload") as recorder:
+            loss_fn(model(x), y).backward()
+        stats = runtime.end_step()
+    timeline = recorder.timeline
+    labels = [label for _, label in timeline.marks]
+    assert labels == [f"F {n}" for n in names] + [f"B {n}" for n in reversed(names)]
+    assert timeline.peak_bytes == stats.peak_device_bytes
+    xs = [x for x, _ in timeline.samples]
+    assert xs == sorted(xs) and len(xs) > 2 * len(names)

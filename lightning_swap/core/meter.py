@@ -85,6 +85,8 @@ class DeviceMemoryMeter:
         self._peak = 0
         self._mode: Optional[_StorageTracker] = None
         self._open = False
+        #: Called with the bytes alive after every change the CPU tracker sees (timelines).
+        self.listeners: list = []
 
     @property
     def is_cuda(self) -> bool:
@@ -163,6 +165,8 @@ class DeviceMemoryMeter:
             self._current += nbytes
             if self._current > self._peak:
                 self._peak = self._current
+            for listener in self.listeners:
+                listener(self._current)
 
     def _make_release(self, key: int):
         def release(ref: weakref.ref) -> None:
@@ -170,5 +174,7 @@ class DeviceMemoryMeter:
             if entry is not None and entry[0] is ref:
                 del self._storages[key]
                 self._current -= entry[1]
+                for listener in self.listeners:
+                    listener(self._current)
 
         return release

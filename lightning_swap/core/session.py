@@ -139,6 +139,11 @@ class SwapSession:
         self._planned_state: Optional[int] = None
         self._pinned = False
 
+    @property
+    def pinned(self) -> bool:
+        """Whether the installed plan was applied with ``pinned=True`` (kept whatever the batch)."""
+        return self._pinned
+
     def forced_plan(self) -> Plan:
         if self.config.is_auto:
             raise RuntimeError("policy='auto' has no forced plan; use plan_for_batch()")
@@ -232,6 +237,39 @@ class SwapSession:
             "`policy`: a per-segment mapping fixes the plan, so the batch-size search cannot re-plan "
             "it; use policy='auto' or a single action."
         )
+
+    def record_plain_timeline(self, batch: Any, step_fn: Callable[[nn.Module, Any], Any], track: Iterable[Any] = ()):
+        """A :class:`~lightning_swap.core.timeline.Timeline` of one plain step (every segment
+        kept) on ``batch``; the model's gradients, buffers and RNG are restored afterwards and
+        the current plan is applied again. ``None`` if the plain step does not fit (CUDA)."""
+        from .meter import DeviceMemoryMeter
+        from .profiler import _loss_of, _Snapshot
+        from .scale import is_out_of_memory
+        from .timeline import TimelineRecorder
+
+        plan = self.plan
+        pinned = self._pinned
+        self.remove()
+        try:
+            with _Snapshot(self.model, self.device):
+                meter = DeviceMemoryMeter(self.device)
+                with meter:
+                    static = [*self.model.parameters(), *self.model.buffers()]
+                    static += [p.grad for p in self.model.parameters() if p.grad is not None]
+                    meter.track([*static, *tensors_in([batch, list(track)])])
+                    del static
+                    recorder = TimelineRecorder(self.model, self.segments, meter, "plain (all kept)")
+                    with recorder:
+                        _loss_of(step_fn(self.model, batch)).backward()
+                return recorder.timeline
+        except Exception as exc:  # noqa: BLE001
+            if not is_out_of_memory(exc):
+                raise
+            log.info("the plain step does not fit on %s: no plain timeline", self.device)
+            return None
+        finally:
+            if plan is not None:
+                self.apply(plan, pinned=pinned)
 
     def reset(self) -> None:
         """Remove the runtime and forget the plan: the next step plans afresh."""
