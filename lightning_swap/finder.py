@@ -154,7 +154,8 @@ def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:
             "SwapBatchSizeFinder needs a memory budget on CPU: pass `budget_bytes` to the finder or the strategy."
         )
 
-    ckpt_path = os.path.join(trainer.default_root_dir, f".scale_batch_size_{uuid.uuid4()}.ckpt")
+    # One path for every rank: rank 0 writes it, all ranks restore from it.
+    ckpt_path = strategy.broadcast(os.path.join(trainer.default_root_dir, f".scale_batch_size_{uuid.uuid4()}.ckpt"), src=0)
     trainer.save_checkpoint(ckpt_path)
     params = _dump_params(trainer)
     _reset_params(trainer, config.steps_per_trial)
@@ -211,7 +212,8 @@ def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:
         if trainer.progress_bar_callback:
             trainer.progress_bar_callback.enable()
         trainer._checkpoint_connector.restore(ckpt_path)
-        trainer.strategy.remove_checkpoint(ckpt_path)
+        strategy.barrier("SwapBatchSizeFinder.restore")  # every rank has read it before rank 0 deletes it
+        strategy.remove_checkpoint(ckpt_path)
         session.reset()  # the next training step plans for the batch found
     return result
 

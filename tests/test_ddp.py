@@ -34,3 +34,27 @@ def test_ddp_cpu_swap_equals_plain_ddp(tmp_path):
         assert set(results[policy + ":plan"].values()) == {policy}
         assert results[policy + ":world"] == 2
     assert results["offload:offloaded"] > 0
+
+
+@pytest.mark.slow
+def test_batch_finder_agrees_across_ddp_ranks(tmp_path):
+    """2 gloo ranks search under one simulated budget: same batch on both, training fits."""
+    from .test_scale import Loop
+
+    loop = Loop("gpt")
+    keep = {n: "keep" for n in ("blocks.0", "blocks.1", "blocks.2", "blocks.3")}
+    from lightning_swap.core import resolve_policy
+
+    budget = loop.peak(16, resolve_policy("keep", list(keep)))
+    out = tmp_path / "find.pt"
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), "--model", "gpt", "--finder-budget", str(budget)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(f"{out}.rank{r}", weights_only=False) for r in (0, 1)]
+    assert ranks[0]["batch"] == ranks[1]["batch"] == ranks[0]["module_batch"] == ranks[1]["module_batch"]
+    assert ranks[0]["plan"] == ranks[1]["plan"]
+    assert ranks[0]["batch"] >= 16
+    assert all(r["peak"] <= budget for r in ranks)

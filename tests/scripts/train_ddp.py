@@ -23,7 +23,10 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default="cnn")
     parser.add_argument("--policies", nargs="+", default=["offload"])
+    parser.add_argument("--finder-budget", type=int, default=0, help="run SwapBatchSizeFinder under this budget instead")
     args = parser.parse_args()
+    if args.finder_budget:
+        return find(args)
     results = {}
     for policy in [None, *args.policies]:
         L.seed_everything(0, verbose=False)
@@ -48,6 +51,39 @@ def main():
         results[key + ":world"] = trainer.world_size
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         torch.save(results, args.out)
+
+
+def find(args):
+    """Every rank saves what the finder agreed on and the peak of training at that batch."""
+    from lightning_swap import SwapBatchSizeFinder
+
+    L.seed_everything(0, verbose=False)
+    module = LitModel(args.model, batch_size=8, samples=4096)
+    finder = SwapBatchSizeFinder(mode="max", max_batch_size=512)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DDPCPUSwapStrategy(budget_bytes=args.finder_budget, min_offload_bytes=0),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[finder],
+        default_root_dir=os.path.dirname(args.out),
+    )
+    trainer.fit(module)
+    rank = trainer.global_rank
+    torch.save(
+        {
+            "batch": finder.optimal_batch_size,
+            "module_batch": module.batch_size,
+            "trials": len(finder.result.trials),
+            "peak": max(s.peak_device_bytes for s in trainer.strategy.stats_history),
+            "plan": {k: a.value for k, a in trainer.strategy.plan.actions.items()},
+        },
+        f"{args.out}.rank{rank}",
+    )
 
 
 if __name__ == "__main__":
