@@ -54,7 +54,8 @@ class ResNetClassifier(L.LightningModule):
 
 
 class StepTimer(L.Callback):
-    """Wall time of each training batch after the first (warm-up)."""
+    """Wall time of each training batch after the first three (warm-up; an auto plan profiles
+    the first two and the report records the third)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -64,7 +65,7 @@ class StepTimer(L.Callback):
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx > 0:
+        if batch_idx >= 3:
             self.times.append(time.perf_counter() - self._start)
 
 
@@ -89,12 +90,18 @@ class PlainMeter(L.Callback):
             self._meter = None
 
 
-def run(args, policy):
+def run(args, policy, budget_bytes=None, report_dir=None):
     L.seed_everything(0, verbose=False)
     module = ResNetClassifier(args.arch, 10, args.batch_size, args.image_size, args.batch_size * args.steps)
     timer = StepTimer()
     meter = PlainMeter(args.accelerator)
-    strategy = CPUSwapStrategy(policy=policy, min_offload_bytes=args.min_offload_bytes) if policy else "auto"
+    strategy = (
+        CPUSwapStrategy(
+            policy=policy, min_offload_bytes=args.min_offload_bytes, budget_bytes=budget_bytes, report=report_dir is not None
+        )
+        if policy
+        else "auto"
+    )
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=1,
@@ -105,13 +112,17 @@ def run(args, policy):
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[timer] if policy else [timer, meter],
+        default_root_dir=report_dir,
     )
     trainer.fit(module)
     step_ms = 1e3 * sum(timer.times) / max(len(timer.times), 1)
-    peak = trainer.strategy.step_stats.peak_device_bytes if policy else meter.peak_bytes
+    if policy:  # the steady state: every step after the first
+        peak = max(s.peak_device_bytes for s in trainer.strategy.stats_history[1:] or trainer.strategy.stats_history)
+    else:
+        peak = meter.peak_bytes
     stats = trainer.strategy.step_stats if policy else None
     weights = torch.cat([p.detach().flatten().cpu() for p in module.parameters()])
-    return step_ms, peak, stats, weights
+    return step_ms, peak, stats, weights, trainer.strategy
 
 
 def main() -> None:
@@ -119,9 +130,11 @@ def main() -> None:
     parser.add_argument("--arch", default="resnet18")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--image-size", type=int, default=96)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--min-offload-bytes", type=int, default=1 << 14)
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--budget-fraction", type=float, default=0.85, help="auto's budget, a fraction of plain's peak")
+    parser.add_argument("--report-dir", default="swap_demo_output", help="where the memory timeline PNG goes")
     args = parser.parse_args()
     for name in ("lightning.pytorch", "lightning.pytorch.utilities.rank_zero", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -130,14 +143,20 @@ def main() -> None:
 
     print(f"lightning-swap {lightning_swap.__version__}, torch {torch.__version__}, device {args.accelerator}")
     print(f"{args.arch}, FakeData {args.image_size}x{args.image_size}, batch {args.batch_size}, {args.steps} steps\n")
-    plain_ms, plain_peak, _, plain_weights = run(args, None)
+    plain_ms, plain_peak, _, plain_weights, _ = run(args, None)
     rows = [("plain (strategy='auto')", format_bytes(plain_peak), plain_ms, "1.00", "-", "-", "-")]
-    for policy in ("keep", "offload", "recompute", "selective", "recompute_offload"):
-        step_ms, peak, stats, weights = run(args, policy)
+    budget = int(args.budget_fraction * plain_peak)
+    runs = [(p, p, None) for p in ("keep", "offload", "recompute", "selective", "recompute_offload")]
+    runs.append((f"auto, budget {args.budget_fraction:.0%} of plain", "auto", budget))
+    auto_strategy = None
+    for label, policy, budget_bytes in runs:
+        step_ms, peak, stats, weights, strategy = run(args, policy, budget_bytes, args.report_dir if budget_bytes else None)
+        if budget_bytes:
+            auto_strategy = strategy
         same = torch.equal(weights, plain_weights)
         rows.append(
             (
-                f"cpu_swap policy={policy}",
+                f"cpu_swap policy={label}",
                 format_bytes(peak),
                 step_ms,
                 f"{peak / plain_peak:.2f}",
@@ -154,9 +173,14 @@ def main() -> None:
         if i == 0:
             print("  ".join("-" * w for w in widths))
     print(
-        "\npeak device = bytes alive on the training device during a step (on CPU: a tracker of live"
-        "\ntensor storages that does not count the offload host pool); step ms = mean wall time per batch."
+        "\npeak device = most bytes alive on the training device during a steady-state step (on CPU: a"
+        "\ntracker of live tensor storages that does not count the offload host pool); step ms = mean"
+        "\nwall time per batch after the first three. Every row trains the same weights as plain training."
     )
+    plan = auto_strategy.plan
+    print(f"\nThe auto plan for a budget of {format_bytes(budget)} ({args.budget_fraction:.0%} of plain):\n{plan.render()}")
+    if auto_strategy.report_path is not None:
+        print(f"\nMemory over one plain and one planned step: {auto_strategy.report_path}")
 
 
 if __name__ == "__main__":
