@@ -51,6 +51,21 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return out
 
 
+def on_backward_start(output: Any, callback: Any) -> None:
+    """Call ``callback()`` once, when the first gradient of a tensor in ``output`` arrives:
+    the moment the backward of whatever produced ``output`` starts."""
+    fired = [False]
+
+    def on_grad(grad: torch.Tensor) -> None:
+        if not fired[0]:
+            fired[0] = True
+            callback()
+
+    for t in tensors_in(output):
+        if t.requires_grad:
+            t.register_hook(on_grad)
+
+
 def _normalize_device(device: torch.device | str) -> torch.device:
     """``cuda`` gets its index; ``cpu:N`` (Accelerate's multi-CPU device) is plain ``cpu``,
     which is what CPU tensors report, so device comparisons hold."""
@@ -180,18 +195,8 @@ class SwapRuntime:
         engine = self.engine
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not torch.is_grad_enabled():
-                return
-            fired = [False]
-
-            def on_grad(grad: torch.Tensor) -> None:
-                if not fired[0]:
-                    fired[0] = True
-                    engine.backward_started(index)
-
-            for t in tensors_in(output):
-                if t.requires_grad:
-                    t.register_hook(on_grad)
+            if torch.is_grad_enabled():
+                on_backward_start(output, lambda: engine.backward_started(index))
 
         return hook
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .meter import DeviceMemoryMeter
-from .runtime import tensors_in
+from .runtime import on_backward_start
 
 __all__ = ["Timeline", "TimelineRecorder"]
 
@@ -75,18 +75,8 @@ class TimelineRecorder:
 
     def _post(self, name: str):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not torch.is_grad_enabled():
-                return
-            fired = [False]
-
-            def on_grad(grad: torch.Tensor) -> None:
-                if not fired[0]:
-                    fired[0] = True
-                    self._mark(f"B {name}")
-
-            for t in tensors_in(output):
-                if t.requires_grad:
-                    t.register_hook(on_grad)
+            if torch.is_grad_enabled():
+                on_backward_start(output, lambda: self._mark(f"B {name}"))
 
         return hook
 
