@@ -3,36 +3,67 @@
 ``import lightning_swap`` registers the ``"cpu_swap"`` and ``"ddp_cpu_swap"`` strategies with
 Lightning (and with ``pytorch_lightning`` when it is installed), so
 ``Trainer(strategy="cpu_swap")`` works.
+
+Layers: measure (:func:`profile`), decide (:func:`solve`), act (:class:`SwapRuntime`), scale
+(:func:`search_batch_size`) in :mod:`lightning_swap.core`, which imports torch only; the
+Lightning adapters (:class:`CPUSwapStrategy`, :class:`DDPCPUSwapStrategy`,
+:class:`SwapBatchSizeFinder`) and :mod:`accelerate_swap` are thin.
 """
 
 from .core import (
     Action,
     DeviceMemoryMeter,
+    InfeasibleBudgetError,
+    ModelProfile,
     Plan,
     PlanRow,
+    Prediction,
+    SegmentProfile,
     StepStats,
     SwapRuntime,
     find_segments,
+    min_budget_bytes,
+    profile,
+    simulate,
+    solve,
 )
+from .core.scale import BatchSearchError, ScaleConfig, ScaleResult, search_batch_size
 from .core.session import SwapConfig, SwapSession
+from .core.timeline import Timeline, TimelineRecorder
 from .finder import SwapBatchSizeFinder
+from .report import plot_timelines
 from .strategy import CPUSwapStrategy, DDPCPUSwapStrategy, PLCPUSwapStrategy, PLDDPCPUSwapStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Action",
+    "BatchSearchError",
     "CPUSwapStrategy",
     "DDPCPUSwapStrategy",
     "DeviceMemoryMeter",
+    "InfeasibleBudgetError",
+    "ModelProfile",
     "PLCPUSwapStrategy",
     "PLDDPCPUSwapStrategy",
     "Plan",
     "PlanRow",
+    "Prediction",
+    "ScaleConfig",
+    "ScaleResult",
+    "SegmentProfile",
     "StepStats",
     "SwapBatchSizeFinder",
     "SwapConfig",
     "SwapRuntime",
     "SwapSession",
+    "Timeline",
+    "TimelineRecorder",
     "find_segments",
+    "min_budget_bytes",
+    "plot_timelines",
+    "profile",
+    "search_batch_size",
+    "simulate",
+    "solve",
 ]
