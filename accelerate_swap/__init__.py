@@ -3,21 +3,28 @@
 ``SwapAccelerator`` is a drop-in ``accelerate.Accelerator``; it is switched on by
 ``ACCELERATE_CPU_SWAP=true`` (which ``accelerate launch`` passes to every process), by a
 config file named in ``ACCELERATE_CPU_SWAP_CONFIG``, or by ``swap_plugin=SwapPlugin(...)``.
+``find_batch_size`` is the planned counterpart of ``accelerate.utils.find_executable_batch_size``;
+``accelerate-swap estimate`` predicts a plan and the largest batch without training.
 """
 
 from lightning_swap.core import Action, Plan, StepStats
+from lightning_swap.core.scale import BatchSearchError, ScaleResult
 
 from .accelerator import AcceleratedSwapSession, SwapAccelerator
+from .finder import find_batch_size
 from .plugin import ENV_CONFIG, ENV_FLAG, ENV_PREFIX, SwapPlugin
 
 __all__ = [
     "Action",
     "AcceleratedSwapSession",
+    "BatchSearchError",
     "ENV_CONFIG",
     "ENV_FLAG",
     "ENV_PREFIX",
     "Plan",
+    "ScaleResult",
     "StepStats",
     "SwapAccelerator",
     "SwapPlugin",
+    "find_batch_size",
 ]

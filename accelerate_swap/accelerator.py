@@ -17,6 +17,26 @@ itself leaves the window open; the next training forward restarts it, so only th
 statistics are lost. A failed backward (for instance out of memory) also leaves it open,
 for the same reason: closing it would report a step that did not happen.
 
+Note [Auto policy in Accelerate]: a forced policy needs no batch, so its plan is made in
+``prepare``. ``policy="auto"`` needs a profiled step, and an Accelerate loop has no step hook:
+the plan is made in the forward pre-hook of the first training forward, before the window
+opens. Every process is then in the same forward, so the broadcast in
+:meth:`SwapAccelerator._plan_on_main` pairs up. The main process profiles the unwrapped model
+on that forward's own arguments (through its ``forward``, so under Accelerate's autocast) and
+reduces its output to a scalar: its ``loss`` when it carries one (Hugging Face models given
+labels), else the sum of its floating-point tensors. The user's loss is code outside the model,
+so the prediction covers the model, and the loss adds its own on top (for cross-entropy about
+one logits-sized tensor): keep ``budget_bytes`` a little under the capacity when the logits
+are large. As in the Lightning strategy, the plan is made again when a batch of another
+shape arrives (a new batch size only rescales the profile) and once gradients and optimizer
+state first appear (Note [Re-plan when the optimizer state appears]); with several processes
+the decision is OR-reduced first, so that all of them enter the broadcast or none does. The
+profile restores buffers, gradients and the RNG state, so the weights equal a plain run's, and
+the hook's planning is suspended while it runs (the profiled forward passes the hook again).
+Under DDP the profile runs inside DDP's forward on the unwrapped model; DDP's reducer only
+acts on gradients between its forward and the following backward, so the profile's backward
+communicates nothing.
+
 Note [Accelerate leaves no trace]: the runtime is applied to ``unwrap_model(model)``, never
 to the DDP wrapper, so segment names are the user's and ``state_dict`` keys do not change.
 The session owns its forward pre-hook handle; ``swap_session.close()``,
@@ -27,7 +47,8 @@ The session owns its forward pre-hook handle; ``swap_session.close()``,
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -38,7 +59,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_swap.core.plan import Plan
-from lightning_swap.core.runtime import StepStats
+from lightning_swap.core.runtime import StepStats, tensors_in
 from lightning_swap.core.session import SwapConfig, SwapSession
 
 from .plugin import SwapPlugin
@@ -54,7 +75,11 @@ _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MUL
 
 class AcceleratedSwapSession(SwapSession):
     """A :class:`SwapSession` that also owns the forward pre-hook opening each step's window
-    (Note [Accelerate step window]); :meth:`close` removes both."""
+    (Note [Accelerate step window]); :meth:`close` removes both.
+
+    ``before_step(batch)``, when given, runs in that hook before the window opens, with the
+    forward's ``(args, kwargs)``: it (re-)plans (Note [Auto policy in Accelerate]).
+    """
 
     def __init__(
         self,
@@ -63,9 +88,12 @@ class AcceleratedSwapSession(SwapSession):
         device: torch.device | str,
         *,
         extra_tracked: Callable[[], Iterable[Any]] = tuple,
+        before_step: Optional[Callable[[Any], None]] = None,
     ) -> None:
         super().__init__(model, config, device)
         self._extra_tracked = extra_tracked
+        self._before_step = before_step
+        self._planning_suspended = False
         self._pre_hook: Optional[RemovableHandle] = None
 
     @property
@@ -76,24 +104,60 @@ class AcceleratedSwapSession(SwapSession):
         if self._pre_hook is None:
             self._pre_hook = self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
 
+    @contextmanager
+    def planning_suspended(self) -> Iterator[None]:
+        """No planning from the hook inside (profiled forwards, the batch-size search); windows
+        still open whenever a runtime is installed."""
+        previous, self._planning_suspended = self._planning_suspended, True
+        try:
+            yield
+        finally:
+            self._planning_suspended = previous
+
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.runtime is not None and module.training and torch.is_grad_enabled():
+        if not (module.training and torch.is_grad_enabled()):
+            return None
+        if self._before_step is not None and not self._planning_suspended:
+            with self.planning_suspended():
+                self._before_step((args, kwargs))
+        if self.runtime is not None:
             self.begin_step([args, kwargs, *self._extra_tracked()])
         return None
 
-    @override
-    def remove(self) -> None:
+    def close(self) -> None:
+        """Remove the hook and the runtime. (:meth:`remove`, which the core calls to swap one
+        plan for another or to profile, removes the runtime only.)"""
         if self._pre_hook is not None:
             self._pre_hook.remove()
             self._pre_hook = None
-        super().remove()
-
-    close = remove
+        self.remove()
 
 
 def _optimizer_states(optimizers: Iterable[Any]) -> list[Any]:
     # AcceleratedOptimizer wraps the user's optimizer; its state is the wrapped one's.
     return [getattr(opt, "optimizer", opt).state for opt in optimizers]
+
+
+def model_output_loss(output: Any) -> torch.Tensor:
+    """A scalar standing for the user's loss when only the model's output is known
+    (Note [Auto policy in Accelerate]): ``output["loss"]`` (or ``.loss``) when it is a tensor,
+    else the sum of every floating-point tensor in the output that requires grad."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss if loss.dim() == 0 else loss.float().sum()
+    parts = [t.float().sum() for t in tensors_in(output) if t.is_floating_point() and t.requires_grad]
+    if not parts:
+        raise ValueError(
+            "policy='auto' profiles the model's forward and needs its output to hold a floating-point "
+            f"tensor that requires grad; got {type(output).__name__}."
+        )
+    return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
+
+
+def _model_step(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The profiled step: the forward on the hooked forward's ``(args, kwargs)``, reduced."""
+    args, kwargs = batch
+    return model_output_loss(model(*args, **kwargs))
 
 
 class SwapAccelerator(Accelerator):
@@ -104,11 +168,14 @@ class SwapAccelerator(Accelerator):
     ``ACCELERATE_CPU_SWAP`` environment variable or the file in ``ACCELERATE_CPU_SWAP_CONFIG``
     (see :meth:`SwapPlugin.from_env`). Switched off, it is exactly ``Accelerator``.
 
-    Switched on, ``prepare(model, ...)`` (or ``prepare_model``) cuts the model into segments,
-    decides the plan on the main process, broadcasts it, and applies it to every process's
-    copy. Then:
+    Switched on, ``prepare(model, ...)`` (or ``prepare_model``) cuts the model into segments;
+    the plan is decided on the main process, broadcast, and applied to every process's copy:
+    in ``prepare`` for a forced policy, in the first training forward for ``policy="auto"``
+    (which profiles that step, and plans again for a batch of new shape and once optimizer
+    state exists: Note [Auto policy in Accelerate]). Then:
 
-    - ``swap_plan``: the applied :class:`~lightning_swap.Plan`;
+    - ``swap_plan``: the applied :class:`~lightning_swap.Plan` (``None`` with ``"auto"``
+      until the first training forward);
     - ``swap_step_stats``: the last step's :class:`~lightning_swap.StepStats`, also sent to
       :meth:`log` as ``swap/...`` values at step ``swap_steps`` when trackers are set up;
     - ``swap_session.close()``: removes everything from the model (as do ``free_memory()``,
@@ -128,6 +195,8 @@ class SwapAccelerator(Accelerator):
         self.swap_step_stats: Optional[StepStats] = None
         #: How many steps have been measured (the ``step`` their statistics are logged at).
         self.swap_steps = 0
+        #: True while ``find_batch_size`` runs its trials (their steps are not counted or logged).
+        self._swap_searching = False
         super().__init__(*args, **kwargs)
         if self.swap_plugin is not None:
             self._check_swap_supported()
@@ -190,39 +259,46 @@ class SwapAccelerator(Accelerator):
             self.swap_plugin.to_config(),
             self.device,
             extra_tracked=lambda: _optimizer_states(self._optimizers),
+            before_step=self._before_training_forward,
         )
         try:
-            session.apply(self._plan_on_main(session))
+            if not session.config.is_auto:  # Note [Auto policy in Accelerate]
+                session.apply(self._plan_on_main(session, session.forced_plan))
             session.install_hook()
         except BaseException:
             session.close()
             raise
         self._swap_session = session
 
-    def _solve(self, session: AcceleratedSwapSession) -> Plan:
-        """The plan for ``session``, decided on the main process.
+    def _before_training_forward(self, batch: Any) -> None:
+        """(Re-)plan before a training step when the session asks for it
+        (Note [Auto policy in Accelerate]); called from the session's forward pre-hook."""
+        session = self._swap_session
+        if session is None:
+            return
+        states = _optimizer_states(self._optimizers)
+        replan = session.needs_plan(batch) or (not session.pinned and session.state_changed(states))
+        if session.config.is_auto and self.num_processes > 1:
+            flag = torch.tensor([1 if replan else 0], device=self.device)
+            replan = bool(self.reduce(flag, reduction="sum").item() > 0)
+        if not replan:
+            return
+        plan = self._plan_on_main(session, lambda: session.plan_for_batch(batch, _model_step, states))
+        session.apply(plan)
+        session.mark_planned(batch, states)
 
-        Note [Auto policy in Accelerate]: only forced policies are served, so the plan needs
-        no batch and is made in ``prepare``. ``policy="auto"`` (refused by ``SwapPlugin`` for
-        now) needs a profiled step on the first batch: it would call
-        ``session.plan_for_batch(batch, step_fn, track)`` here from the forward pre-hook
-        (every process is in its first forward, so the broadcast in :meth:`_plan_on_main`
-        still pairs up), with ``step_fn`` running the unwrapped model on the forward's
-        arguments; the loss is the user's code, so the profile would sum the outputs.
-        """
-        return session.forced_plan()
+    def _plan_on_main(self, session: AcceleratedSwapSession, solve: Callable[[], Plan]) -> Plan:
+        """``solve()`` on the main process, broadcast, so every process applies the same plan.
 
-    def _plan_on_main(self, session: AcceleratedSwapSession) -> Plan:
-        """Decide on the main process and broadcast, so every process applies the same plan.
-
-        Every process reaches this collective (``prepare`` runs on all of them); a failure on
-        the main process is broadcast too, so the others raise instead of waiting forever.
+        Every process reaches this collective (``prepare``, or the same training forward); a
+        failure on the main process is broadcast too, so the others raise instead of waiting
+        forever.
         """
         payload: list[Any] = [None]
         error: Optional[BaseException] = None
         if self.is_main_process:
             try:
-                payload[0] = ("plan", self._solve(session))
+                payload[0] = ("plan", solve())
             except Exception as err:  # re-raised below, after the others have been told
                 error = err
                 payload[0] = ("error", f"{type(err).__name__}: {err}")
@@ -233,7 +309,8 @@ class SwapAccelerator(Accelerator):
                 raise error
             raise RuntimeError(f"the main process could not plan the model: {body}")
         plan: Plan = body
-        if list(plan.segments) != list(session.segments):
+        # the planner lists segments in execution order, the forced plan in the model's order
+        if sorted(plan.segments) != sorted(session.segments):
             raise ValueError(
                 f"process {self.process_index} cut the model into segments {list(session.segments)}, "
                 f"but the main process planned {list(plan.segments)}; every process must build the same model."
@@ -248,7 +325,7 @@ class SwapAccelerator(Accelerator):
         if session is None:
             return
         stats = session.end_step()  # Note [Accelerate step window]
-        if stats is None:
+        if stats is None or self._swap_searching:
             return
         self.swap_step_stats = stats
         self.swap_steps += 1

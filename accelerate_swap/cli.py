@@ -2,8 +2,10 @@
 
 ``accelerate-swap config`` writes a project's sidecar YAML (the switch and the options; see
 :mod:`accelerate_swap.plugin`) and prints the environment line that points
-``accelerate launch`` at it. Each subcommand is a pair (add its parser, run it) in
-``_COMMANDS``, in the manner of ``accelerate``'s own CLI.
+``accelerate launch`` at it. ``accelerate-swap estimate`` prints the plan and the largest batch
+for a model without training (:mod:`accelerate_swap.estimate`). Each subcommand is a pair (add
+its parser, run it) in ``_COMMANDS``, in the manner of ``accelerate``'s own CLI. A bad value
+exits with status 2 and a message naming the flag.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def _add_config_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     _flag(parser, "config_file", default=DEFAULT_CONFIG_FILE, help=f"where to write (default: ./{DEFAULT_CONFIG_FILE})")
-    _flag(parser, "policy", help="keep | offload | recompute | selective | recompute_offload, or 'segment.name=action,...'")
+    _flag(parser, "policy", help="auto (default: the planner, under --budget_bytes) | keep | offload | recompute | selective | recompute_offload, or 'segment.name=action,...'")
     _flag(parser, "segments", help="comma-separated qualified module names or 'package.module:BlockClass' (default: repeated blocks)")
     _flag(parser, "min_offload_bytes", help="saved tensors smaller than this stay on the device (e.g. 16KiB)")
     _flag(parser, "budget_bytes", help="device memory budget for the planner (e.g. 12GiB)")
@@ -94,9 +96,90 @@ def _run_config(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- estimate ----------------------------------------------------------------------------
+def _add_estimate_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "estimate",
+        help="Print the plan and the largest batch for a model under a memory budget, without training.",
+        description=(
+            "Profile one training step of a torchvision model (built with weights=None: nothing is "
+            "downloaded) or of the model a factory returns, in fake mode (no arithmetic), and print "
+            "the plan at --batch_size and the largest batch whose plan fits --budget."
+        ),
+    )
+    parser.add_argument("model_name", nargs="?", help="a torchvision model name, e.g. resnet50 (or use --model)")
+    _flag(parser, "model", help="'package.module:factory', called with no arguments, returning the nn.Module")
+    _flag(parser, "batch_size", default="32", help="the batch profiled and planned (default 32)")
+    _flag(parser, "image_size", default="224", help="image height and width: input (batch, 3, size, size) (default 224)")
+    _flag(parser, "input_shape", help="one sample's shape instead, comma-separated (e.g. 3,32,32 or 512 for token ids)")
+    _flag(parser, "input_dtype", default="float32", help="float32 (default), float16, bfloat16, or int64 (token ids)")
+    parser.add_argument("--budget", "--budget_bytes", "--budget-bytes", dest="budget", help="device memory budget (e.g. 8GiB)")
+    _flag(parser, "policy", default="auto", help="auto (default: any action per segment) or one action for every segment")
+    _flag(parser, "segments", help="comma-separated qualified module names or 'package.module:BlockClass' (default: repeated blocks)")
+    _flag(parser, "margin", default="0.05", help="fraction of the budget held back for the largest batch (default 0.05)")
+    _flag(parser, "max_batch_size", default="8192", help="the largest batch considered (default 8192)")
+
+
+def _positive_int(raw: str, flag: str) -> int:
+    text = str(raw).strip()
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"`{flag}` got {raw!r}; allowed: an integer >= 1.")
+    return int(text)
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    from .estimate import DTYPES, build_model, estimate
+
+    if (args.model_name is None) == (args.model is None):
+        raise ValueError(
+            "`--model` / `model_name`: give exactly one: a torchvision model name (e.g. `accelerate-swap "
+            "estimate resnet50`) or --model package.module:factory."
+        )
+    batch_size = _positive_int(args.batch_size, "--batch_size")
+    max_batch_size = _positive_int(args.max_batch_size, "--max_batch_size")
+    if args.input_shape is not None:
+        parts = [p.strip() for p in str(args.input_shape).split(",")]
+        if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"`--input_shape` got {args.input_shape!r}; allowed: comma-separated integers >= 1, e.g. 3,224,224.")
+        input_shape = tuple(int(p) for p in parts)
+    else:
+        size = _positive_int(args.image_size, "--image_size")
+        input_shape = (3, size, size)
+    if args.input_dtype not in DTYPES:
+        raise ValueError(f"`--input_dtype` got {args.input_dtype!r}; allowed: {', '.join(DTYPES)}.")
+    try:
+        margin = float(args.margin)
+    except ValueError:
+        margin = -1.0
+    if not 0 <= margin < 1:
+        raise ValueError(f"`--margin` got {args.margin!r}; allowed: a number in [0, 1).")
+    budget = parse_option("budget_bytes", args.budget, "--budget") if args.budget is not None else None
+    policy = parse_option("policy", args.policy, "--policy")
+    if not isinstance(policy, str):
+        raise ValueError(f"`--policy` got {args.policy!r}; allowed: auto or one action for every segment.")
+    segments = parse_option("segments", args.segments, "--segments") if args.segments is not None else None
+    spec, source = (args.model, "--model") if args.model is not None else (args.model_name, "model_name")
+    model = build_model(spec, source=source)
+    result = estimate(
+        model,
+        batch_size=batch_size,
+        input_shape=input_shape,
+        input_dtype=args.input_dtype,
+        budget_bytes=budget,
+        policy=policy.strip().lower(),
+        segments=segments,
+        margin=margin,
+        max_batch_size=max_batch_size,
+        model_name=spec,
+    )
+    print(result.render())
+    return 0
+
+
 #: name -> (add the subcommand's parser, run it).
 _COMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None], Callable[[argparse.Namespace], int]]] = {
     "config": (_add_config_parser, _run_config),
+    "estimate": (_add_estimate_parser, _run_estimate),
 }
 
 

@@ -38,7 +38,7 @@ from typing import Any, Optional
 from lightning_swap.core.actions import Action, PolicyLike
 from lightning_swap.core.runtime import DEFAULT_MIN_OFFLOAD_BYTES
 from lightning_swap.core.segments import SegmentSpec
-from lightning_swap.core.session import SwapConfig
+from lightning_swap.core.session import AUTO, SwapConfig
 
 __all__ = ["ENV_CONFIG", "ENV_FLAG", "ENV_PREFIX", "FILE_FLAG", "OPTIONS", "SwapPlugin", "env_name", "parse_option"]
 
@@ -73,6 +73,10 @@ def _parse_bool(value: Any, source: str) -> bool:
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
         return value.strip().lower() in _TRUE
     raise ValueError(f"`{source}` got {value!r}; allowed: true or false (also {'/'.join(_TRUE[:-1])}, {'/'.join(_FALSE[:-1])}, 1/0).")
+
+
+def _is_auto(policy: Any) -> bool:
+    return isinstance(policy, str) and policy.strip().lower() == AUTO
 
 
 def _is_none(value: Any) -> bool:
@@ -110,7 +114,7 @@ def _parse_count(value: Any, source: str) -> Optional[int]:
 def _parse_policy(value: Any, source: str) -> PolicyLike:
     """One action name, or per segment: ``name=action,name=action`` (env) / a mapping (file)."""
     allowed = (
-        f"one of {', '.join(a.value for a in Action)}, or per segment "
+        f"auto, one of {', '.join(a.value for a in Action)}, or per segment "
         "'segment.name=action,other.name=action' (a mapping in a config file)"
     )
     if isinstance(value, Action):
@@ -228,9 +232,12 @@ class SwapPlugin:
     and the config file (Note [Where the options come from]).
     """
 
-    #: An action name (``keep``, ``offload``, ``recompute``, ``selective``,
-    #: ``recompute_offload``), an ``Action``, or a mapping from segment name to action.
-    policy: PolicyLike = "keep"
+    #: ``"auto"`` (profile the first training forward and let the planner choose under
+    #: ``budget_bytes``: Note [Auto policy in Accelerate]), an action name (``keep``,
+    #: ``offload``, ``recompute``, ``selective``, ``recompute_offload``), an ``Action``, or a
+    #: mapping from segment name to action. With ``"auto"`` and no ``budget_bytes`` on CPU every
+    #: segment is kept (there is no device capacity to plan for), as in the Lightning strategy.
+    policy: PolicyLike = AUTO
     #: ``None`` finds repeated blocks; or module classes / qualified module names.
     segments: SegmentSpec = None
     #: Saved tensors smaller than this stay on the device.
@@ -245,15 +252,11 @@ class SwapPlugin:
     log_stats: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.policy, str) and self.policy.strip().lower() == "auto":
-            # Note [Auto policy in Accelerate]: the planner needs a profiled first step, which
-            # SwapAccelerator does not run yet (see SwapAccelerator._solve).
-            raise ValueError(
-                "`policy` got 'auto', which the Accelerate plugin does not support yet; allowed: "
-                f"one of {', '.join(repr(a.value) for a in Action)}, or a mapping from segment name to action."
-            )
-        if not isinstance(self.policy, Mapping):
-            Action.parse(self.policy, field="policy")  # its message, without the core's 'auto' hint
+        if not isinstance(self.policy, Mapping) and not _is_auto(self.policy):
+            try:
+                Action.parse(self.policy, field="policy")
+            except ValueError as err:
+                raise ValueError(f"{err} Or 'auto' to let the planner choose.") from None
         self.to_config()  # validates every shared option, naming the field
         if not isinstance(self.log_stats, bool):
             raise ValueError(f"`log_stats` must be True or False; got {self.log_stats!r}.")
@@ -302,11 +305,10 @@ class SwapPlugin:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "policy":
-                value = (
-                    {str(k): Action.parse(v).value for k, v in value.items()}
-                    if isinstance(value, Mapping)
-                    else Action.parse(value).value
-                )
+                if isinstance(value, Mapping):
+                    value = {str(k): Action.parse(v).value for k, v in value.items()}
+                else:
+                    value = AUTO if _is_auto(value) else Action.parse(value).value
             elif f.name == "segments" and value is not None:
                 value = [v if isinstance(v, str) else f"{v.__module__}:{v.__qualname__}" for v in value]
             out[f.name] = value

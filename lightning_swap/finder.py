@@ -20,13 +20,11 @@ from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.tuner import batch_size_scaling as _bss
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, _TunerExitException
 from lightning.pytorch.utilities.memory import garbage_collection_cuda
-from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from .core.actions import Action
-from .core.plan import Plan
-from .core.scale import ScaleConfig, ScaleResult, TrialMeasurement, search_batch_size
+from .core.scale import Collectives, ScaleConfig, ScaleResult, search_for_loop
 from .core.session import _check_budget
 from .strategy import _SwapStrategyMixin
 
@@ -136,23 +134,30 @@ class SwapBatchSizeFinder(BatchSizeFinder):
         return None
 
 
-def _first_batch(trainer: Any) -> Any:
-    loop = trainer.fit_loop
-    loop.setup_data()
-    batch = next(iter(trainer.train_dataloader))
-    return trainer.strategy.batch_to_device(batch)
+def _collectives(strategy: Any) -> Collectives:
+    device = strategy.root_device
+
+    def reduce(value: float, op: str) -> float:
+        return float(strategy.reduce(torch.tensor(float(value), device=device), reduce_op=op).item())
+
+    return Collectives(
+        is_main=strategy.is_global_zero,
+        broadcast=lambda obj: strategy.broadcast(obj, src=0),
+        reduce_max=lambda value: reduce(value, "max"),
+        reduce_min=lambda value: int(reduce(value, "min")),
+    )
 
 
 def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:
     strategy = trainer.strategy
     session = strategy.swap_session
-    module = trainer.lightning_module
     config = finder.scale_config
     budget = finder.budget_bytes or session.budget_bytes()
     if budget is None:
         raise MisconfigurationException(
             "SwapBatchSizeFinder needs a memory budget on CPU: pass `budget_bytes` to the finder or the strategy."
         )
+    start_batch = lightning_getattr(trainer.lightning_module, finder._batch_arg_name)
 
     # One path for every rank: rank 0 writes it, all ranks restore from it.
     ckpt_path = strategy.broadcast(os.path.join(trainer.default_root_dir, f".scale_batch_size_{uuid.uuid4()}.ckpt"), src=0)
@@ -161,51 +166,42 @@ def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:
     _reset_params(trainer, config.steps_per_trial)
     if trainer.progress_bar_callback:
         trainer.progress_bar_callback.disable()
-    try:
-        actions = session.allowed_actions()  # a per-segment policy cannot be searched: fail early
-        # Note [Profile in the steady state]: every step but the first starts with gradients
-        # and optimizer state alive; one warm-up step under the leanest plan creates them
-        # (the checkpoint restores the model and optimizer afterwards).
-        session.apply(Plan(actions={name: Action.RECOMPUTE_OFFLOAD for name in session.segments}), pinned=True)
-        trainer.fit_loop.epoch_loop.max_steps = 1
+
+    def use_batch_size(batch_size: int) -> None:
+        lightning_setattr(trainer.lightning_module, finder._batch_arg_name, batch_size)
+        _bss._reset_dataloaders(trainer)
+
+    def make_batch(batch_size: int) -> Any:
+        use_batch_size(batch_size)
+        return strategy.batch_to_device(next(iter(trainer.train_dataloader)))
+
+    def run_steps(batch_size: int, steps: int) -> list:
+        """Lightning's own fit loop for ``steps`` steps at ``batch_size``."""
+        use_batch_size(batch_size)
+        _bss._reset_progress(trainer)
+        trainer.fit_loop.epoch_loop.max_steps = steps
+        strategy.stats_history.clear()
+        garbage_collection_cuda()
         try:
             _bss._try_loop_run(trainer, params)
         finally:
             trainer.fit_loop.epoch_loop.max_steps = config.steps_per_trial
-            session.remove()
-        _bss._reset_progress(trainer)
-        batch = _first_batch(trainer)
-        track = [o.state for o in strategy.optimizers]
-        prof = session.measure(batch, strategy.profile_step_fn(), track) if strategy.is_global_zero else None
-        prof = strategy.broadcast(prof, src=0)
-
-        def run_trial(batch_size: int, plan: Plan) -> TrialMeasurement:
-            lightning_setattr_batch(trainer, finder._batch_arg_name, batch_size)
-            _bss._reset_dataloaders(trainer)
-            _bss._reset_progress(trainer)
-            session.apply(plan, pinned=True)
-            strategy.stats_history.clear()
             garbage_collection_cuda()
-            try:
-                _bss._try_loop_run(trainer, params)
-            finally:
-                session.remove()
-                garbage_collection_cuda()
-            stats = list(strategy.stats_history)
-            if not stats:
-                raise RuntimeError("the trial run made no training step; is the train dataloader empty?")
-            warm = stats[1:] or stats
-            peak = torch.tensor(float(max(s.peak_device_bytes for s in stats)), device=strategy.root_device)
-            step_ms = torch.tensor(sum(s.step_ms for s in warm) / len(warm), device=strategy.root_device)
-            peak = strategy.reduce(peak, reduce_op="max")
-            step_ms = strategy.reduce(step_ms, reduce_op="max")
-            return TrialMeasurement(peak_bytes=int(peak.item()), step_ms=float(step_ms.item()))
+        return list(strategy.stats_history)
 
-        result = search_batch_size(prof, budget, run_trial, config, actions=actions)
-        agreed = int(strategy.reduce(torch.tensor(result.batch_size, device=strategy.root_device), reduce_op="min").item())
-        if agreed != result.batch_size:  # another rank found less: its batch wins
-            result = ScaleResult(agreed, result.plan, result.mode, result.budget_bytes, result.trials, result.search_s)
-        lightning_setattr_batch(trainer, finder._batch_arg_name, result.batch_size)
+    try:
+        result = search_for_loop(
+            session,
+            budget,
+            run_steps,
+            strategy.profile_step_fn(),
+            make_batch=make_batch,
+            profile_batch_size=min(max(start_batch, config.min_batch_size), config.max_batch_size),
+            config=config,
+            track=lambda: [o.state for o in strategy.optimizers],
+            collectives=_collectives(strategy),
+        )
+        lightning_setattr(trainer.lightning_module, finder._batch_arg_name, result.batch_size)
         rank_zero_info(f"SwapBatchSizeFinder:\n{result.render()}")
     finally:
         _restore_params(trainer, params)
@@ -216,10 +212,3 @@ def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:
         strategy.remove_checkpoint(ckpt_path)
         session.reset()  # the next training step plans for the batch found
     return result
-
-
-def lightning_setattr_batch(trainer: Any, name: str, value: int) -> None:
-    from lightning.pytorch.utilities.parsing import lightning_setattr
-
-    lightning_setattr(trainer.lightning_module, name, value)
-    log.debug("batch size set to %d (was %s)", value, lightning_getattr(trainer.lightning_module, name))

@@ -3,6 +3,7 @@ names its variable or key and what is allowed), and ``accelerate-swap config``."
 
 from __future__ import annotations
 
+import re
 import shlex
 
 import pytest
@@ -10,9 +11,10 @@ import torchvision
 
 from accelerate_swap import Action, SwapPlugin
 from accelerate_swap.cli import main
+from lightning_swap.core import InfeasibleBudgetError, solve
 from lightning_swap.core.runtime import DEFAULT_MIN_OFFLOAD_BYTES
 
-from .models import ConvBlock
+from .models import ConvBlock, cnn_bn_dropout
 
 ON = {"ACCELERATE_CPU_SWAP": "true"}
 
@@ -59,6 +61,7 @@ def test_default_environ_is_os_environ(monkeypatch):
     ("variable", "value", "field", "expected"),
     [
         ("POLICY", "offload", "policy", "offload"),
+        ("POLICY", " Auto ", "policy", "Auto"),
         ("POLICY", " Recompute_Offload ", "policy", "Recompute_Offload"),
         ("POLICY", "blocks.0=offload, blocks.2=RECOMPUTE", "policy", {"blocks.0": "offload", "blocks.2": "RECOMPUTE"}),
         ("SEGMENTS", "blocks.0, blocks.2", "segments", ("blocks.0", "blocks.2")),
@@ -91,9 +94,8 @@ def test_option_from_env(variable, value, field, expected):
         ("ACCELERATE_CPU_SWAP", "maybe", "allowed: true or false"),
         ("ACCELERATE_CPU_SWAP", "", "allowed: true or false"),
         ("ACCELERATE_CPU_SWAP_POLICY", "swap", "allowed: an Action or one of 'keep'"),
-        ("ACCELERATE_CPU_SWAP_POLICY", "Auto", "does not support yet; allowed: one of 'keep'"),
         ("ACCELERATE_CPU_SWAP_POLICY", "blocks.0=nope", r"policy\['blocks.0'\]. got 'nope'; allowed"),
-        ("ACCELERATE_CPU_SWAP_POLICY", "blocks.0=offload,=recompute", "allowed: one of keep, offload"),
+        ("ACCELERATE_CPU_SWAP_POLICY", "blocks.0=offload,=recompute", "allowed: auto, one of keep, offload"),
         ("ACCELERATE_CPU_SWAP_POLICY", ",", "allowed: an Action or one of 'keep'"),
         ("ACCELERATE_CPU_SWAP_SEGMENTS", ",", "allowed: none .find repeated blocks."),
         ("ACCELERATE_CPU_SWAP_SEGMENTS", "no_such_module:Block", "cannot be imported"),
@@ -163,7 +165,7 @@ def test_precedence_env_over_file(tmp_path):
         ("enabled: maybe\n", "swap.yaml: enabled. got 'maybe'; allowed: true or false"),
         ("enabled: true\npolicy: swap\n", r"swap.yaml: policy. got 'swap': .policy. got 'swap'; allowed: an Action"),
         ("enabled: true\npolicy: {blocks.0: nope}\n", r"swap.yaml: policy.*allowed: an Action"),
-        ("enabled: true\npolicy: 3\n", r"swap.yaml: policy. got 3; allowed: one of keep"),
+        ("enabled: true\npolicy: 3\n", r"swap.yaml: policy. got 3; allowed: auto, one of keep"),
         ("enabled: true\nsegments: blocks.0\n", None),  # a string is a one-item list: valid
         ("enabled: true\nsegments: {a: 1}\n", r"swap.yaml: segments. got \{'a': 1\}; allowed: none"),
         ("enabled: true\nsegments: [blocks.0, 3]\n", r"swap.yaml: segments.*allowed: none"),
@@ -190,7 +192,6 @@ def test_invalid_file_names_the_key(tmp_path, text, message):
     ("kwargs", "field"),
     [
         ({"policy": "swap"}, "policy"),
-        ({"policy": "auto"}, "policy"),
         ({"policy": {"blocks.0": "nope"}}, "policy"),
         ({"segments": []}, "segments"),
         ({"min_offload_bytes": -1}, "min_offload_bytes"),
@@ -203,8 +204,19 @@ def test_plugin_in_code_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"`{field}") as err:
         SwapPlugin(**kwargs)
     assert "allowed" in str(err.value) or "must be" in str(err.value)
-    if kwargs.get("policy") == "swap":  # no hint at 'auto', which the plugin refuses
-        assert "auto" not in str(err.value)
+    if kwargs.get("policy") == "swap":  # the planner is offered too
+        assert "'auto'" in str(err.value)
+
+
+def test_auto_is_the_default_policy():
+    """Switched on with no options, the planner decides; without a budget on CPU it keeps every
+    segment (tests/test_accelerate.py), as the Lightning strategy does."""
+    assert SwapPlugin().policy == "auto" and SwapPlugin().to_config().is_auto
+    assert SwapPlugin.from_env(ON).to_config().is_auto
+    assert SwapPlugin(policy=" AUTO ").to_config().is_auto
+    assert SwapPlugin().to_dict()["policy"] == "auto"
+    assert SwapPlugin(policy="keep").to_env()["ACCELERATE_CPU_SWAP_POLICY"] == "keep"  # no longer the default
+    assert "ACCELERATE_CPU_SWAP_POLICY" not in SwapPlugin(budget_bytes=1 << 30).to_env()
 
 
 def test_plugin_is_frozen_and_keyword_only():
@@ -222,6 +234,8 @@ def test_plugin_is_frozen_and_keyword_only():
     [
         SwapPlugin(),
         SwapPlugin(policy=Action.RECOMPUTE, budget_bytes=3 << 30, log_stats=False),
+        SwapPlugin(policy="keep"),
+        SwapPlugin(policy="auto", budget_bytes=12 << 30),
         SwapPlugin(policy={"layer1.0": "offload", "layer2.0": Action.SELECTIVE}, segments=[ConvBlock, "layer4"], prefetch_segments=2, min_offload_bytes=0),
     ],
 )
@@ -258,10 +272,79 @@ def test_cli_config_disabled_and_errors(tmp_path, capsys):
     assert SwapPlugin.from_env({"ACCELERATE_CPU_SWAP_CONFIG": str(target)}) is None
     assert SwapPlugin.from_env({"ACCELERATE_CPU_SWAP_CONFIG": str(target), **ON}) == SwapPlugin()
     capsys.readouterr()
-    assert main(["config", "--config_file", str(tmp_path / "bad.yaml"), "--policy", "auto"]) == 2
+    assert main(["config", "--config_file", str(tmp_path / "bad.yaml"), "--policy", "swap"]) == 2
     err = capsys.readouterr().err
-    assert "`--policy` got 'auto'" in err and "allowed" in err
+    assert "`--policy` got 'swap'" in err and "allowed" in err
     assert not (tmp_path / "bad.yaml").exists()
     assert main(["config", "--config_file", str(tmp_path / "bad.yaml"), "--budget_bytes", "-3"]) == 2
     assert "`--budget_bytes` got '-3'" in capsys.readouterr().err
     assert main([]) == 1
+
+
+def test_cli_config_auto(tmp_path, capsys):
+    target = tmp_path / "swap.yaml"
+    assert main(["config", "--config_file", str(target), "--policy", "auto", "--budget_bytes", "2GiB"]) == 0
+    plugin = SwapPlugin.from_env({"ACCELERATE_CPU_SWAP_CONFIG": str(target)})
+    assert plugin.to_config().is_auto and plugin.budget_bytes == 2 << 30
+
+
+# -- accelerate-swap estimate -------------------------------------------------------------
+def _largest(out: str) -> int:
+    return int(re.search(r"Largest batch for .*?: (\d+), plan", out).group(1))
+
+
+def test_cli_estimate_factory_model(capsys):
+    from accelerate_swap.estimate import estimate
+
+    argv = ["estimate", "--model", "tests.models:cnn_bn_dropout", "--input_shape", "3,16,16", "--batch-size", "8"]
+    assert main([*argv, "--budget", "4MiB", "--margin", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "`tests.models:cnn_bn_dropout`, input (8, 3, 16, 16) float32" in out
+    assert "Plan at batch 8 for a budget of 4.0 MiB" in out and "blocks.3" in out
+    largest = _largest(out)
+    # exactly the largest batch the planner predicts to fit: the next one has no plan
+    prof = estimate(cnn_bn_dropout(), batch_size=8, input_shape=(3, 16, 16)).profile
+    solve(prof, budget_bytes=4 << 20, batch_size=largest)
+    with pytest.raises(InfeasibleBudgetError):
+        solve(prof, budget_bytes=4 << 20, batch_size=largest + 1)
+    assert largest > 8
+    # a single forced action plans less freely: never a larger batch
+    assert main([*argv, "--budget", "4MiB", "--margin", "0", "--policy", "keep"]) == 0
+    out = capsys.readouterr().out
+    assert _largest(out) < largest and "offload" not in out.split("Largest batch")[1]
+
+
+def test_cli_estimate_torchvision_model(capsys):
+    assert main(["estimate", "resnet18", "--image-size", "32", "--batch-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "input (4, 3, 32, 32) float32" in out and "8 segments" in out and "Give --budget" in out
+    assert main(["estimate", "resnet18", "--image-size", "32", "--batch-size", "4", "--budget", "10MiB"]) == 0
+    out = capsys.readouterr().out  # less than the parameters, gradients and input need: nothing fits
+    assert "Batch 4 does not fit 10.0 MiB with any plan" in out and "No batch in [1, 8192] fits" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        ([], "--model"),
+        (["resnet18", "--model", "tests.models:cnn_bn_dropout"], "--model"),
+        (["resnet5"], "model_name"),
+        (["--model", "tests.models:NoSuchFactory"], "--model"),
+        (["--model", "tests.models:ConvBlock"], "--model"),  # needs arguments
+        (["--model", "tests.models:_images"], "--model"),
+        (["resnet18", "--batch_size", "0"], "--batch_size"),
+        (["resnet18", "--batch-size", "x"], "--batch_size"),
+        (["resnet18", "--image_size", "-1"], "--image_size"),
+        (["resnet18", "--input_shape", "3,x"], "--input_shape"),
+        (["resnet18", "--input_dtype", "int8"], "--input_dtype"),
+        (["resnet18", "--budget", "lots"], "--budget"),
+        (["resnet18", "--policy", "swap"], "--policy"),
+        (["resnet18", "--policy", "layer1.0=offload"], "--policy"),
+        (["resnet18", "--margin", "1.5"], "--margin"),
+        (["resnet18", "--max_batch_size", "0"], "--max_batch_size"),
+    ],
+)
+def test_cli_estimate_bad_arguments(argv, flag, capsys):
+    assert main(["estimate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("accelerate-swap estimate: error:") and f"`{flag}" in err

@@ -21,7 +21,7 @@ def test_ddp_cpu_swap_equals_plain_ddp(tmp_path):
     policies = ["offload", "recompute", "recompute_offload"]
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(out), "--policies", *policies],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = torch.load(out, weights_only=False)
@@ -50,7 +50,7 @@ def test_batch_finder_agrees_across_ddp_ranks(tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(out), "--model", "gpt", "--finder-budget", str(budget)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [torch.load(f"{out}.rank{r}", weights_only=False) for r in (0, 1)]

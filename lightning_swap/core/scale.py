@@ -24,29 +24,37 @@ out. The caller restores model and optimizer state after every trial.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from .actions import Action
 from .errors import InfeasibleBudgetError
 from .plan import Plan, format_bytes
-from .profiler import ModelProfile
+from .profiler import ModelProfile, StepFn
+from .runtime import StepStats
 from .solver import solve
+
+if TYPE_CHECKING:  # the session imports this module lazily; a type is all that is needed here
+    from .session import SwapSession
 
 __all__ = [
     "BatchSearchError",
+    "Collectives",
     "ScaleConfig",
     "ScaleResult",
     "Trial",
     "TrialMeasurement",
     "is_out_of_memory",
+    "predict_batch_size",
     "search_batch_size",
+    "search_for_loop",
 ]
 
 log = logging.getLogger(__name__)
@@ -310,3 +318,127 @@ def search_batch_size(
         f"{format_bytes(budget_bytes)} (margin {config.margin:.0%}) after {len(trials)} trial run(s).{need}",
         trials=tuple(trials),
     )
+
+
+# -- predictions only --------------------------------------------------------------------------
+def predict_batch_size(
+    profile: ModelProfile,
+    budget_bytes: int,
+    config: ScaleConfig = ScaleConfig(),
+    *,
+    actions: Optional[tuple[Action, ...]] = None,
+) -> Optional[Plan]:
+    """The plan at the largest batch in ``[config.min_batch_size, config.max_batch_size]``
+    predicted to fit ``budget_bytes·(1-config.margin)`` (its ``batch_size`` is that batch), or
+    ``None`` when even the smallest does not fit.
+
+    No model runs: the same bisection over predictions that :func:`search_batch_size` starts
+    from, without the confirming trials (``accelerate-swap estimate`` uses it).
+    """
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise ValueError(f"`budget_bytes` must be a positive int; got {budget_bytes!r}.")
+    effective = int(budget_bytes * (1 - config.margin))
+    plan_at = _planner(profile, actions)
+    batch = _largest_feasible(plan_at, effective, config.min_batch_size, config.max_batch_size)
+    return None if batch is None else plan_at(batch, effective)
+
+
+# -- around a training loop ----------------------------------------------------------------------
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Collectives:
+    """How the processes of a data-parallel job agree; the defaults are one process's identity."""
+
+    #: Whether this process profiles (the others receive its profile).
+    is_main: bool = True
+    #: The main process's object, on every process.
+    broadcast: Callable[[Any], Any] = _same
+    #: The largest of every process's number (measured peaks and step times).
+    reduce_max: Callable[[float], float] = _same
+    #: The smallest of every process's number (the batch size all agree on).
+    reduce_min: Callable[[int], int] = _same
+
+
+#: ``run_steps(batch_size, steps)``: run ``steps`` training steps at ``batch_size`` with the
+#: session's installed plan, each inside the session's step window, and return their statistics.
+RunSteps = Callable[[int, int], Sequence[StepStats]]
+
+
+def search_for_loop(
+    session: "SwapSession",
+    budget_bytes: int,
+    run_steps: RunSteps,
+    step_fn: StepFn,
+    *,
+    make_batch: Callable[[int], Any],
+    profile_batch_size: int,
+    config: ScaleConfig = ScaleConfig(),
+    track: Callable[[], Any] = tuple,
+    collectives: Collectives = Collectives(),
+) -> ScaleResult:
+    """The batch-size search around any training loop, the loop being ``run_steps``.
+
+    1. Warm-up (Note [Profile in the steady state]): one step at ``profile_batch_size`` under
+       the leanest plan (every segment ``RECOMPUTE_OFFLOAD``), so that gradients and optimizer
+       state exist when the step is profiled, as they do in every step but the first.
+    2. The main process profiles one plain step, ``step_fn(session.model, make_batch(n))``
+       with ``track()`` (optimizer state) alive, at ``n = profile_batch_size`` and again near
+       the largest batch that profile predicts (Note [Profile near the answer]), and
+       broadcasts the profile.
+    3. :func:`search_batch_size`, each trial applying its plan pinned and running
+       ``config.steps_per_trial`` steps; peaks and step times are reduced by max over the
+       processes, so all see the same measurement and take the same path.
+    4. Every process agrees on the smallest answer.
+
+    Note [Profile near the answer]: a profile's bytes are lines in the batch size fitted
+    through two batches, and a window's peak is a max of terms that grow at different rates:
+    at a small batch the weights decide it, at a large one the activations. A line fitted at
+    batch 8 can predict a peak at batch 600 several times too small. So when the first
+    profile's answer is more than twice its batch, the step is profiled again at that answer
+    (a plain step that does not fit is profiled in fake mode: memory exact, times estimated).
+
+    Note [Profile in the steady state]: the first step of a loop runs without gradients and
+    optimizer state; every later one has them alive during the forward. A profile of the first
+    step under-predicts every later one, so the search warms up first. It changes the model
+    and the optimizer: the caller saves their state before and restores it afterwards, and
+    calls ``session.reset()`` so the next training step plans for the batch found.
+    """
+    actions = session.allowed_actions()  # a per-segment policy cannot be searched: fail early
+    session.apply(Plan(actions={name: Action.RECOMPUTE_OFFLOAD for name in session.segments}), pinned=True)
+    try:
+        run_steps(profile_batch_size, 1)
+    finally:
+        session.remove()
+    # Every process makes the batches (a loader may synchronise the processes); the main
+    # process alone profiles.
+    batch = make_batch(profile_batch_size)
+    prof = session.measure(batch, step_fn, track()) if collectives.is_main else None
+    top = predict_batch_size(prof, budget_bytes, config, actions=actions) if collectives.is_main else None
+    top_size = collectives.broadcast(top.batch_size if top is not None else 0)
+    if top_size > 2 * profile_batch_size:  # Note [Profile near the answer]
+        log.info("re-profiling at batch %d, near the predicted answer", top_size)
+        batch = make_batch(top_size)
+        prof = session.measure(batch, step_fn, track()) if collectives.is_main else None
+    prof = collectives.broadcast(prof)
+
+    def run_trial(batch_size: int, plan: Plan) -> TrialMeasurement:
+        session.apply(plan, pinned=True)
+        try:
+            stats = list(run_steps(batch_size, config.steps_per_trial))
+        finally:
+            session.remove()
+        if not stats:
+            raise RuntimeError("the trial run made no measured training step; `run_steps` returned no statistics.")
+        warm = stats[1:] or stats  # the first step includes warm-up costs
+        peak = collectives.reduce_max(float(max(s.peak_device_bytes for s in stats)))
+        step_ms = collectives.reduce_max(sum(s.step_ms for s in warm) / len(warm))
+        return TrialMeasurement(peak_bytes=int(peak), step_ms=float(step_ms))
+
+    result = search_batch_size(prof, budget_bytes, run_trial, config, actions=actions)
+    agreed = int(collectives.reduce_min(result.batch_size))
+    if agreed != result.batch_size:  # another process found less: its batch wins
+        result = dataclasses.replace(result, batch_size=agreed)
+    return result

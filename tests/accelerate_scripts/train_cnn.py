@@ -91,6 +91,9 @@ def train(accelerator: Accelerator, out: Path, run: str, *, close: str = "free_m
         s = getattr(accelerator, "swap_step_stats", None)
         stats.append(None if s is None else s.as_metrics())
     report["stats"] = stats
+    plan = getattr(accelerator, "swap_plan", None)  # with policy="auto", made in the first forward
+    report["final_plan"] = None if plan is None else {k: a.value for k, a in plan.actions.items()}
+    report["final_predicted_peak"] = None if plan is None else plan.predicted_peak_bytes
     trackers = getattr(accelerator, "trackers", [])
     report["logged"] = [[step, sorted(values)] for t in trackers if isinstance(t, RecordingTracker) for step, values in t.logged]
     torch.save({k: v.detach().clone() for k, v in inner.state_dict().items()}, out / f"{run}.rank{accelerator.process_index}.pt")
@@ -144,6 +147,17 @@ def main() -> None:
         acc = SwapAccelerator(log_with=[RecordingTracker()])
         acc.init_trackers("swap-test")
         reports[policy] = train(acc, out, policy)
+
+    # policy="auto" under a simulated budget: 60% of the plain (keep) run's peak
+    budget = int(0.6 * max(st["swap/peak_device_bytes"] for st in reports["keep"]["stats"]))
+    set_env({
+        "ACCELERATE_CPU_SWAP": "true",
+        "ACCELERATE_CPU_SWAP_POLICY": "auto",
+        "ACCELERATE_CPU_SWAP_BUDGET_BYTES": str(budget),
+        "ACCELERATE_CPU_SWAP_MIN_OFFLOAD_BYTES": "0",
+    })
+    reports["auto"] = train(SwapAccelerator(), out, "auto")
+    reports["auto"]["budget"] = budget
 
     set_env({})
     plugin = SwapPlugin(policy={"blocks.0": "offload", "blocks.2": "recompute_offload"}, min_offload_bytes=0)

@@ -1,0 +1,178 @@
+"""``accelerate-swap estimate``: a plan and the largest batch for a model, without training.
+
+In the manner of ``accelerate estimate-memory``: nothing is trained and no weights are
+downloaded (torchvision models are built with ``weights=None``). One training step is profiled
+in fake mode (``FakeTensorMode``: shapes and storages, no arithmetic; Note [Fake-mode times are
+estimates] in ``lightning_swap/core/profiler.py``) at the given batch and at twice it, which
+fixes how every byte count grows with the batch (Note [Batch scaling]). Then, by predictions
+only, ``solve`` gives the plan at that batch, and the bisection of the batch-size search
+(:func:`lightning_swap.core.scale.predict_batch_size`) the largest batch with a plan under the
+budget.
+
+The profiled step is the model's forward on a batch of the given shape, its output summed,
+and the backward: the user's loss adds its own on top (for cross-entropy about one
+logits-sized tensor), and the optimizer state (one to two copies of the parameters) is not
+counted; keep the budget under the device's capacity by that much.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lightning_swap.core.actions import Action
+from lightning_swap.core.errors import InfeasibleBudgetError
+from lightning_swap.core.plan import Plan, format_bytes
+from lightning_swap.core.profiler import ModelProfile, profile
+from lightning_swap.core.runtime import DEFAULT_MIN_OFFLOAD_BYTES
+from lightning_swap.core.scale import ScaleConfig, predict_batch_size
+from lightning_swap.core.segments import SegmentSpec
+from lightning_swap.core.solver import min_budget_bytes, solve
+
+__all__ = ["Estimate", "build_model", "estimate"]
+
+#: Input dtypes ``--input_dtype`` accepts; integers are token ids (all zero: fake mode never reads them).
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """What ``estimate`` predicts; :meth:`render` is the text the command prints."""
+
+    model_name: str
+    input_shape: tuple[int, ...]  # one sample's
+    input_dtype: str
+    batch_size: int
+    budget_bytes: Optional[int]
+    margin: float
+    profile: ModelProfile
+    #: The least budget any plan meets at ``batch_size``.
+    min_budget_bytes: int
+    #: The plan at ``batch_size`` (``None`` without a budget, or when none fits it).
+    plan: Optional[Plan]
+    #: The plan at the largest batch that fits (its ``batch_size``); ``None`` as above.
+    largest: Optional[Plan]
+    max_batch_size: int
+    profile_s: float
+
+    def render(self) -> str:
+        p = self.profile
+        shape = ", ".join(str(d) for d in (self.batch_size, *self.input_shape))
+        lines = [
+            f"Training-step memory for `{self.model_name}`, input ({shape}) {self.input_dtype}, "
+            f"profiled in fake mode in {self.profile_s:.1f} s (no arithmetic, no weights)",
+            f"  parameters {format_bytes(p.parameter_bytes)}, {len(p.segments)} segments",
+            f"  plain step at batch {self.batch_size} (every segment kept): peak {format_bytes(p.peak_bytes)}",
+            f"  least budget of any plan at batch {self.batch_size}: {format_bytes(self.min_budget_bytes)}",
+        ]
+        if self.budget_bytes is None:
+            lines.append("Give --budget (e.g. 8GiB) for a plan and the largest batch.")
+            return "\n".join(lines)
+        budget = format_bytes(self.budget_bytes)
+        lines.append("")
+        if self.plan is not None:
+            lines += [f"Plan at batch {self.batch_size} for a budget of {budget} (margin {self.margin:.0%}):", self.plan.render()]
+        else:
+            lines.append(
+                f"Batch {self.batch_size} does not fit {budget} with any plan: it needs at least "
+                f"{format_bytes(self.min_budget_bytes)}."
+            )
+        lines.append("")
+        if self.largest is not None:
+            lines.append(
+                f"Largest batch for {budget} (margin {self.margin:.0%}): {self.largest.batch_size}, "
+                f"plan {self.largest.summary()}, predicted peak {format_bytes(self.largest.predicted_peak_bytes)}"
+            )
+        else:
+            lines.append(f"No batch in [1, {self.max_batch_size}] fits {budget} (margin {self.margin:.0%}) with any plan.")
+        lines.append(
+            "Bytes are those of the profiled step (model forward, summed output, backward); the loss and "
+            "the optimizer state come on top. Times are CPU roofline estimates, for ranking plans only."
+        )
+        return "\n".join(lines)
+
+
+def build_model(spec: str, *, source: str = "model") -> nn.Module:
+    """A torchvision model by name (``weights=None``), or ``package.module:factory`` called
+    with no arguments; ``ValueError`` naming ``source`` otherwise."""
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            factory: Any = importlib.import_module(module_name.strip())
+            for part in attr.strip().split("."):
+                factory = getattr(factory, part)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ValueError(f"`{source}` names {spec!r}, which cannot be imported ({err}).") from err
+        if not callable(factory):
+            raise ValueError(f"`{source}` names {spec!r}, which is not callable.")
+        try:
+            model = factory()
+        except TypeError as err:  # it wants arguments
+            raise ValueError(f"`{source}`: {spec!r} cannot be called with no arguments ({err}).") from err
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"`{source}`: {spec!r}() returned {type(model).__name__}; allowed: a factory returning an nn.Module.")
+        return model
+    import torchvision
+
+    names = torchvision.models.list_models()
+    if spec not in names:
+        raise ValueError(
+            f"`{source}` got {spec!r}; allowed: a torchvision model name (e.g. resnet50, vit_b_16; see "
+            "torchvision.models.list_models()) or 'package.module:factory'."
+        )
+    return torchvision.models.get_model(spec, weights=None)
+
+
+def estimate(
+    model: nn.Module,
+    *,
+    batch_size: int,
+    input_shape: tuple[int, ...],
+    input_dtype: str = "float32",
+    budget_bytes: Optional[int] = None,
+    policy: str = "auto",
+    segments: SegmentSpec = None,
+    margin: float = 0.05,
+    max_batch_size: int = 8192,
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+    model_name: str = "model",
+    clock: Callable[[], float] = time.perf_counter,
+) -> Estimate:
+    """Profile ``model`` in fake mode at ``batch_size`` and predict (module docstring)."""
+    if input_dtype not in DTYPES:
+        raise ValueError(f"`input_dtype` got {input_dtype!r}; allowed: {', '.join(DTYPES)}.")
+    actions = None if policy == "auto" else (Action.parse(policy, field="policy"),)
+    config = ScaleConfig(margin=margin, min_batch_size=1, max_batch_size=max_batch_size)
+    batch = torch.zeros((batch_size, *input_shape), dtype=DTYPES[input_dtype])
+    model.train()
+    start = clock()
+    prof = profile(
+        model, batch, fake=True, scale=True, segments=segments, min_offload_bytes=min_offload_bytes, device="cpu"
+    )
+    profile_s = clock() - start
+    plan = largest = None
+    if budget_bytes is not None:
+        try:
+            plan = solve(prof, budget_bytes=int(budget_bytes * (1 - margin)), actions=actions)
+        except InfeasibleBudgetError:
+            plan = None
+        largest = predict_batch_size(prof, budget_bytes, config, actions=actions)
+    return Estimate(
+        model_name=model_name,
+        input_shape=tuple(input_shape),
+        input_dtype=input_dtype,
+        batch_size=batch_size,
+        budget_bytes=budget_bytes,
+        margin=margin,
+        profile=prof,
+        min_budget_bytes=min_budget_bytes(prof, actions=actions),
+        plan=plan,
+        largest=largest,
+        max_batch_size=max_batch_size,
+        profile_s=profile_s,
+    )

@@ -1,0 +1,246 @@
+"""``policy="auto"`` in ``SwapAccelerator`` (one process, in this process) and
+``accelerate_swap.find_batch_size``; under ``accelerate launch`` on 2 processes auto is
+covered by tests/test_accelerate.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from accelerate import Accelerator
+from torch.nn import functional as F
+
+from accelerate_swap import Action, BatchSearchError, SwapAccelerator, SwapPlugin, find_batch_size
+from accelerate_swap.accelerator import model_output_loss
+
+from .helpers import assert_same_state
+from .models import CNN, MODELS
+from .test_accelerate import _clean, fresh_state  # noqa: F401 - a fixture
+
+_images = MODELS["cnn"][1]
+
+
+def _train(accelerator, batches, *, build=CNN, data=_images, loss_fn=F.cross_entropy, with_profiles=False):
+    """Train ``build()`` with SGD+momentum on batches of the given sizes (or given batches);
+    returns the unwrapped model, each step's measured peak and plan (and profile)."""
+    torch.manual_seed(0)
+    model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    torch.manual_seed(1)  # dropout masks
+    peaks, plans, profiles = [], [], []
+    for batch in batches:
+        x, y = data(batch) if isinstance(batch, int) else batch
+        accelerator.backward(loss_fn(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        peaks.append(accelerator.swap_step_stats.peak_device_bytes)
+        plans.append(accelerator.swap_plan)
+        profiles.append(accelerator.swap_session.profile)
+    if with_profiles:
+        return accelerator.unwrap_model(model), peaks, plans, profiles
+    return accelerator.unwrap_model(model), peaks, plans
+
+
+# -- policy="auto" ------------------------------------------------------------------------
+def test_auto_fits_a_simulated_budget_and_equals_plain(fresh_state):
+    plain, peaks, _ = _train(SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(policy="keep", min_offload_bytes=0)), [8] * 3)
+    budget = int(0.6 * max(peaks))  # the steady-state plain peak, less 40%
+    accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=budget, min_offload_bytes=0))
+    auto, peaks, plans = _train(accelerator, [8] * 3)
+    assert max(peaks) <= budget
+    first, steady = plans[0], plans[-1]
+    assert set(steady.actions.values()) != {Action.KEEP}
+    assert steady.predicted_peak_bytes <= budget and steady.batch_size == 8
+    # Note [Re-plan when the optimizer state appears]: planned again at step 2, not after
+    assert steady is not first and plans[1] is steady
+    # the prediction covers the model; the user's loss (on 8 x 10 logits) adds a little
+    assert abs(steady.predicted_peak_bytes - peaks[-1]) <= 0.10 * peaks[-1]
+    assert_same_state(auto, plain)  # torch.equal on every weight and buffer
+    accelerator.free_memory()
+    assert _clean(auto)
+
+
+def test_auto_without_a_budget_on_cpu_keeps_everything(fresh_state):
+    accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin())  # switched on, no options
+    torch.manual_seed(0)
+    model = accelerator.prepare(CNN())
+    assert accelerator.swap_plan is None  # auto plans on the first training forward
+    model.eval()
+    model(_images(4)[0])
+    with torch.no_grad():
+        model.train()
+        model(_images(4)[0])
+    assert accelerator.swap_plan is None  # neither an evaluation forward nor a no-grad one plans
+    x, y = _images(4)
+    accelerator.backward(F.cross_entropy(model(x), y))
+    assert set(accelerator.swap_plan.actions.values()) == {Action.KEEP}
+    assert accelerator.swap_session.profile is None  # nothing to plan for: no profile was run
+    assert accelerator.swap_step_stats is not None
+    accelerator.end_training()
+
+
+def test_auto_replans_for_a_new_batch_shape(fresh_state):
+    accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=1 << 40, min_offload_bytes=0))
+    small = _images(6)[0][:, :, :12, :12].contiguous(), _images(6)[1]
+    _, _, plans, profiles = _train(accelerator, [8, 8, 5, small], with_profiles=True)
+    assert [p.batch_size for p in plans] == [8, 8, 5, 6]
+    assert plans[2] is not plans[1] and plans[3] is not plans[2]
+    assert profiles[2] is profiles[1]  # only the batch size changed: the profile is rescaled
+    assert profiles[3] is not profiles[2] and profiles[3].batch_size == 6  # a new image size: profiled again
+    accelerator.free_memory()
+
+
+def test_model_output_loss():
+    x = torch.ones(2, 3, requires_grad=True)
+    assert model_output_loss(x * 2).item() == 12.0
+    assert model_output_loss({"loss": (x * 3).sum(), "logits": x * 2}).item() == 18.0  # a Hugging Face output
+    assert model_output_loss((x * 2, torch.zeros(2, dtype=torch.long), [x])).item() == 18.0
+    with pytest.raises(ValueError, match="policy='auto'"):
+        model_output_loss(torch.zeros(2, dtype=torch.long))
+
+
+# -- find_batch_size ----------------------------------------------------------------------
+_MLP_BUILD, _MLP_DATA, _MLP_LOSS = MODELS["mlp"]
+
+
+def _mlp_step(model, batch):
+    return _MLP_LOSS(model(batch[0]), batch[1])
+
+
+def _prepared(plugin):
+    accelerator = SwapAccelerator(cpu=True, swap_plugin=plugin)
+    torch.manual_seed(0)
+    model = _MLP_BUILD()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return accelerator, model, optimizer
+
+
+def _state(accelerator, model, optimizer):
+    return copy.deepcopy((accelerator.unwrap_model(model).state_dict(), optimizer.state_dict()))
+
+
+def _assert_same(a, b):
+    (wa, oa), (wb, ob) = a, b
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert oa["param_groups"] == ob["param_groups"] and oa["state"].keys() == ob["state"].keys()
+    for k, state in oa["state"].items():
+        assert all(torch.equal(v, ob["state"][k][n]) for n, v in state.items())
+
+
+def test_find_batch_size_at_least_doubles_the_plain_batch_within_the_budget(fresh_state):
+    batch = 256  # activations, not weights, dominate the plain peak (tests/test_scale.py)
+    accelerator, model, optimizer = _prepared(SwapPlugin(policy="keep", min_offload_bytes=0))
+    budget = max(_train_more_mlp(accelerator, model, optimizer, [batch] * 3))
+    accelerator.free_memory()
+
+    accelerator, model, optimizer = _prepared(SwapPlugin(budget_bytes=budget, min_offload_bytes=0))
+    _train_more_mlp(accelerator, model, optimizer, [32])  # steady state: momentum exists
+    before = _state(accelerator, model, optimizer)
+    seen = {}
+
+    @find_batch_size(accelerator=accelerator, model=model, optimizer=optimizer, make_batch=_MLP_DATA, step_fn=_mlp_step, max_batch_size=4096)
+    def train(batch_size, tag):
+        seen["state"] = _state(accelerator, model, optimizer)
+        seen["plan"] = accelerator.swap_plan
+        seen["peaks"] = _train_more_mlp(accelerator, model, optimizer, [batch_size] * 2)
+        return tag, batch_size
+
+    tag, found = train("run")  # called like Accelerate's: without the batch size
+    assert tag == "run" and found == train.result.batch_size >= 2 * batch
+    assert len(train.result.trials) <= 3 and "chosen" in train.result.render()
+    _assert_same(seen["state"], before)  # the search left model and optimizer as they were
+    assert seen["plan"] is None  # forgotten: the first forward at the found batch planned again
+    assert max(seen["peaks"]) <= budget  # training at the found batch fits the budget
+    assert set(accelerator.swap_plan.actions.values()) != {Action.KEEP}
+    assert accelerator.swap_plan.batch_size == found
+    accelerator.free_memory()
+
+
+def _train_more_mlp(accelerator, model, optimizer, batches):
+    peaks = []
+    for batch in batches:
+        x, y = _MLP_DATA(batch)
+        accelerator.backward(_MLP_LOSS(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        peaks.append(accelerator.swap_step_stats.peak_device_bytes)
+    return peaks
+
+
+def test_find_batch_size_falls_back_on_out_of_memory_in_train(fresh_state):
+    accelerator, model, optimizer = _prepared(SwapPlugin(budget_bytes=1 << 40, min_offload_bytes=0))
+    calls = []
+
+    def train(batch_size):
+        calls.append(batch_size)
+        if batch_size > 40:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return batch_size
+
+    search = dict(accelerator=accelerator, model=model, optimizer=optimizer, make_batch=_MLP_DATA, step_fn=_mlp_step)
+    found = find_batch_size(train, **search, max_batch_size=64, max_trials=8)()
+    assert calls[0] == 64 and found == calls[-1] <= 40
+    assert all(b > a for a, b in zip(calls[1:], calls))  # each retry lower (10% at a time, as Accelerate)
+    assert calls == [64, 57, 51, 45, 40]
+
+    calls.clear()
+
+    def never(batch_size):
+        calls.append(batch_size)
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    with pytest.raises(BatchSearchError, match="ran out of memory at every batch size") as err:
+        find_batch_size(never, **search, max_batch_size=64, max_trials=3)()
+    assert calls == [64, 57, 51] and isinstance(err.value.__cause__, torch.OutOfMemoryError)
+
+    def broken(batch_size):
+        raise KeyError("a bug in train")
+
+    with pytest.raises(KeyError):  # anything but out-of-memory propagates at once
+        find_batch_size(broken, **search, max_batch_size=64)()
+    accelerator.free_memory()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"mode": "power"}, "mode"),
+        ({"margin": 1.0}, "margin"),
+        ({"min_batch_size": 64, "max_batch_size": 32}, "min_batch_size"),
+        ({"steps_per_trial": 0}, "steps_per_trial"),
+        ({"max_trials": 0}, "max_trials"),
+        ({"budget_bytes": -1}, "budget_bytes"),
+        ({"make_batch": 3}, "make_batch"),
+        ({"step_fn": None}, "step_fn"),
+        ({"model": "net"}, "model"),
+        ({"optimizer": object()}, "optimizer"),
+        ({"profile_batch_size": 0}, "profile_batch_size"),
+        ({"profile_batch_size": 9000}, "profile_batch_size"),
+    ],
+)
+def test_find_batch_size_bad_arguments_name_the_argument(fresh_state, kwargs, name):
+    accelerator, model, optimizer = _prepared(SwapPlugin(budget_bytes=1 << 30))
+    args = dict(accelerator=accelerator, model=model, optimizer=optimizer, make_batch=_MLP_DATA, step_fn=_mlp_step)
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        find_batch_size(**{**args, **kwargs})
+    accelerator.free_memory()
+
+
+def test_find_batch_size_checks_the_accelerator_and_model_when_called(fresh_state):
+    plain = Accelerator(cpu=True)
+    with pytest.raises(ValueError, match="`accelerator`.*SwapAccelerator"):
+        find_batch_size(accelerator=plain, model=torch.nn.Linear(2, 2), optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)]), make_batch=_MLP_DATA, step_fn=_mlp_step)
+    accelerator, model, optimizer = _prepared(SwapPlugin())  # no budget on CPU
+    args = dict(accelerator=accelerator, optimizer=optimizer, make_batch=_MLP_DATA, step_fn=_mlp_step)
+    with pytest.raises(ValueError, match="`budget_bytes`"):
+        find_batch_size(lambda b: b, model=model, **args)()
+    with pytest.raises(ValueError, match="`model`"):
+        find_batch_size(lambda b: b, model=_MLP_BUILD(), **args, budget_bytes=1 << 30)()
+    accelerator.free_memory()
+    per_segment, model, optimizer = _prepared(SwapPlugin(policy={"0": "offload"}, budget_bytes=1 << 30))
+    with pytest.raises(ValueError, match="`policy`"):
+        find_batch_size(lambda b: b, accelerator=per_segment, model=model, optimizer=optimizer, make_batch=_MLP_DATA, step_fn=_mlp_step)()
+    per_segment.free_memory()
