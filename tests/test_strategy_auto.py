@@ -90,3 +90,20 @@ def test_timeline_marks_every_segment_forward_and_backward():
     assert timeline.peak_bytes == stats.peak_device_bytes
     xs = [x for x, _ in timeline.samples]
     assert xs == sorted(xs) and len(xs) > 2 * len(names)
+
+
+def test_gradient_accumulation_does_not_profile_every_micro_step():
+    from unittest import mock
+
+    from lightning_swap.core.session import SwapSession
+
+    with mock.patch.object(SwapSession, "measure", autospec=True, side_effect=SwapSession.measure) as measure:
+        module, trainer = fit(
+            "cnn", CPUSwapStrategy(budget_bytes=1 << 40, min_offload_bytes=0), steps=3, batch_size=4, samples=64,
+            accumulate_grad_batches=2,
+        )
+    # 6 micro-steps, 3 profiles: the first batch (no gradients), the second micro-step (gradients
+    # accumulate), the third (momentum exists after the first optimizer step); none after that.
+    assert measure.call_count == 3
+    plain, _ = fit("cnn", "auto", steps=3, batch_size=4, samples=64, accumulate_grad_batches=2)
+    assert_same_state(module, plain)

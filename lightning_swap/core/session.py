@@ -48,7 +48,7 @@ def _state_bytes(model: nn.Module, track: Any) -> int:
 
     Note [Re-plan when the optimizer state appears]: the first step runs before the optimizer
     has state (momentum, Adam moments) and before gradients exist; from the second step on
-    both are alive during the forward. An auto plan is re-made when this total changes.
+    both are alive during the forward. An auto plan is re-made when this total grows.
     """
     grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
     return grads + sum(t.untyped_storage().nbytes() for t in tensors_in(track))
@@ -163,8 +163,11 @@ class SwapSession:
         return self.config.is_auto and _batch_key(batch) != self._planned_for
 
     def state_changed(self, track: Any) -> bool:
-        """Note [Re-plan when the optimizer state appears]."""
-        return self.config.is_auto and self.budget_bytes() is not None and _state_bytes(self.model, track) != self._planned_state
+        """Note [Re-plan when the optimizer state appears]: only growth counts, so gradient
+        accumulation (gradients present in some micro-steps, not others) does not re-profile."""
+        if not self.config.is_auto or self.budget_bytes() is None or self._planned_state is None:
+            return False
+        return _state_bytes(self.model, track) > self._planned_state
 
     def measure(self, batch: Any, step_fn: Callable[[nn.Module, Any], Any], track: Iterable[Any] = ()):
         """Profile one plain step on ``batch`` (the runtime is removed first); scalable in batch size.
@@ -216,7 +219,7 @@ class SwapSession:
             and len(previous) == len(key)
             and all(a[0][1:] == b[0][1:] and a[1] == b[1] for a, b in zip(previous, key))
         )
-        if not same_but_batch or _state_bytes(self.model, track) != self._planned_state:
+        if not same_but_batch or _state_bytes(self.model, track) > (self._planned_state or 0):
             self.measure(batch, step_fn, track)
         plan = solve(self.profile, budget_bytes=budget, batch_size=_infer_batch_size(batch))
         return plan
