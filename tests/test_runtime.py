@@ -299,3 +299,27 @@ def test_segments_found_automatically():
     assert find_segments(cnn, [ConvBlock]) == [f"blocks.{i}" for i in range(4)]
     flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     assert find_segments(flat) == ["0", "1", "2"]
+
+
+def test_copies_of_a_planned_model_run_their_own_weights():
+    """Note [Copies of a planned model]: deepcopy (EMA/SWA) and pickling while installed."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    model = mlp_chain(width=16, depth=3)
+    x = torch.randn(4, 16)
+    with SwapRuntime(model, resolve_policy("recompute_offload", find_segments(model)), min_offload_bytes=0):
+        twin = copy.deepcopy(model)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.mul_(2)
+        assert not torch.equal(twin(x), model(x))  # the copy runs its own (doubled) weights
+        twin(x).sum().backward()  # and trains plainly, without the original's runtime
+        assert all(p.grad is not None for p in twin.parameters())
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert torch.equal(loaded(x), model(x))
+    assert list(loaded.state_dict()) == list(model.state_dict())

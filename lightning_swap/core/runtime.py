@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
@@ -102,6 +103,33 @@ class StepStats:
         return {prefix + k: float(v) for k, v in asdict(self).items()}
 
 
+def _plain_forward(module: nn.Module) -> Any:
+    return types.MethodType(type(module).forward, module)
+
+
+class _SegmentForward:
+    """The ``forward`` a runtime puts on a segment.
+
+    Note [Copies of a planned model]: ``copy.deepcopy`` (EMA and SWA callbacks do it) and
+    ``pickle`` / ``torch.save(model)`` copy a module's instance attributes. A closure would
+    be shared by reference, so a deep copy would run the *original* module's weights, and
+    pickling would fail. Copied, this forward becomes the copy's plain class ``forward``: the
+    runtime belongs to the original model only.
+    """
+
+    __slots__ = ("module", "fn")
+
+    def __init__(self, module: nn.Module, fn: Any) -> None:
+        self.module = module
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self):
+        return (_plain_forward, (self.module,))
+
+
 class SwapRuntime:
     """Applies ``plan`` (or a mapping from segment name to action) to ``model``.
 
@@ -185,9 +213,9 @@ class SwapRuntime:
                 with engine.hooks(index):
                     return forward(*args, **kwargs)
 
-            return offloaded
+            return _SegmentForward(module, offloaded)
         outer = (lambda: engine.hooks(index)) if action is Action.RECOMPUTE_OFFLOAD else None
-        return checkpointed(module, forward, action, self.timer, outer=outer)
+        return _SegmentForward(module, checkpointed(module, forward, action, self.timer, outer=outer))
 
     def _backward_trigger(self, index: int) -> Any:
         """A forward hook marking, on the segment's outputs, when its backward starts
