@@ -115,3 +115,19 @@ def test_streams_and_pool_released_after_remove():
     assert runtime.engine is None
     assert engine.pool.reserved_bytes == 0
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_cpu_swap_strategy_runs_on_the_gpu_and_equals_plain():
+    """Lightning builds a registered strategy without a device; it must follow the CUDA accelerator."""
+    from lightning_swap import CPUSwapStrategy
+
+    from .helpers import assert_same_state
+    from .lit import fit
+
+    torch.backends.cudnn.deterministic = True
+    plain, _ = fit("cnn", "auto", accelerator="gpu")
+    module, trainer = fit("cnn", "cpu_swap", accelerator="gpu")
+    assert trainer.strategy.root_device == torch.device("cuda", 0)
+    module, trainer = fit("cnn", CPUSwapStrategy(policy="offload", min_offload_bytes=0), accelerator="gpu")
+    assert trainer.strategy.step_stats.offloaded_bytes > 0
+    assert_same_state(module.cpu(), plain.cpu())
