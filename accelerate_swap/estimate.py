@@ -17,7 +17,6 @@ counted; keep the budget under the device's capacity by that much.
 
 from __future__ import annotations
 
-import importlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -33,6 +32,8 @@ from lightning_swap.core.runtime import DEFAULT_MIN_OFFLOAD_BYTES
 from lightning_swap.core.scale import ScaleConfig, predict_batch_size
 from lightning_swap.core.segments import SegmentSpec
 from lightning_swap.core.solver import min_budget_bytes, solve
+
+from .plugin import import_object
 
 __all__ = ["Estimate", "build_model", "estimate"]
 
@@ -101,13 +102,7 @@ def build_model(spec: str, *, source: str = "model") -> nn.Module:
     """A torchvision model by name (``weights=None``), or ``package.module:factory`` called
     with no arguments; ``ValueError`` naming ``source`` otherwise."""
     if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        try:
-            factory: Any = importlib.import_module(module_name.strip())
-            for part in attr.strip().split("."):
-                factory = getattr(factory, part)
-        except (ImportError, AttributeError, ValueError) as err:
-            raise ValueError(f"`{source}` names {spec!r}, which cannot be imported ({err}).") from err
+        factory = import_object(spec, source)
         if not callable(factory):
             raise ValueError(f"`{source}` names {spec!r}, which is not callable.")
         try:

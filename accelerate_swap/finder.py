@@ -107,7 +107,7 @@ def find_batch_size(
             clipped to ``[min_batch_size, max_batch_size]``).
     """
     config = ScaleConfig(
-        mode=mode.lower() if isinstance(mode, str) else mode,
+        mode=mode,
         margin=margin,
         min_batch_size=min_batch_size,
         max_batch_size=max_batch_size,
@@ -136,36 +136,21 @@ def find_batch_size(
             f"`profile_batch_size` ({profile_batch_size}) must lie in [min_batch_size, max_batch_size] "
             f"= [{config.min_batch_size}, {config.max_batch_size}]."
         )
-    if function is None:
-        return functools.partial(
-            find_batch_size,
-            accelerator=accelerator,
-            model=model,
-            optimizer=optimizer,
-            make_batch=make_batch,
-            step_fn=step_fn,
-            budget_bytes=budget_bytes,
-            mode=config.mode,
-            margin=margin,
-            min_batch_size=min_batch_size,
-            max_batch_size=max_batch_size,
-            steps_per_trial=steps_per_trial,
-            max_trials=max_trials,
-            candidates=candidates,
-            profile_batch_size=profile_batch_size,
-        )
-    if not callable(function):
-        raise ValueError(f"`function` must be callable (the training function); got {function!r}.")
+    def decorate(train: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(train):
+            raise ValueError(f"`function` must be callable (the training function); got {train!r}.")
 
-    @functools.wraps(function)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        result = _search(accelerator, model, optimizer, make_batch, step_fn, budget_bytes, config, profile_batch_size)
-        wrapper.result = result
-        log.info("find_batch_size:\n%s", result.render())
-        return _call_with_fallback(function, accelerator, result.batch_size, config, args, kwargs)
+        @functools.wraps(train)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = _search(accelerator, model, optimizer, make_batch, step_fn, budget_bytes, config, profile_batch_size)
+            wrapper.result = result
+            log.info("find_batch_size:\n%s", result.render())
+            return _call_with_fallback(train, accelerator, result.batch_size, config, args, kwargs)
 
-    wrapper.result = None
-    return wrapper
+        wrapper.result = None
+        return wrapper
+
+    return decorate if function is None else decorate(function)
 
 
 # -- the search ----------------------------------------------------------------------------------

@@ -138,14 +138,20 @@ def _parse_policy(value: Any, source: str) -> PolicyLike:
     raise ValueError(f"`{source}` got {value!r}; allowed: {allowed}.")
 
 
-def _import_class(spec: str, source: str) -> type:
+def import_object(spec: str, source: str) -> Any:
+    """The object ``package.module:qualified.name`` names; ``ValueError`` naming ``source``."""
     module_name, _, qualname = spec.partition(":")
     try:
         obj: Any = importlib.import_module(module_name.strip())
         for part in qualname.strip().split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"`{source}` names class {spec!r}, which cannot be imported ({err}).") from err
+        raise ValueError(f"`{source}` names {spec!r}, which cannot be imported ({err}).") from err
+    return obj
+
+
+def _import_class(spec: str, source: str) -> type:
+    obj = import_object(spec, source)
     if not isinstance(obj, type):
         raise ValueError(f"`{source}` names {spec!r}, which is not a class.")
     return obj

@@ -73,7 +73,7 @@ class SwapBatchSizeFinder(BatchSizeFinder):
         batch_arg_name: str = "batch_size",
     ) -> None:
         self.scale_config = ScaleConfig(
-            mode=mode.lower() if isinstance(mode, str) else mode,
+            mode=mode,
             margin=margin,
             min_batch_size=min_batch_size,
             max_batch_size=max_batch_size,

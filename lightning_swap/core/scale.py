@@ -101,6 +101,8 @@ class ScaleConfig:
     candidates: int = 3
 
     def __post_init__(self) -> None:
+        if isinstance(self.mode, str):  # names are case-insensitive, as policies are
+            object.__setattr__(self, "mode", self.mode.strip().lower())
         if self.mode not in _MODES:
             raise ValueError(f"`mode` must be one of {list(_MODES)}; got {self.mode!r}.")
         if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not 0 <= self.margin < 1:
