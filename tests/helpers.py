@@ -11,14 +11,25 @@ from .models import MODELS
 POLICIES = ["keep", "offload", "recompute", "selective", "recompute_offload"]
 
 
-def train_core(name: str, policy: str | None, *, steps: int = 3, batch: int = 4, min_offload_bytes: int = 0, prefetch_segments=None, seed: int = 0):
+def train_core(
+    name: str,
+    policy: str | None,
+    *,
+    steps: int = 3,
+    batch: int = 4,
+    min_offload_bytes: int = 0,
+    prefetch_segments=None,
+    seed: int = 0,
+    unified=None,
+    device: str = "cpu",
+):
     """Train one of ``MODELS`` with SGD+momentum; ``policy=None`` is plain training.
 
     Returns the model (runtime removed), the list of StepStats, and the last gradients.
     """
     build, data, loss_fn = MODELS[name]
     torch.manual_seed(seed)
-    model = build()
+    model = build().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     runtime = None
     if policy is not None:
@@ -27,12 +38,13 @@ def train_core(name: str, policy: str | None, *, steps: int = 3, batch: int = 4,
             resolve_policy(policy, find_segments(model)),
             min_offload_bytes=min_offload_bytes,
             prefetch_segments=prefetch_segments,
+            unified=unified,
         ).install()
     stats, grads = [], {}
     torch.manual_seed(seed + 1)  # dropout masks
     try:
         for step in range(steps):
-            x, y = data(batch + step)
+            x, y = (t.to(device) for t in data(batch + step))
             if runtime is not None:
                 runtime.begin_step([x, y, opt.state])
             loss = loss_fn(model(x), y)

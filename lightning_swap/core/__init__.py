@@ -2,13 +2,14 @@
 
 from .actions import Action, resolve_policy
 from .costmodel import Prediction, simulate
-from .errors import InfeasibleBudgetError
+from .errors import InfeasibleBudgetError, UnifiedMemoryError
 from .meter import DeviceMemoryMeter, host_allocation
 from .plan import Plan, PlanRow, format_bytes
 from .profiler import ModelProfile, SegmentProfile, measure_bandwidth, profile
 from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats, SwapRuntime
 from .segments import find_segments
 from .solver import brute_force, min_budget_bytes, solve
+from .unified import UMMode, UnifiedMemory, UnifiedMemoryStats, install_unified_memory
 
 __all__ = [
     "Action",
@@ -22,10 +23,15 @@ __all__ = [
     "SegmentProfile",
     "StepStats",
     "SwapRuntime",
+    "UMMode",
+    "UnifiedMemory",
+    "UnifiedMemoryError",
+    "UnifiedMemoryStats",
     "brute_force",
     "find_segments",
     "format_bytes",
     "host_allocation",
+    "install_unified_memory",
     "measure_bandwidth",
     "min_budget_bytes",
     "profile",

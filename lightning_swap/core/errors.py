@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["InfeasibleBudgetError"]
+__all__ = ["InfeasibleBudgetError", "UnifiedMemoryError"]
 
 
 def _mib(nbytes: int) -> str:
@@ -28,3 +28,20 @@ class InfeasibleBudgetError(ValueError):
 
 def _rebuild(budget_bytes: int, min_budget_bytes: int, batch_size: int | None) -> InfeasibleBudgetError:
     return InfeasibleBudgetError(budget_bytes=budget_bytes, min_budget_bytes=min_budget_bytes, batch_size=batch_size)
+
+
+class UnifiedMemoryError(RuntimeError):
+    """Unified memory cannot be installed here; the message says why and what to do.
+    ``mode`` is the requested ``um`` value, ``device`` where it was asked for."""
+
+    def __init__(self, message: str, *, mode: str, device: str) -> None:
+        super().__init__(message)
+        self.mode = mode
+        self.device = device
+
+    def __reduce__(self):
+        return (_rebuild_um, (str(self), self.mode, self.device))
+
+
+def _rebuild_um(message: str, mode: str, device: str) -> "UnifiedMemoryError":
+    return UnifiedMemoryError(message, mode=mode, device=device)

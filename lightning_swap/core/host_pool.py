@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -55,12 +55,26 @@ class HostPool:
             buffer = bucket.pop()
         else:
             with host_allocation():
-                buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+                buffer = self._allocate(size)
             mark_host(buffer)
             self.reserved_bytes += size
             self.allocations += 1
         self.in_use_bytes += size
         return buffer
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+
+    # The offload engine calls these around its copies, on the copy's stream (``None`` on
+    # CPU). Pinned memory needs nothing; managed memory migrates (Note [Managed host buffers]).
+    def after_write(self, buffer: torch.Tensor, nbytes: int, stream: Any) -> None:
+        """The device-to-host copy into ``buffer`` has been queued."""
+
+    def before_read(self, buffer: torch.Tensor, nbytes: int, stream: Any) -> None:
+        """The host-to-device copy out of ``buffer`` is about to be queued."""
+
+    def after_read(self, buffer: torch.Tensor, nbytes: int, stream: Any) -> None:
+        """The host-to-device copy out of ``buffer`` has been queued."""
 
     def release(self, buffer: torch.Tensor, events: tuple = ()) -> None:
         self.in_use_bytes -= buffer.numel()

@@ -102,12 +102,20 @@ def _as_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tens
 class OffloadEngine:
     """Owns the copy streams, the host pool and the per-step bookkeeping of offloaded tensors."""
 
-    def __init__(self, device: torch.device, *, min_offload_bytes: int, prefetch_segments: int) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        min_offload_bytes: int,
+        prefetch_segments: int,
+        pool: Optional[HostPool] = None,
+    ) -> None:
         self.device = device
         self.min_offload_bytes = min_offload_bytes
         self.prefetch_segments = prefetch_segments
         self.is_cuda = device.type == "cuda"
-        self.pool = HostPool(pin_memory=self.is_cuda)
+        # Pinned buffers by default; managed ones under unified memory (unified.py).
+        self.pool = pool if pool is not None else HostPool(pin_memory=self.is_cuda)
         if self.is_cuda:
             # One side stream per direction, owned here (Note [Stream discipline]).
             self._d2h = torch.cuda.Stream(device)
@@ -195,6 +203,7 @@ class OffloadEngine:
                 self._d2h.wait_stream(compute)  # the bytes are produced on the compute stream
                 with torch.cuda.stream(self._d2h), host_allocation():
                     entry.host.copy_(src, non_blocking=True)
+                    self.pool.after_write(entry.buffer, nbytes, self._d2h)
                     entry.d2h_event = torch.cuda.Event()
                     entry.d2h_event.record(self._d2h)
                 entry.pending_source = src  # keep the device bytes alive until the copy is done
@@ -203,6 +212,7 @@ class OffloadEngine:
                 start = time.perf_counter()
                 with host_allocation():
                     entry.host.copy_(src)
+                    self.pool.after_write(entry.buffer, nbytes, None)
                 self.counters.exposed_transfer_ms += (time.perf_counter() - start) * 1e3
         self.counters.offloaded_bytes += nbytes
         self.counters.offloaded_tensors += 1
@@ -226,7 +236,9 @@ class OffloadEngine:
             dst = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
             if not self.is_cuda:
                 start = time.perf_counter()
+                self.pool.before_read(entry.buffer, entry.nbytes, None)
                 dst.copy_(entry.host)
+                self.pool.after_read(entry.buffer, entry.nbytes, None)
                 self.counters.exposed_transfer_ms += (time.perf_counter() - start) * 1e3
                 self.counters.fetched_bytes += entry.nbytes
                 return dst, None
@@ -234,7 +246,9 @@ class OffloadEngine:
             self._h2d.wait_stream(compute)  # ``dst`` may be a block compute just released
             self._h2d.wait_event(entry.d2h_event)  # the host bytes must have landed
             with torch.cuda.stream(self._h2d):
+                self.pool.before_read(entry.buffer, entry.nbytes, self._h2d)
                 dst.copy_(entry.host, non_blocking=True)
+                self.pool.after_read(entry.buffer, entry.nbytes, self._h2d)
                 event = torch.cuda.Event(enable_timing=False)
                 event.record(self._h2d)
             entry.h2d_event = event

@@ -26,6 +26,7 @@ from .meter import DeviceMemoryMeter
 from .offload import OffloadEngine
 from .plan import Plan
 from .recompute import RecomputeTimer, checkpointed
+from .unified import UMMode
 
 __all__ = ["DEFAULT_MIN_OFFLOAD_BYTES", "StepStats", "SwapRuntime", "check_min_offload_bytes", "tensors_in"]
 
@@ -98,6 +99,10 @@ class StepStats:
     exposed_transfer_ms: float
     host_pool_bytes: int
     step_ms: float
+    #: Unified memory (``um`` not ``"off"``): managed bytes at the end of the step, and bytes
+    #: prefetched during it, either way (0 without unified memory).
+    managed_bytes: int = 0
+    um_prefetched_bytes: int = 0
 
     def as_metrics(self, prefix: str = "swap/") -> dict[str, float]:
         return {prefix + k: float(v) for k, v in asdict(self).items()}
@@ -145,8 +150,12 @@ class SwapRuntime:
         device: Optional[torch.device | str] = None,
         min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
         prefetch_segments: Optional[int] = None,
+        unified: Optional[Any] = None,
     ) -> None:
         self.model = model
+        #: A :class:`~lightning_swap.core.unified.UnifiedMemory`: offloaded activations go to
+        #: managed buffers, and under ``um="all"`` segments' parameters are prefetched.
+        self.unified = unified
         self.plan = plan if isinstance(plan, Plan) else Plan(actions=plan)
         self.min_offload_bytes = check_min_offload_bytes(min_offload_bytes)
         if device is None:
@@ -173,6 +182,7 @@ class SwapRuntime:
         self.timer = RecomputeTimer(self.device)
         self.meter = DeviceMemoryMeter(self.device)
         self._step_start = 0.0
+        self._um_start: Optional[Any] = None
         self.last_stats: Optional[StepStats] = None
 
     # -- install / remove ---------------------------------------------------------------
@@ -185,7 +195,10 @@ class SwapRuntime:
             return self
         if any(a.offloads for a in self.plan.actions.values()):
             self.engine = OffloadEngine(
-                self.device, min_offload_bytes=self.min_offload_bytes, prefetch_segments=self.prefetch_segments
+                self.device,
+                min_offload_bytes=self.min_offload_bytes,
+                prefetch_segments=self.prefetch_segments,
+                pool=self.unified.host_pool() if self.unified is not None else None,
             )
         try:
             for index, (name, action) in enumerate(self.plan.actions.items()):
@@ -198,6 +211,8 @@ class SwapRuntime:
             if self.engine is not None and self.prefetch_segments > 0:
                 for index, name in enumerate(self.plan.actions):
                     self._handles.append(self._modules[name].register_forward_hook(self._backward_trigger(index)))
+            if self.unified is not None and self.unified.mode is UMMode.ALL:
+                self._install_parameter_prefetch()
         except BaseException:
             self.remove()
             raise
@@ -227,6 +242,38 @@ class SwapRuntime:
                 on_backward_start(output, lambda: engine.backward_started(index))
 
         return hook
+
+    def _install_parameter_prefetch(self) -> None:
+        """Under ``um="all"``: segment ``i+1``'s parameters are prefetched when segment ``i``'s
+        forward starts, and segment ``i-1``'s when segment ``i``'s backward starts, once the
+        managed memory outgrows the device (Note [Prefetch only when oversubscribed])."""
+        unified = self.unified
+        params = [list(self._modules[name].parameters()) for name in self.plan.actions]
+        last = len(params) - 1
+
+        def prefetch(index: int) -> None:
+            if 0 <= index <= last and unified.should_prefetch_parameters():
+                unified.prefetch_tensors(params[index])
+
+        def before_forward(index: int) -> Any:
+            def hook(module: nn.Module, args: Any) -> None:
+                if index == 0:
+                    prefetch(0)
+                prefetch(index + 1)
+
+            return hook
+
+        def after_forward(index: int) -> Any:
+            def hook(module: nn.Module, args: Any, output: Any) -> None:
+                if torch.is_grad_enabled():
+                    on_backward_start(output, lambda: prefetch(index - 1))
+
+            return hook
+
+        for index, name in enumerate(self.plan.actions):
+            module = self._modules[name]
+            self._handles.append(module.register_forward_pre_hook(before_forward(index)))
+            self._handles.append(module.register_forward_hook(after_forward(index)))
 
     def remove(self) -> None:
         if self.meter._open:
@@ -269,7 +316,18 @@ class SwapRuntime:
         if self.engine is not None:
             self.engine.begin_step(static)
         self.timer.reset()
+        self._um_start = self.unified.stats() if self.unified is not None else None
         self._step_start = time.perf_counter()
+
+    def _unified_step_stats(self) -> dict[str, int]:
+        if self.unified is None or self._um_start is None:
+            return {}
+        start, now = self._um_start, self.unified.stats()
+        return dict(
+            managed_bytes=now.managed_bytes,
+            um_prefetched_bytes=(now.prefetched_to_device_bytes - start.prefetched_to_device_bytes)
+            + (now.prefetched_to_host_bytes - start.prefetched_to_host_bytes),
+        )
 
     def end_step(self) -> StepStats:
         if not self.meter._open:
@@ -291,5 +349,6 @@ class SwapRuntime:
             exposed_transfer_ms=counters.exposed_transfer_ms if counters else 0.0,
             host_pool_bytes=self.engine.pool.reserved_bytes if self.engine is not None else 0,
             step_ms=step_ms,
+            **self._unified_step_stats(),
         )
         return self.last_stats

@@ -19,6 +19,7 @@ from .actions import Action, PolicyLike, resolve_policy
 from .plan import Plan
 from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats, SwapRuntime, _normalize_device, check_min_offload_bytes, tensors_in
 from .segments import SegmentSpec, find_segments
+from .unified import UMMode, UnifiedMemory, check_um_max_bytes, install_unified_memory
 
 __all__ = ["AUTO", "SwapConfig", "SwapSession", "device_budget_bytes", "tensors_in"]
 
@@ -82,6 +83,11 @@ class SwapConfig:
     prefetch_segments: Optional[int] = None
     #: Log the plan table when a plan is applied.
     log_plan: bool = field(default=True)
+    #: CUDA unified memory: ``"off"``, ``"offload"`` (offloaded activations in managed host
+    #: buffers, prefetched before their backward) or ``"all"`` (every CUDA allocation managed).
+    um: str = "off"
+    #: Cap on managed memory in bytes (only with ``um`` on); ``None``: the device's free memory.
+    um_max_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         policy = self.policy
@@ -113,6 +119,14 @@ class SwapConfig:
         p = self.prefetch_segments
         if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 0):
             raise ValueError(f"`prefetch_segments` must be an int >= 0 or None; got {p!r}.")
+        um = UMMode.parse(self.um)
+        object.__setattr__(self, "um", um.value)
+        check_um_max_bytes(self.um_max_bytes)
+        if um is UMMode.OFF and self.um_max_bytes is not None:
+            raise ValueError(
+                f"`um_max_bytes` caps unified memory and applies only with um='offload' or um='all'; got "
+                f"um_max_bytes={self.um_max_bytes!r} with um='off'."
+            )
 
     def with_options(self, **changes: Any) -> "SwapConfig":
         """A copy with some options changed (validated again)."""
@@ -122,14 +136,23 @@ class SwapConfig:
     def is_auto(self) -> bool:
         return self.policy == AUTO
 
+    def install_unified_memory(self, device: torch.device | str) -> Optional[UnifiedMemory]:
+        """Install ``um`` on ``device`` (``None`` when off). Adapters call it before the model
+        reaches the device: ``um="all"`` must precede the first CUDA allocation."""
+        return install_unified_memory(self.um, device, max_bytes=self.um_max_bytes)
+
 
 class SwapSession:
     """The segments, plan and runtime of one model on one device."""
 
-    def __init__(self, model: nn.Module, config: SwapConfig, device: torch.device | str) -> None:
+    def __init__(
+        self, model: nn.Module, config: SwapConfig, device: torch.device | str, *, unified: Optional[UnifiedMemory] = None
+    ) -> None:
         self.model = model
         self.config = config
         self.device = _normalize_device(device)
+        #: Installed by the adapter before the model reached the device (``config.um``).
+        self.unified = unified
         self.segments = find_segments(model, None if config.segments is None else list(config.segments))
         self.plan: Optional[Plan] = None
         self.runtime: Optional[SwapRuntime] = None
@@ -293,6 +316,7 @@ class SwapSession:
             device=self.device,
             min_offload_bytes=self.config.min_offload_bytes,
             prefetch_segments=self.config.prefetch_segments,
+            unified=self.unified,
         )
         runtime.install()
         self.runtime, self.plan = runtime, plan
