@@ -61,6 +61,7 @@ from typing_extensions import override
 from lightning_swap.core.plan import Plan
 from lightning_swap.core.runtime import StepStats, tensors_in
 from lightning_swap.core.session import SwapConfig, SwapSession
+from lightning_swap.core.unified import UnifiedMemory
 
 from .plugin import SwapPlugin
 
@@ -89,8 +90,9 @@ class AcceleratedSwapSession(SwapSession):
         *,
         extra_tracked: Callable[[], Iterable[Any]] = tuple,
         before_step: Optional[Callable[[Any], None]] = None,
+        unified: Optional[UnifiedMemory] = None,
     ) -> None:
-        super().__init__(model, config, device)
+        super().__init__(model, config, device, unified=unified)
         self._extra_tracked = extra_tracked
         self._before_step = before_step
         self._planning_suspended = False
@@ -197,9 +199,13 @@ class SwapAccelerator(Accelerator):
         self.swap_steps = 0
         #: True while ``find_batch_size`` runs its trials (their steps are not counted or logged).
         self._swap_searching = False
+        #: The installed unified memory (``um`` on), else ``None``.
+        self.swap_unified_memory: Optional[UnifiedMemory] = None
         super().__init__(*args, **kwargs)
         if self.swap_plugin is not None:
             self._check_swap_supported()
+            # Before any model is prepared: um="all" must precede the first CUDA allocation.
+            self.swap_unified_memory = self.swap_plugin.to_config().install_unified_memory(self.device)
 
     # -- what users read ----------------------------------------------------------------
     @property
@@ -260,6 +266,7 @@ class SwapAccelerator(Accelerator):
             self.device,
             extra_tracked=lambda: _optimizer_states(self._optimizers),
             before_step=self._before_training_forward,
+            unified=self.swap_unified_memory,
         )
         try:
             if not session.config.is_auto:  # Note [Auto policy in Accelerate]
@@ -348,4 +355,9 @@ class SwapAccelerator(Accelerator):
     @override
     def end_training(self) -> None:
         self._close_swap()
+        if self.swap_unified_memory is not None:
+            # New allocations go back to torch's allocator; managed ones stay valid
+            # (Note [Managed memory outlives the session]).
+            self.swap_unified_memory.close()
+            self.swap_unified_memory = None
         super().end_training()

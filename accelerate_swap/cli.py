@@ -28,7 +28,8 @@ _HEADER = """\
 # accelerate-swap configuration, written by `accelerate-swap config`.
 # Use it with:  {env} accelerate launch your_script.py
 # Keys: enabled (the switch), policy, segments, min_offload_bytes, budget_bytes,
-# prefetch_segments, log_plan, log_stats. ACCELERATE_CPU_SWAP_<KEY> variables override them.
+# prefetch_segments, log_plan, log_stats, um, um_max_bytes. ACCELERATE_CPU_SWAP_<KEY>
+# variables override them.
 """
 
 
@@ -55,6 +56,8 @@ def _add_config_parser(subparsers: argparse._SubParsersAction) -> None:
     _flag(parser, "min_offload_bytes", help="saved tensors smaller than this stay on the device (e.g. 16KiB)")
     _flag(parser, "budget_bytes", help="device memory budget for the planner (e.g. 12GiB)")
     _flag(parser, "prefetch_segments", help="segments prefetched ahead in backward (default: 1 on CUDA, 0 on CPU)")
+    _flag(parser, "um", help="CUDA unified memory: off (default) | offload | all")
+    _flag(parser, "um_max_bytes", help="cap on managed memory with --um on (default: the GPU's free memory)")
     _flag(parser, "no_log_plan", action="store_true", help="do not log the plan table")
     _flag(parser, "no_log_stats", action="store_true", help="do not send per-step statistics to accelerator.log")
     _flag(parser, "disabled", action="store_true", help="write `enabled: false` (keep the options, switch the plugin off)")
@@ -62,7 +65,7 @@ def _add_config_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _config_from_args(args: argparse.Namespace) -> SwapPlugin:
     options = {}
-    for name in ("policy", "segments", "min_offload_bytes", "budget_bytes", "prefetch_segments"):
+    for name in ("policy", "segments", "min_offload_bytes", "budget_bytes", "prefetch_segments", "um", "um_max_bytes"):
         raw = getattr(args, name)
         if raw is not None:
             options[name] = parse_option(name, raw, f"--{name}")

@@ -8,7 +8,7 @@ every process.
 - ``ACCELERATE_CPU_SWAP``: the switch (``true``/``false``, and the other spellings
   Accelerate's ``str_to_bool`` accepts).
 - ``ACCELERATE_CPU_SWAP_<OPTION>``: one option, e.g. ``ACCELERATE_CPU_SWAP_POLICY=offload``,
-  ``ACCELERATE_CPU_SWAP_BUDGET_BYTES=12GiB``.
+  ``ACCELERATE_CPU_SWAP_BUDGET_BYTES=12GiB``, ``ACCELERATE_CPU_SWAP_UM=all``.
 - ``ACCELERATE_CPU_SWAP_CONFIG``: a YAML file with the same keys in lower case
   (``policy: offload``) plus ``enabled: true`` (the switch). ``accelerate-swap config``
   writes one.
@@ -39,6 +39,7 @@ from lightning_swap.core.actions import Action, PolicyLike
 from lightning_swap.core.runtime import DEFAULT_MIN_OFFLOAD_BYTES
 from lightning_swap.core.segments import SegmentSpec
 from lightning_swap.core.session import AUTO, SwapConfig
+from lightning_swap.core.unified import UMMode
 
 __all__ = ["ENV_CONFIG", "ENV_FLAG", "ENV_PREFIX", "FILE_FLAG", "OPTIONS", "SwapPlugin", "env_name", "parse_option"]
 
@@ -185,9 +186,16 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "prefetch_segments": _parse_count,
     "log_plan": _parse_bool,
     "log_stats": _parse_bool,
+    "um": lambda v, s: UMMode.parse(v, field=s).value,
+    "um_max_bytes": lambda v, s: _parse_bytes(v, s, allow_none=True),
 }
 #: Options that ``SwapConfig`` holds (the rest are the plugin's own).
-_CONFIG_OPTIONS = ("policy", "segments", "min_offload_bytes", "budget_bytes", "prefetch_segments", "log_plan")
+_CONFIG_OPTIONS = (
+    "policy", "segments", "min_offload_bytes", "budget_bytes", "prefetch_segments", "log_plan", "um", "um_max_bytes",
+)
+#: What an option needs beside it to be checked alone (its cross-field rule is checked when
+#: the whole plugin is built).
+_ALONE: dict[str, dict[str, Any]] = {"um_max_bytes": {"um": "all"}}
 #: Every option's name, in the order of ``SwapPlugin``'s fields.
 OPTIONS = tuple(_PARSERS)
 
@@ -197,7 +205,7 @@ def parse_option(option: str, raw: Any, source: str) -> Any:
     names ``source`` (a variable, a file key, a command-line flag) and the allowed values."""
     value = _PARSERS[option](raw, source)
     try:
-        SwapPlugin(**{option: value})
+        SwapPlugin(**{option: value, **_ALONE.get(option, {})})
     except ValueError as err:
         raise ValueError(f"`{source}` got {raw!r}: {err}") from err
     return value
@@ -256,6 +264,12 @@ class SwapPlugin:
     log_plan: bool = True
     #: Send each step's statistics to ``accelerator.log`` (``swap/...`` keys) when trackers are set up.
     log_stats: bool = True
+    #: CUDA unified memory: ``"off"``, ``"offload"`` (offloaded activations in managed host
+    #: buffers) or ``"all"`` (every CUDA allocation managed; installed when the accelerator is
+    #: built, so build it before moving anything to the GPU). Refused on CPU.
+    um: str = "off"
+    #: Cap on managed memory (only with ``um`` on); ``None``: the GPU's free memory.
+    um_max_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, Mapping) and not _is_auto(self.policy):
@@ -263,6 +277,7 @@ class SwapPlugin:
                 Action.parse(self.policy, field="policy")
             except ValueError as err:
                 raise ValueError(f"{err} Or 'auto' to let the planner choose.") from None
+        object.__setattr__(self, "um", UMMode.parse(self.um).value)
         self.to_config()  # validates every shared option, naming the field
         if not isinstance(self.log_stats, bool):
             raise ValueError(f"`log_stats` must be True or False; got {self.log_stats!r}.")

@@ -21,6 +21,7 @@ from .core.runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats
 from .core.segments import SegmentSpec
 from .core.session import SwapConfig, SwapSession
 from .core.timeline import Timeline, TimelineRecorder
+from .core.unified import UnifiedMemory
 from .report import plot_timelines
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class _SwapStrategyMixin:
         log_stats: bool,
         device_given: bool,
         report: bool = False,
+        um: str = "off",
+        um_max_bytes: Optional[int] = None,
     ) -> None:
         self.swap_config = SwapConfig(
             log_plan=False,  # logged here, on rank zero only
@@ -50,7 +53,10 @@ class _SwapStrategyMixin:
             min_offload_bytes=min_offload_bytes,
             budget_bytes=budget_bytes,
             prefetch_segments=prefetch_segments,
+            um=um,
+            um_max_bytes=um_max_bytes,
         )
+        self.unified_memory: Optional[UnifiedMemory] = None
         if not isinstance(log_stats, bool):
             raise ValueError(f"`log_stats` must be True or False; got {log_stats!r}.")
         if not isinstance(report, bool):
@@ -89,11 +95,27 @@ class _SwapStrategyMixin:
                 self._root_device = torch.device("cuda", torch.cuda.current_device())
 
     # -- hooks --------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        """Unified memory is installed here: after the device is chosen and set, before
+        ``setup`` moves the model to it (``um="all"`` must precede every CUDA allocation)."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is not None:
+            self._pick_device(trainer)
+        super().setup_environment()
+        if self.unified_memory is None:
+            self.unified_memory = self.swap_config.install_unified_memory(self.root_device)
+            if self.unified_memory is not None:
+                rank_zero_info(
+                    f"lightning-swap unified memory: um={self.swap_config.um!r} on {self.root_device}, "
+                    f"at most {self.unified_memory.memory.max_bytes} bytes managed"
+                )
+
     def setup(self, trainer: Any) -> None:
         self._pick_device(trainer)
         super().setup(trainer)
         module = self.lightning_module
-        self._session = SwapSession(module, self.swap_config, self.root_device)
+        self._session = SwapSession(module, self.swap_config, self.root_device, unified=self.unified_memory)
         self.stats_history = []
         if not self.swap_config.is_auto:
             # Every rank runs rank 0's plan (identity on one device).
@@ -189,6 +211,11 @@ class _SwapStrategyMixin:
             self._recorder = None
         if self._session is not None:
             self._session.close()
+        if self.unified_memory is not None:
+            # New allocations go back to torch's allocator; managed ones stay valid
+            # (Note [Managed memory outlives the session]).
+            self.unified_memory.close()
+            self.unified_memory = None
         if self._stats_callback is not None and self.lightning_module is not None:
             trainer = self.lightning_module._trainer
             if trainer is not None and self._stats_callback in trainer.callbacks:
@@ -232,7 +259,14 @@ _SWAP_ARGS_DOC = """
             log_stats: log ``swap/...`` metrics after each training batch.
             report: once training is in its steady state, draw one plain and one planned
                 step's device memory on ``swap_memory_timeline.png`` in the trainer's log
-                directory (``strategy.report_path``)."""
+                directory (``strategy.report_path``).
+            um: CUDA unified memory: ``"off"`` (default), ``"offload"`` (offloaded
+                activations live in managed host buffers, prefetched to the GPU before their
+                backward, instead of pinned copies) or ``"all"`` (every CUDA allocation is
+                managed, so training that does not fit is slow instead of failing; installed
+                before the model reaches the GPU). Refused on CPU.
+            um_max_bytes: cap on managed memory, only with ``um`` on; default the device's
+                free memory (no oversubscription unless asked for)."""
 
 
 def _build_single(base: type, callback_base: type, name: str) -> type:
@@ -248,6 +282,8 @@ def _build_single(base: type, callback_base: type, name: str) -> type:
             prefetch_segments: Optional[int] = None,
             log_stats: bool = True,
             report: bool = False,
+            um: str = "off",
+            um_max_bytes: Optional[int] = None,
             device: Any = None,
             accelerator: Any = None,
             checkpoint_io: Any = None,
@@ -268,6 +304,8 @@ def _build_single(base: type, callback_base: type, name: str) -> type:
                 log_stats=log_stats,
                 device_given=device is not None,
                 report=report,
+                um=um,
+                um_max_bytes=um_max_bytes,
             )
 
     CPUSwapStrategy.__doc__ = (
@@ -291,6 +329,8 @@ def _build_ddp(base: type, callback_base: type, name: str) -> type:
             prefetch_segments: Optional[int] = None,
             log_stats: bool = True,
             report: bool = False,
+            um: str = "off",
+            um_max_bytes: Optional[int] = None,
             **ddp_kwargs: Any,
         ) -> None:
             super().__init__(**ddp_kwargs)
@@ -303,6 +343,8 @@ def _build_ddp(base: type, callback_base: type, name: str) -> type:
                 log_stats=log_stats,
                 device_given=True,  # DDP places each rank on its own device already
                 report=report,
+                um=um,
+                um_max_bytes=um_max_bytes,
             )
 
     DDPCPUSwapStrategy.__doc__ = (
