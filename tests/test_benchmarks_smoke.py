@@ -52,3 +52,12 @@ def test_overhead_runs_in_smoke_mode_and_plots(tmp_path):
     out = _run("overhead.py", "--out", str(png))
     assert "overhead per budget" in out and "| ours: auto |" in out
     assert png.stat().st_size > 10_000
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the no-GPU path")
+def test_unified_memory_benchmark_says_it_needs_a_gpu():
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "unified_memory.py")], capture_output=True, text=True, timeout=120, cwd=BENCHMARKS.parent
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "needs a CUDA GPU" in proc.stdout and "nothing measured" in proc.stdout
