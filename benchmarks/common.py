@@ -187,10 +187,11 @@ class Measurement:
 class Bench:
     """A model, its SGD optimizer and its segments on one device, measured method by method."""
 
-    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device, *, unified: Any = None) -> None:
         from lightning_swap.core import find_segments
 
         self.spec, self.device = spec, device
+        self.unified = unified  # a UnifiedMemory our plans' runtimes use (unified_memory.py)
         torch.manual_seed(0)
         self.model = spec.build().to(device).train()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
@@ -229,7 +230,7 @@ class Bench:
                     forward_ctx = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)  # noqa: E731
                 else:
                     forward_ctx = _simulated_save_on_cpu
-            runtime = stack.enter_context(SwapRuntime(self.model, plan))
+            runtime = stack.enter_context(SwapRuntime(self.model, plan, unified=self.unified))
             yield runtime, forward_ctx
 
     def measure(self, method: str, batch_size: int, *, plan: Optional[Plan] = None, repeats: int = 2) -> Measurement:
