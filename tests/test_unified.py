@@ -556,3 +556,15 @@ def test_accelerator_uses_managed_buffers_and_closes_them(monkeypatch):
     assert handle.memory.managed_bytes == 0
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+def test_old_torch_is_named_in_the_refusal(monkeypatch):
+    from lightning_swap.core import unified
+
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cu124")
+    missing = unified._missing_features()
+    assert "torch >= 2.8" in missing
+    why = refusal(UMMode.ALL, CUDA0, cuda_available=True, missing_features=missing)
+    assert "torch >= 2.8" in why and "2.5.1" in why and "um='offload'" in why
+    monkeypatch.setattr(torch, "__version__", "2.11.0")
+    assert "torch >= 2.8" not in unified._missing_features()

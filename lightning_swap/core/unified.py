@@ -96,8 +96,20 @@ def check_um_max_bytes(value: Any, field: str = "um_max_bytes") -> Optional[int]
 _ALL_FEATURES = ("cuda.MemPool", "_C._cuda_customAllocator", "_C._cuda_beginAllocateToPool", "_C._cuda_releasePool")
 
 
+#: The oldest torch whose MemPool takes a custom allocator and routes every thread to it
+#: reliably (vLLM's allocator relies on the same three bindings from 2.8 on).
+_ALL_MIN_TORCH = (2, 8)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
 def _missing_features() -> list[str]:
     missing = []
+    if _torch_version() < _ALL_MIN_TORCH:
+        missing.append("torch >= %d.%d" % _ALL_MIN_TORCH)
     for name in _ALL_FEATURES:
         obj: Any = torch
         for part in name.split("."):
@@ -139,7 +151,7 @@ def refusal(
         if missing:
             return (
                 f"um='all' needs {', '.join(missing)}, which torch {torch.__version__} lacks: upgrade torch "
-                "(2.6 or newer has torch.cuda.MemPool with a custom allocator), or use um='offload', which "
+                "(2.8 or newer: torch.cuda.MemPool with a custom allocator), or use um='offload', which "
                 "works with this torch."
             )
         if reserved_bytes > 0 and not has_pool:
