@@ -568,3 +568,52 @@ def test_old_torch_is_named_in_the_refusal(monkeypatch):
     assert "torch >= 2.8" in why and "2.5.1" in why and "um='offload'" in why
     monkeypatch.setattr(torch, "__version__", "2.11.0")
     assert "torch >= 2.8" not in unified._missing_features()
+
+
+def test_install_all_routes_to_one_pool_per_process_without_a_gpu(monkeypatch):
+    """install_unified_memory's own logic for um='all', with torch's CUDA surface faked: the
+    refusal once torch holds memory, routing begun and ended on the pool, the pool reused by a
+    second install in the same process (Lightning's fit then test), the default cap."""
+    from types import SimpleNamespace
+
+    from lightning_swap.core import unified as um
+
+    calls = []
+
+    class FakePool:
+        def __init__(self, allocator):
+            self.allocator = allocator
+            self.id = (0, 7)
+
+    reserved = [4096]
+    monkeypatch.setattr(um, "_LIVE", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved[0])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 << 30, 16 << 30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=16 << 30))
+    monkeypatch.setattr(torch.cuda, "MemPool", FakePool)
+    for name in ("begin", "end", "release"):
+        attr = {"begin": "_cuda_beginAllocateToPool", "end": "_cuda_endAllocateToPool", "release": "_cuda_releasePool"}[name]
+        monkeypatch.setattr(torch._C, attr, lambda d, pid, name=name: calls.append((name, d, pid)), raising=False)
+
+    with pytest.raises(UnifiedMemoryError, match="before the first CUDA allocation"):
+        install_unified_memory("all", "cuda", max_bytes=1 << 30, runtime=FakeRuntime())
+    assert um._LIVE == {} and calls == []
+
+    reserved[0] = 0
+    handle = install_unified_memory("all", "cuda", max_bytes=1 << 30, runtime=FakeRuntime())
+    assert handle.routing and calls == [("begin", 0, (0, 7))]
+    assert um._LIVE[0] is handle._allocator and handle.memory.max_bytes == 1 << 30
+    assert isinstance(handle._allocator.allocator, torch._C._cuda_CUDAAllocator)  # torch's object over our pointers
+    handle.close()
+    handle.close()  # idempotent
+    assert calls[1:] == [("end", 0, (0, 7)), ("release", 0, (0, 7))] and not handle.routing
+
+    reserved[0] = 1 << 20  # the weights of the first run, in our pool
+    again = install_unified_memory("all", "cuda")
+    assert again._allocator is handle._allocator and again.memory is handle.memory and again.routing
+    assert again.memory.max_bytes == 8 << 30  # default cap: the free memory
+    again.close()
+    assert calls[3:] == [("begin", 0, (0, 7)), ("end", 0, (0, 7)), ("release", 0, (0, 7))]
