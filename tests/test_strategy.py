@@ -130,3 +130,24 @@ def test_unknown_names_fail_at_setup():
         fit("cnn", CPUSwapStrategy(segments=["model.nope"]))
     with pytest.raises(ValueError, match="`policy`.*model.nope"):
         fit("cnn", CPUSwapStrategy(policy={"model.nope": "offload"}))
+
+
+def test_cuda_device_is_chosen_before_the_accelerator_sets_it_up():
+    """A registered strategy is built with device "cpu"; with Lightning's CUDA accelerator the
+    device must follow it before ``setup_environment`` hands it to ``setup_device`` (which
+    rejects a CPU device), and before unified memory is installed on it."""
+    from types import SimpleNamespace
+
+    seen = []
+
+    class CUDAAccelerator:  # the name is what the strategy checks
+        def setup_device(self, device):
+            seen.append(device)
+
+    strategy = CPUSwapStrategy()
+    strategy.accelerator = CUDAAccelerator()
+    trainer = SimpleNamespace(_accelerator_connector=SimpleNamespace(_parallel_devices=[torch.device("cuda", 1)]))
+    strategy._lightning_module = SimpleNamespace(_trainer=trainer)
+    strategy.setup_environment()
+    assert seen == [torch.device("cuda", 1)] and strategy.root_device == torch.device("cuda", 1)
+    assert strategy.unified_memory is None  # um="off"
