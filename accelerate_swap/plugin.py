@@ -309,7 +309,11 @@ class SwapPlugin:
                 known = ", ".join([ENV_CONFIG, *(env_name(o) for o in _PARSERS)])
                 raise ValueError(f"`{key}` is not an option of the Accelerate swap plugin; known variables: {known}.")
             options[option] = parse_option(option, env[key], key)
-        plugin = cls(**options)
+        try:
+            plugin = cls(**options)
+        except ValueError as err:  # a rule across options (each was checked alone above)
+            sources = ", ".join(env_name(o) for o in options if env_name(o) in env) or ENV_CONFIG
+            raise ValueError(f"The swap plugin's settings ({sources}) do not go together: {err}") from err
         log.debug("swap plugin from the environment: %s", plugin)
         return plugin
 

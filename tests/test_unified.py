@@ -617,3 +617,19 @@ def test_install_all_routes_to_one_pool_per_process_without_a_gpu(monkeypatch):
     assert again.memory.max_bytes == 8 << 30  # default cap: the free memory
     again.close()
     assert calls[3:] == [("begin", 0, (0, 7)), ("end", 0, (0, 7)), ("release", 0, (0, 7))]
+
+
+def test_plugin_um_options_round_trip_through_env_and_file(tmp_path):
+    from accelerate_swap import SwapPlugin
+    from accelerate_swap.cli import main as cli_main
+
+    plugin = SwapPlugin(um="ALL", um_max_bytes=2 << 30)
+    assert plugin.um == "all" and plugin.to_config().um == "all"
+    env = plugin.to_env()
+    assert env["ACCELERATE_CPU_SWAP_UM"] == "all" and env["ACCELERATE_CPU_SWAP_UM_MAX_BYTES"] == str(2 << 30)
+    assert SwapPlugin.from_env(env) == plugin
+    path = tmp_path / "swap.yaml"
+    assert cli_main(["config", "--config_file", str(path), "--um", "offload", "--um_max_bytes", "1GiB"]) == 0
+    assert SwapPlugin.from_yaml(path) == SwapPlugin(um="offload", um_max_bytes=1 << 30)
+    with pytest.raises(ValueError, match="ACCELERATE_CPU_SWAP_UM_MAX_BYTES.*applies only with um='offload' or um='all'"):
+        SwapPlugin.from_env({"ACCELERATE_CPU_SWAP": "1", "ACCELERATE_CPU_SWAP_UM_MAX_BYTES": "1GiB"})
