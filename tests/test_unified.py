@@ -200,6 +200,16 @@ def test_cudart_binding_loads_the_runtime_torch_uses():
         assert info.value.name.startswith("cudaError") and info.value.code != 0
         with pytest.raises(CudaRuntimeError, match="cudaMallocManaged failed"):
             runtime.malloc_managed(4096)
+        # the prefetch and advice entry points resolve and take their arguments (the struct
+        # forms by value on CUDA 13: Note [Prefetch and advice signatures]); CUDA refuses, by name
+        for call, name in [
+            (lambda: runtime.prefetch(1 << 20, 4096, 0, 0), "cudaMemPrefetchAsync"),
+            (lambda: runtime.prefetch(1 << 20, 4096, CPU_DEVICE, 0), "cudaMemPrefetchAsync"),
+            (lambda: runtime.advise(1 << 20, 4096, Advice.SET_PREFERRED_LOCATION, CPU_DEVICE), "cudaMemAdvise"),
+            (lambda: runtime.advise(1 << 20, 4096, Advice.SET_ACCESSED_BY, 0), "cudaMemAdvise"),
+        ]:
+            with pytest.raises(CudaRuntimeError, match=f"{name} failed: cudaError"):
+                call()
 
 
 # -- managed memory accounting ---------------------------------------------------------------
