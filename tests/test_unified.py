@@ -643,3 +643,14 @@ def test_plugin_um_options_round_trip_through_env_and_file(tmp_path):
     assert SwapPlugin.from_yaml(path) == SwapPlugin(um="offload", um_max_bytes=1 << 30)
     with pytest.raises(ValueError, match="ACCELERATE_CPU_SWAP_UM_MAX_BYTES.*applies only with um='offload' or um='all'"):
         SwapPlugin.from_env({"ACCELERATE_CPU_SWAP": "1", "ACCELERATE_CPU_SWAP_UM_MAX_BYTES": "1GiB"})
+
+
+def test_fake_runtime_has_the_real_runtimes_signatures():
+    """Everything on CPU runs against FakeRuntime; it must accept exactly what CudaRuntime
+    accepts, or the GPU path fails where no CPU test looks."""
+    import inspect
+
+    for name in ("malloc_managed", "free", "prefetch", "advise", "as_tensor"):
+        real = list(inspect.signature(getattr(CudaRuntime, name)).parameters)
+        fake = list(inspect.signature(getattr(FakeRuntime, name)).parameters)
+        assert real == fake, name

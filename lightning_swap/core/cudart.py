@@ -19,7 +19,7 @@ import ctypes.util
 import enum
 import glob
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -152,22 +152,8 @@ class CudaRuntime:
             code = self._advise(ptr, nbytes, int(advice), device)
         self._check("cudaMemAdvise", code)
 
-    def as_tensor(self, ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        """A uint8 CUDA tensor over ``nbytes`` of managed memory at ``ptr`` (no copy; the
-        memory is not torch's and is freed by :meth:`free`, never by the tensor)."""
-        return torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
-
-
-class _CudaArray:
-    """The ``__cuda_array_interface__`` torch reads to wrap memory it does not own."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 2,
-            "strides": None,
-            # Consumers order their own work; we order copies with events (offload.py).
-            "stream": None,
-        }
+    def as_tensor(self, block: Any, device: torch.device) -> torch.Tensor:
+        """A uint8 CUDA tensor over managed memory, without a copy: ``block`` exposes
+        ``__cuda_array_interface__`` and torch keeps it alive as long as the tensor (the memory
+        is not torch's; the block frees it)."""
+        return torch.as_tensor(block, device=device)
