@@ -178,7 +178,9 @@ class SwapAccelerator(Accelerator):
 
     - ``swap_plan``: the applied :class:`~lightning_swap.Plan` (``None`` with ``"auto"``
       until the first training forward);
-    - ``swap_step_stats``: the last step's :class:`~lightning_swap.StepStats`, also sent to
+    - ``swap_step_stats``: the last step's :class:`~lightning_swap.StepStats` (on CUDA its
+      times are filled in once the device has finished it, at the latest when the session
+      closes; ``swap_session.stats()`` is the newest complete one), also sent to
       :meth:`log` as ``swap/...`` values at step ``swap_steps`` when trackers are set up;
     - ``swap_session.close()``: removes everything from the model (as do ``free_memory()``,
       ``clear()`` and ``end_training()``).
@@ -337,11 +339,16 @@ class SwapAccelerator(Accelerator):
         self.swap_step_stats = stats
         self.swap_steps += 1
         if self.swap_plugin.log_stats and self.trackers:
-            self.log(stats.as_metrics(), step=self.swap_steps)
+            # Plain floats of the newest step the device has finished: nothing waits for it.
+            resolved = session.stats()
+            if resolved is not None:
+                self.log(resolved.as_metrics(), step=self.swap_steps)
 
     # -- teardown -----------------------------------------------------------------------
     def _close_swap(self) -> None:
         if self._swap_session is not None:
+            if self.swap_step_stats is not None:  # training is over: the host may wait now
+                self.swap_step_stats = self._swap_session.stats(wait=True)
             self._swap_session.close()
             self._swap_session = None
 

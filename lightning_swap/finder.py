@@ -180,14 +180,14 @@ def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:
         use_batch_size(batch_size)
         _bss._reset_progress(trainer)
         trainer.fit_loop.epoch_loop.max_steps = steps
-        strategy.stats_history.clear()
+        mark = session.records.count
         garbage_collection_cuda()
         try:
             _bss._try_loop_run(trainer, params)
         finally:
             trainer.fit_loop.epoch_loop.max_steps = config.steps_per_trial
             garbage_collection_cuda()
-        return list(strategy.stats_history)
+        return session.records.since(mark, wait=True)  # between trials the host may wait
 
     try:
         result = search_for_loop(

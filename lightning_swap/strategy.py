@@ -40,6 +40,7 @@ class _SwapStrategyMixin:
         min_offload_bytes: int,
         budget_bytes: Optional[int],
         prefetch_segments: Optional[int],
+        inflight_segments: int,
         log_stats: bool,
         device_given: bool,
         report: bool = False,
@@ -53,6 +54,7 @@ class _SwapStrategyMixin:
             min_offload_bytes=min_offload_bytes,
             budget_bytes=budget_bytes,
             prefetch_segments=prefetch_segments,
+            inflight_segments=inflight_segments,
             um=um,
             um_max_bytes=um_max_bytes,
         )
@@ -69,8 +71,6 @@ class _SwapStrategyMixin:
         self._device_given = device_given
         self._session: Optional[SwapSession] = None
         self._stats_callback = None
-        self.step_stats: Optional[StepStats] = None
-        self.stats_history: list[StepStats] = []
 
     # -- what users read ----------------------------------------------------------------
     @property
@@ -81,6 +81,18 @@ class _SwapStrategyMixin:
     @property
     def swap_session(self) -> Optional[SwapSession]:
         return self._session
+
+    @property
+    def step_stats(self) -> Optional[StepStats]:
+        """The newest training step whose statistics are complete. Reading it never waits for
+        the device: on CUDA, during training, that is usually the step before the last one
+        (Note [Stream protocol]); after ``fit`` it is the last step."""
+        return self._session.stats() if self._session is not None else None
+
+    @property
+    def stats_history(self) -> list[StepStats]:
+        """The last (up to 64) steps' statistics, oldest first, as known now."""
+        return self._session.records.all() if self._session is not None else []
 
     # -- device -------------------------------------------------------------------------
     def _pick_device(self, trainer: Any) -> None:
@@ -116,7 +128,6 @@ class _SwapStrategyMixin:
         super().setup(trainer)
         module = self.lightning_module
         self._session = SwapSession(module, self.swap_config, self.root_device, unified=self.unified_memory)
-        self.stats_history = []
         if not self.swap_config.is_auto:
             # Every rank runs rank 0's plan (identity on one device).
             self._log_plan(self._session.apply(self.broadcast(self._session.forced_plan(), src=0)))
@@ -198,11 +209,7 @@ class _SwapStrategyMixin:
         if self._recorder is not None:
             self._finish_report()
         if self._session is not None:
-            stats = self._session.end_step()
-            if stats is not None:
-                self.step_stats = stats
-                self.stats_history.append(stats)
-                del self.stats_history[:-64]  # the batch-size finder reads the last few
+            self._session.end_step()
         return out
 
     def teardown(self) -> None:
@@ -210,6 +217,7 @@ class _SwapStrategyMixin:
             self._recorder.__exit__(None, None, None)
             self._recorder = None
         if self._session is not None:
+            self._session.records.resolve(wait=True)  # training is over: the host may wait now
             self._session.close()
         if self.unified_memory is not None:
             # New allocations go back to torch's allocator; managed ones stay valid
@@ -230,15 +238,20 @@ def _optimizer_states(optimizers: Any) -> list:
 
 def _stats_callback_for(callback_base: type) -> type:
     class _SwapStatsLogger(callback_base):
-        """Logs the strategy's ``step_stats`` as ``swap/...`` metrics after each batch."""
+        """Sends the newest complete ``step_stats`` to the loggers as ``swap/...`` plain floats,
+        at Lightning's ``log_every_n_steps``: no per-step device tensor, nothing that waits for
+        the device (Note [Stream protocol])."""
 
         def __init__(self, strategy: Any) -> None:
             self._strategy = strategy
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            connector = trainer._logger_connector
+            if not trainer.loggers or not connector.should_update_logs:
+                return
             stats = self._strategy.step_stats
             if stats is not None:
-                pl_module.log_dict(stats.as_metrics(), on_step=True, on_epoch=False, logger=trainer.logger is not None)
+                connector.log_metrics(stats.as_metrics())
 
     return _SwapStatsLogger
 
@@ -256,7 +269,10 @@ _SWAP_ARGS_DOC = """
                 capacity (without it, ``"auto"`` keeps everything on CPU); on CUDA by default
                 the free device memory less 10%.
             prefetch_segments: segments prefetched ahead in backward (default 1 on CUDA, 0 on CPU).
-            log_stats: log ``swap/...`` metrics after each training batch.
+            inflight_segments: segments whose copies to the host may still run while later
+                segments compute (default 1); their device memory is released after that.
+            log_stats: send ``swap/...`` metrics (plain floats) to the loggers every
+                ``log_every_n_steps``.
             report: once training is in its steady state, draw one plain and one planned
                 step's device memory on ``swap_memory_timeline.png`` in the trainer's log
                 directory (``strategy.report_path``).
@@ -284,6 +300,7 @@ def _build_single(base: type, callback_base: type, name: str) -> type:
             report: bool = False,
             um: str = "off",
             um_max_bytes: Optional[int] = None,
+            inflight_segments: int = 1,
             device: Any = None,
             accelerator: Any = None,
             checkpoint_io: Any = None,
@@ -301,6 +318,7 @@ def _build_single(base: type, callback_base: type, name: str) -> type:
                 min_offload_bytes=min_offload_bytes,
                 budget_bytes=budget_bytes,
                 prefetch_segments=prefetch_segments,
+                inflight_segments=inflight_segments,
                 log_stats=log_stats,
                 device_given=device is not None,
                 report=report,
@@ -331,6 +349,7 @@ def _build_ddp(base: type, callback_base: type, name: str) -> type:
             report: bool = False,
             um: str = "off",
             um_max_bytes: Optional[int] = None,
+            inflight_segments: int = 1,
             **ddp_kwargs: Any,
         ) -> None:
             super().__init__(**ddp_kwargs)
@@ -340,6 +359,7 @@ def _build_ddp(base: type, callback_base: type, name: str) -> type:
                 min_offload_bytes=min_offload_bytes,
                 budget_bytes=budget_bytes,
                 prefetch_segments=prefetch_segments,
+                inflight_segments=inflight_segments,
                 log_stats=log_stats,
                 device_given=True,  # DDP places each rank on its own device already
                 report=report,

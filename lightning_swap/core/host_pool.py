@@ -2,15 +2,22 @@
 
 On CUDA the buffers are pinned, so device-to-host and host-to-device copies are asynchronous
 and run on the copy engines; allocating pinned memory is slow (``cudaHostAlloc``), so each
-buffer is allocated once and reused every step. A buffer is handed out again only after the
-copies that read or write it have finished (their events), see Note [Host buffer reuse].
+buffer is allocated once and reused every step.
+
+Note [Host buffer reuse]: a released buffer carries the events of the copies that touched it
+(the device-to-host copy that filled it, the host-to-device copy that read it back), and
+:meth:`HostPool.acquire` hands those events out with the buffer; the next copy into it waits
+on them *on its own stream* (rule 4 of Note [Stream protocol] in ``streams.py``). The host
+never reads or writes the bytes, so ordering on the device is all that is needed and the host
+never polls or waits: a buffer can be handed out again at once, without a new pinned
+allocation, however far the host runs ahead of the device.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -29,38 +36,31 @@ def _round_up(nbytes: int) -> int:
 
 
 class HostPool:
-    """Host byte buffers, bucketed by rounded size.
-
-    Note [Host buffer reuse]: ``release(buffer, events)`` does not make the buffer available
-    at once: it waits in ``_pending`` until every event (the device-to-host copy that filled
-    it, the host-to-device copy that read it) has completed. Reusing it earlier would let a
-    new copy overwrite bytes an in-flight copy has not read yet.
-    """
+    """Host byte buffers, bucketed by rounded size (Note [Host buffer reuse])."""
 
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
-        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
-        self._pending: list[tuple[torch.Tensor, tuple]] = []
+        self._free: dict[int, list[tuple[torch.Tensor, tuple]]] = defaultdict(list)
         self.reserved_bytes = 0
         self.in_use_bytes = 0
         self.allocations = 0
 
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        """A uint8 host tensor of at least ``nbytes`` bytes."""
+    def acquire(self, nbytes: int) -> tuple[torch.Tensor, tuple]:
+        """A uint8 host tensor of at least ``nbytes`` bytes, and the events of the copies that
+        last touched it (empty for a new buffer): the next copy into it must wait on them."""
         size = _round_up(nbytes)
         bucket = self._free[size]
-        if not bucket:
-            self._reclaim()
         if bucket:
-            buffer = bucket.pop()
+            buffer, events = bucket.pop()
         else:
             with host_allocation():
                 buffer = self._allocate(size)
             mark_host(buffer)
+            events = ()
             self.reserved_bytes += size
             self.allocations += 1
         self.in_use_bytes += size
-        return buffer
+        return buffer, events
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
@@ -77,35 +77,13 @@ class HostPool:
         """The host-to-device copy out of ``buffer`` has been queued."""
 
     def release(self, buffer: torch.Tensor, events: tuple = ()) -> None:
+        """Give ``buffer`` back with the events of the copies that used it."""
         self.in_use_bytes -= buffer.numel()
-        events = tuple(e for e in events if e is not None)
-        if events:
-            self._pending.append((buffer, events))
-        else:
-            self._free[buffer.numel()].append(buffer)
-
-    def _reclaim(self) -> None:
-        still = []
-        for buffer, events in self._pending:
-            if all(e.query() for e in events):
-                self._free[buffer.numel()].append(buffer)
-            else:
-                still.append((buffer, events))
-        self._pending = still
-
-    def synchronize(self) -> None:
-        """Wait for every pending copy and make all released buffers reusable."""
-        for _, events in self._pending:
-            for e in events:
-                e.synchronize()
-        self._reclaim()
-
-    def owns_free(self, buffer: Optional[torch.Tensor]) -> bool:
-        return buffer is not None and any(buffer is b for b in self._free[buffer.numel()])
+        self._free[buffer.numel()].append((buffer, tuple(e for e in events if e is not None)))
 
     def clear(self) -> None:
-        """Free every buffer (waiting for in-flight copies first)."""
-        self.synchronize()
+        """Drop every free buffer. The engine drains its copy streams first; pinned memory is
+        returned through torch's host allocator, which itself waits for recorded copies."""
         if self.in_use_bytes:
             log.debug("HostPool cleared with %d bytes still referenced by live graphs", self.in_use_bytes)
         self._free.clear()

@@ -108,8 +108,10 @@ class DeviceMemoryMeter:
 
     def __exit__(self, *exc: Any) -> None:
         if self.is_cuda:
-            self._peak = torch.cuda.max_memory_allocated(self.device)
-            self._current = torch.cuda.memory_allocated(self.device)
+            # One read of the allocator's statistics (each read builds the whole table).
+            stats = torch.cuda.memory_stats(self.device)
+            self._peak = stats.get("allocated_bytes.all.peak", 0)
+            self._current = stats.get("allocated_bytes.all.current", 0)
         else:
             assert self._mode is not None
             self._mode.__exit__(*exc)

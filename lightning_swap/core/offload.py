@@ -3,42 +3,48 @@
 The mechanism of vDNN / TensorFlow LMS / Capuchin, done with PyTorch's saved-tensor hooks:
 in forward, each tensor autograd saves inside an offloaded segment is copied to a host
 buffer (device-to-host on a side stream on CUDA) and the device copy is dropped; in backward
-the bytes come back (host-to-device on a second side stream), prefetched one segment ahead of
-need so that the copy hides behind the previous segment's backward. On CPU the same code
-runs with synchronous copies and no streams.
+the bytes come back (host-to-device on a second side stream), prefetched ahead of need so
+that the copy hides behind the backward of later segments. Every ordering between streams is
+:mod:`.streams`'s business (Note [Stream protocol]); this module decides *what* moves *when*.
+On CPU the same code runs with synchronous copies.
 
-Note [What is never offloaded]: parameters and buffers (their storage is alive anyway, so a
-copy would cost bandwidth and free nothing), tensors smaller than ``min_offload_bytes``,
-tensors on another device, and tensor subclasses or non-strided layouts (their storage is
-not a plain byte array). These are returned to autograd unchanged.
+Note [What is never offloaded]: whatever is alive before the step anyway — parameters,
+buffers and the tensors the caller tracks (the batch): a copy would cost bandwidth and free
+nothing — tensors smaller than ``min_offload_bytes``, tensors on another device, and tensor
+subclasses or non-strided layouts (their storage is not a plain byte array). These are
+returned to autograd unchanged.
 
 Note [One storage, one copy]: several ops often save the same storage (a block's output is
 saved by its last ReLU and by the next block's first conv; ``x`` and ``x.t()`` share one
-storage). The whole storage is copied once per version of its content and each saved tensor
-keeps only its view (dtype, size, stride, offset) into the shared entry. On the way back the
-device copy is shared too, as long as any unpacked view of it is alive.
+storage). The whole storage is copied out once per version of its content and each saved
+tensor keeps only its view (dtype, size, stride, offset) into the shared entry. It is copied
+back once too: the device copy is held from its first unpack until every saved tensor that
+refers to it has been unpacked (``pending``), so ``fetched_bytes == offloaded_bytes`` in a
+step with one backward. A second backward over a retained graph fetches again only if the
+first one's device copy died.
 
-Note [Stream discipline]: a device tensor is released only after the event recorded after its
-device-to-host copy has completed (we keep a reference until then); the host-to-device copy
-of a buffer starts after that buffer's device-to-host event; compute waits on the event of
-the prefetch it needs, never on the whole device; a host buffer goes back to the pool with
-the events of the copies that use it (Note [Host buffer reuse]). The device memory a
-prefetch copies into is allocated on the compute stream, so the copy stream first waits for
-the compute stream: the allocator may have just recycled that block from compute work.
+Note [Prefetch schedule]: when segment ``i``'s backward starts (the gradient of its output
+is ready), the host-to-device copies of segments ``i-1 .. i-k`` are queued, ``k =
+prefetch_segments``, each entry at most once per step; an unpack whose bytes were not
+prefetched fetches them on demand. Nothing is fetched that no unpack will consume in this
+backward: a prefetch is only ever issued for an entry that has not been fetched yet, so the
+extra device memory of prefetching is bounded by the ``k`` segments' offloaded bytes.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from .host_pool import HostPool
 from .meter import host_allocation
+from .streams import CopyStreams, StreamOps, Timing, default_ops
 
 __all__ = ["OffloadCounters", "OffloadEngine"]
 
@@ -50,15 +56,16 @@ class OffloadCounters:
     deduplicated_tensors: int = 0
     fetched_bytes: int = 0
     prefetched_bytes: int = 0
-    exposed_transfer_ms: float = 0.0
+    #: Host-measured copy time on CPU (synchronous copies); on CUDA see ``CopyStreams.exposed``.
+    copy_ms: float = 0.0
 
 
 class _Entry:
-    """One storage's bytes in a host buffer."""
+    """One storage's bytes in a host buffer, and its way back."""
 
     __slots__ = (
-        "__weakref__", "segment", "nbytes", "buffer", "host", "source", "version",
-        "d2h_event", "h2d_event", "pending_source", "prefetched", "landed", "pool", "lock",
+        "__weakref__", "segment", "nbytes", "buffer", "host", "source", "version", "pool",
+        "d2h_event", "h2d_event", "fetch", "device", "landed", "packs", "pending",
     )
 
     def __init__(self, segment: int, nbytes: int, buffer: torch.Tensor, pool: HostPool) -> None:
@@ -69,11 +76,17 @@ class _Entry:
         self.pool = pool
         self.source: Optional[weakref.ref] = None
         self.version = -1
-        self.d2h_event = None
-        self.h2d_event = None
-        self.pending_source: Optional[torch.Tensor] = None
-        self.prefetched: Optional[tuple[torch.Tensor, Any]] = None
+        self.d2h_event: Any = None
+        self.h2d_event: Any = None
+        #: The key, in the engine's ``_fetches``, of a queued host-to-device copy of this entry
+        #: that the compute stream has not waited for yet.
+        self.fetch: Optional[int] = None
+        #: The device copy, held while saved tensors referring to it remain to be unpacked.
+        self.device: Optional[torch.Tensor] = None
+        #: The same, weakly, once all have been unpacked (a second backward may reuse it).
         self.landed: Optional[weakref.ref] = None
+        self.packs = 0
+        self.pending = 0
 
     def __del__(self) -> None:
         try:
@@ -93,6 +106,8 @@ class _Packed:
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
+        entry.packs += 1
+        entry.pending += 1
 
 
 def _as_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -108,45 +123,54 @@ class OffloadEngine:
         *,
         min_offload_bytes: int,
         prefetch_segments: int,
+        inflight_segments: int = 1,
         pool: Optional[HostPool] = None,
+        ops: Optional[StreamOps] = None,
     ) -> None:
         self.device = device
         self.min_offload_bytes = min_offload_bytes
         self.prefetch_segments = prefetch_segments
-        self.is_cuda = device.type == "cuda"
+        ops = ops if ops is not None else default_ops(device)
+        self.copies = CopyStreams(device, ops, inflight_segments=inflight_segments)
         # Pinned buffers by default; managed ones under unified memory (unified.py).
-        self.pool = pool if pool is not None else HostPool(pin_memory=self.is_cuda)
-        if self.is_cuda:
-            # One side stream per direction, owned here (Note [Stream discipline]).
-            self._d2h = torch.cuda.Stream(device)
-            self._h2d = torch.cuda.Stream(device)
+        self.pool = pool if pool is not None else HostPool(pin_memory=device.type == "cuda")
         self._lock = threading.RLock()
         self._skip_ptrs: frozenset[int] = frozenset()
         self._by_storage: dict[int, weakref.ref] = {}
         self._by_segment: dict[int, list[weakref.ref]] = {}
-        self._pending_sources: list[_Entry] = []
-        self._waits: list[tuple[Any, Any]] = []
+        self._backward = False
+        # Queued fetches the compute stream has not waited for yet, by id: held here, not only by
+        # their entries, so that one is never dropped unwaited (rule 3 of Note [Stream protocol]).
+        self._fetches: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._fetch_ids = itertools.count()
         self.counters = OffloadCounters()
 
     # -- step ---------------------------------------------------------------------------
-    def begin_step(self, skip: Any) -> None:
+    def begin_step(self, skip: Iterable[torch.Tensor]) -> None:
         """Start a step; ``skip`` are tensors never offloaded (Note [What is never offloaded])."""
         self._skip_ptrs = frozenset(t.untyped_storage().data_ptr() for t in skip)
         self._by_storage.clear()
         self._by_segment.clear()
-        self._waits.clear()
+        self._backward = False
         self.counters = OffloadCounters()
 
-    def end_step(self) -> OffloadCounters:
-        self._poll_sources(wait=True)
-        if self.is_cuda and self._waits:
-            self._waits[-1][1].synchronize()
-            self.counters.exposed_transfer_ms += sum(a.elapsed_time(b) for a, b in self._waits)
-            self._waits.clear()
-        return self.counters
+    def end_step(self) -> tuple[OffloadCounters, Timing]:
+        """The step's counters and the time the compute stream stood waiting for copies (read
+        later: Note [Stream protocol], rule 5). Nothing waits on the host: copies still in flight
+        and prefetches nobody consumed retire onto the compute stream."""
+        self._settle()
+        exposed, self.copies.exposed = self.copies.exposed, Timing(self.copies.ops)
+        return self.counters, exposed
+
+    def _settle(self) -> None:
+        self.copies.retire()
+        for _, event in self._fetches.values():
+            self.copies.consume(event)
+        self._fetches.clear()
 
     def close(self) -> None:
-        self._poll_sources(wait=True)
+        self._settle()
+        self.copies.close()
         self._by_storage.clear()
         self._by_segment.clear()
         self.pool.clear()
@@ -154,6 +178,11 @@ class OffloadEngine:
     # -- hooks --------------------------------------------------------------------------
     def hooks(self, segment: int) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._packer(segment), self._unpack)
+
+    def segment_started(self) -> None:
+        """A segment's forward starts (with autograd recording): bounds what is in flight."""
+        self._backward = False
+        self.copies.segment_started()
 
     def _packer(self, segment: int) -> Callable[[torch.Tensor], Any]:
         def pack(t: torch.Tensor) -> Any:
@@ -174,9 +203,6 @@ class OffloadEngine:
     def _pack(self, segment: int, t: torch.Tensor) -> Any:
         if not self._should_offload(t):
             return t
-        if segment not in self._by_segment:
-            self._by_segment[segment] = []
-        self._poll_sources(wait=False)
         storage = t.untyped_storage()
         key = id(storage)
         ref = self._by_storage.get(key)
@@ -186,125 +212,88 @@ class OffloadEngine:
             return _Packed(entry, t)
         entry = self._copy_out(segment, storage, t._version)
         self._by_storage[key] = weakref.ref(entry)
-        self._by_segment[segment].append(weakref.ref(entry))
+        self._by_segment.setdefault(segment, []).append(weakref.ref(entry))
         return _Packed(entry, t)
 
     def _copy_out(self, segment: int, storage: torch.UntypedStorage, version: int) -> _Entry:
         nbytes = storage.nbytes()
         with self._lock:
-            buffer = self.pool.acquire(nbytes)
+            buffer, reuse_events = self.pool.acquire(nbytes)
         entry = _Entry(segment, nbytes, buffer, self.pool)
         entry.source = weakref.ref(storage)
         entry.version = version
-        with torch.no_grad():
-            src = _as_bytes(storage, self.device)
-            if self.is_cuda:
-                compute = torch.cuda.current_stream(self.device)
-                self._d2h.wait_stream(compute)  # the bytes are produced on the compute stream
-                with torch.cuda.stream(self._d2h), host_allocation():
-                    entry.host.copy_(src, non_blocking=True)
-                    self.pool.after_write(entry.buffer, nbytes, self._d2h)
-                    entry.d2h_event = torch.cuda.Event()
-                    entry.d2h_event.record(self._d2h)
-                entry.pending_source = src  # keep the device bytes alive until the copy is done
-                self._pending_sources.append(entry)
-            else:
-                start = time.perf_counter()
-                with host_allocation():
-                    entry.host.copy_(src)
-                    self.pool.after_write(entry.buffer, nbytes, None)
-                self.counters.exposed_transfer_ms += (time.perf_counter() - start) * 1e3
+        pool = self.pool
+        start = time.perf_counter()
+        with torch.no_grad(), host_allocation():
+            entry.d2h_event = self.copies.to_host(
+                _as_bytes(storage, self.device),
+                entry.host,
+                after=reuse_events,
+                then=lambda stream: pool.after_write(buffer, nbytes, stream),
+            )
+        if not self.copies.asynchronous:
+            self.counters.copy_ms += (time.perf_counter() - start) * 1e3
         self.counters.offloaded_bytes += nbytes
         self.counters.offloaded_tensors += 1
         return entry
 
-    def _poll_sources(self, wait: bool) -> None:
-        if not self._pending_sources:
-            return
-        still = []
-        for entry in self._pending_sources:
-            if wait:
-                entry.d2h_event.synchronize()
-            if entry.d2h_event.query():
-                entry.pending_source = None
-            else:
-                still.append(entry)
-        self._pending_sources = still
-
-    def _copy_in(self, entry: _Entry) -> tuple[torch.Tensor, Any]:
+    def _fetch(self, entry: _Entry) -> tuple[torch.Tensor, Any]:
+        """Queue the copy of ``entry`` back to the device (the compute stream has not waited yet)."""
+        pool, buffer, nbytes = self.pool, entry.buffer, entry.nbytes
+        start = time.perf_counter()
         with torch.no_grad():
-            dst = torch.empty(entry.nbytes, dtype=torch.uint8, device=self.device)
-            if not self.is_cuda:
-                start = time.perf_counter()
-                self.pool.before_read(entry.buffer, entry.nbytes, None)
-                dst.copy_(entry.host)
-                self.pool.after_read(entry.buffer, entry.nbytes, None)
-                self.counters.exposed_transfer_ms += (time.perf_counter() - start) * 1e3
-                self.counters.fetched_bytes += entry.nbytes
-                return dst, None
-            compute = torch.cuda.current_stream(self.device)
-            self._h2d.wait_stream(compute)  # ``dst`` may be a block compute just released
-            self._h2d.wait_event(entry.d2h_event)  # the host bytes must have landed
-            with torch.cuda.stream(self._h2d):
-                self.pool.before_read(entry.buffer, entry.nbytes, self._h2d)
-                dst.copy_(entry.host, non_blocking=True)
-                self.pool.after_read(entry.buffer, entry.nbytes, self._h2d)
-                event = torch.cuda.Event(enable_timing=False)
-                event.record(self._h2d)
-            entry.h2d_event = event
-            self.counters.fetched_bytes += entry.nbytes
-            return dst, event
+            dst, event = self.copies.to_device(
+                entry.host,
+                nbytes,
+                after=(entry.d2h_event,),
+                before=lambda stream: pool.before_read(buffer, nbytes, stream),
+                then=lambda stream: pool.after_read(buffer, nbytes, stream),
+            )
+        if not self.copies.asynchronous:
+            self.counters.copy_ms += (time.perf_counter() - start) * 1e3
+        entry.h2d_event = event
+        self.counters.fetched_bytes += nbytes
+        return dst, event
+
+    def _start_backward(self) -> None:
+        if not self._backward:
+            self._backward = True
+            self.copies.retire()  # every source's copy is needed from now on
 
     def _prefetch_segment(self, segment: int) -> None:
         for ref in self._by_segment.get(segment, ()):
             entry = ref()
-            if entry is None or entry.prefetched is not None:
+            if entry is None or entry.fetch is not None or entry.device is not None:
                 continue
             if entry.landed is not None and entry.landed() is not None:
                 continue
-            dst, event = self._copy_in(entry)
-            entry.prefetched = (dst, event)
+            entry.fetch = next(self._fetch_ids)
+            self._fetches[entry.fetch] = self._fetch(entry)
             self.counters.prefetched_bytes += entry.nbytes
 
-    def _prefetch_after(self, segment: int) -> None:
-        """Bring back the rest of ``segment`` and the ``prefetch_segments`` before it."""
-        if self.prefetch_segments <= 0:
-            return
-        for j in range(segment, segment - self.prefetch_segments - 1, -1):
-            if j in self._by_segment:
-                self._prefetch_segment(j)
-
     def backward_started(self, segment: int) -> None:
-        """Note [Prefetch schedule]: when segment ``i``'s backward starts (the gradient of its
-        output is ready), the host-to-device copies of segments ``i-1 .. i-k`` are queued, so
-        they run on the copy engine while ``i`` computes; ``k = prefetch_segments``. An unpack
-        that finds its bytes not yet queued copies them on demand."""
-        if self.prefetch_segments <= 0:
-            return
+        """Note [Prefetch schedule]."""
         with self._lock:
+            self._start_backward()
             for j in range(segment - 1, segment - self.prefetch_segments - 1, -1):
                 if j in self._by_segment:
                     self._prefetch_segment(j)
 
     def _device_bytes(self, entry: _Entry) -> torch.Tensor:
+        if entry.device is not None:
+            return entry.device
         if entry.landed is not None:
             storage = entry.landed()
             if storage is not None:
                 return _as_bytes(storage, self.device)
-        if entry.prefetched is not None:
-            dst, event = entry.prefetched
-            entry.prefetched = None
+        fetch = self._fetches.pop(entry.fetch, None) if entry.fetch is not None else None
+        entry.fetch = None
+        if fetch is not None:
+            dst, event = fetch
         else:
-            dst, event = self._copy_in(entry)
-        if event is not None:
-            compute = torch.cuda.current_stream(self.device)
-            before = torch.cuda.Event(enable_timing=True)
-            after = torch.cuda.Event(enable_timing=True)
-            before.record(compute)
-            compute.wait_event(event)  # compute waits for this prefetch only
-            after.record(compute)
-            self._waits.append((before, after))
-        entry.landed = weakref.ref(dst.untyped_storage())
+            dst, event = self._fetch(entry)
+        self.copies.consume(event)  # rule 3: the compute stream waits before the first use
+        entry.device = dst
         return dst
 
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -312,9 +301,14 @@ class OffloadEngine:
             return packed
         entry = packed.entry
         with self._lock:
-            self._poll_sources(wait=False)
-            self._prefetch_after(entry.segment)
+            self._start_backward()
             dst = self._device_bytes(entry)
+            entry.pending -= 1
+            if entry.pending <= 0 and entry.device is not None:
+                # Note [One storage, one copy]: every saved view has been handed out.
+                entry.landed = weakref.ref(entry.device.untyped_storage())
+                entry.device = None
+                entry.pending = entry.packs  # a second backward unpacks each once more
         with torch.no_grad():
             out = torch.empty(0, dtype=packed.dtype, device=self.device)
             out.set_(dst.untyped_storage(), packed.offset, packed.size, packed.stride)

@@ -7,11 +7,18 @@ recomputed.
 
 Note [Recompute leaves buffers alone]: plain ``torch.utils.checkpoint`` runs the segment's
 forward twice, so BatchNorm's running statistics (and ``num_batches_tracked``) are updated
-twice per step, and the model drifts from plain training. We record which buffers the real
-forward mutates (their version counters move; norm layers tracking running statistics are
-listed by type, since ``native_batch_norm`` writes them without bumping the version), snapshot them when the recomputation starts
-and copy the snapshot back when it ends. Batch-norm in training mode normalises with the
-batch's own statistics, so the recomputed values do not depend on the running ones.
+twice per step, and the model drifts from plain training. During the recomputation each
+BatchNorm layer of the segment that tracks statistics in training mode runs with ``momentum``
+0 and no ``num_batches_tracked``: the batch is not counted and the running statistics are
+updated by a factor of 0 (``r * 1 + 0 * m``), which leaves them equal. The layer is still given
+its running statistics, so the recomputation saves exactly the tensors the forward saved (with
+none, ``native_batch_norm`` saves two fewer and checkpoint refuses the mismatch), and since
+training mode normalises with the batch's own statistics its output is the same. No kernel is
+launched to save or restore anything.
+Any other buffer the real forward mutates (its version counter moves; norm layers whose
+``forward`` is not torch's BatchNorm one are listed by type, since ``native_batch_norm``
+writes statistics without bumping the version) is snapshot when the recomputation starts and
+copied back when it ends.
 
 Note [Checkpointed segments must not modify their input]: the recomputation reruns the
 segment on its saved input; if the forward changed that input in place, the rerun would see
@@ -22,16 +29,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.batchnorm import SyncBatchNorm, _BatchNorm, _NormBase
 from torch.utils.checkpoint import checkpoint
 from torch.utils._pytree import tree_leaves
 
 from .actions import Action
+from .streams import StreamOps, Timing
 
 __all__ = ["RecomputeTimer", "checkpointed", "compute_heavy_ops"]
 
@@ -67,40 +74,20 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 class RecomputeTimer:
-    """Accumulates the time spent recomputing (CUDA events on GPU, wall clock on CPU)."""
+    """Accumulates the time spent recomputing: timing events on the compute stream, read later
+    (Note [Stream protocol] in ``streams.py``); wall clock on CPU."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._cpu_ms = 0.0
-        self._events: list[tuple[Any, Any]] = []
+    def __init__(self, ops: StreamOps) -> None:
+        self.ops = ops
+        self.timing = Timing(ops)
 
-    @contextlib.contextmanager
-    def measure(self):
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            try:
-                yield
-            finally:
-                end.record()
-                self._events.append((start, end))
-        else:
-            start = time.perf_counter()
-            try:
-                yield
-            finally:
-                self._cpu_ms += (time.perf_counter() - start) * 1e3
+    def measure(self) -> contextlib.AbstractContextManager:
+        return self.timing.measure(self.ops.compute_stream())
 
-    def reset(self) -> None:
-        self._cpu_ms = 0.0
-        self._events.clear()
-
-    def total_ms(self) -> float:
-        total = self._cpu_ms
-        if self._events:
-            self._events[-1][1].synchronize()
-            total += sum(a.elapsed_time(b) for a, b in self._events)
-        return total
+    def take(self) -> Timing:
+        """This step's timing (resolved later); the next step starts a new one."""
+        timing, self.timing = self.timing, Timing(self.ops)
+        return timing
 
 
 class _Chain:
@@ -125,23 +112,32 @@ class _Chain:
         return stack.__exit__(*exc) if stack is not None else None
 
 
+def _plain_batch_norm(m: nn.Module) -> bool:
+    """A BatchNorm whose ``forward`` is torch's, which reads ``momentum`` and ``num_batches_tracked``
+    as Note [Recompute leaves buffers alone] needs."""
+    return isinstance(m, _BatchNorm) and type(m).forward in (_BatchNorm.forward, SyncBatchNorm.forward)
+
+
 class _BufferGuard:
     """Note [Recompute leaves buffers alone]."""
 
     def __init__(self, module: nn.Module) -> None:
-        self._module = module
+        self._batch_norms = [m for m in module.modules() if _plain_batch_norm(m)]
+        flipped = {id(b) for m in self._batch_norms for b in m.buffers(recurse=False)}
+        self._other_norms = [m for m in module.modules() if isinstance(m, _NormBase) and not _plain_batch_norm(m)]
+        self._others = [b for b in module.buffers() if b is not None and id(b) not in flipped]
         self.mutated: list[torch.Tensor] = []
 
     @contextlib.contextmanager
     def watch_forward(self):
-        buffers = [b for b in self._module.buffers() if b is not None]
-        versions = [b._version for b in buffers]
+        if not self._others:
+            yield
+            return
+        versions = [b._version for b in self._others]
         yield
-        # ``native_batch_norm`` updates running statistics in place without bumping their
-        # version counter, so norm layers that track statistics are listed by type.
-        mutated = {id(b): b for b, v in zip(buffers, versions) if b._version != v}
-        for m in self._module.modules():
-            if isinstance(m, _NormBase) and m.training and m.track_running_stats:
+        mutated = {id(b): b for b, v in zip(self._others, versions) if b._version != v}
+        for m in self._other_norms:
+            if m.training and m.track_running_stats:
                 for b in (m.running_mean, m.running_var, m.num_batches_tracked):
                     if b is not None:
                         mutated[id(b)] = b
@@ -149,11 +145,18 @@ class _BufferGuard:
 
     @contextlib.contextmanager
     def preserve(self):
+        frozen = [(m, m.momentum, m.num_batches_tracked) for m in self._batch_norms if m.training and m.track_running_stats]
+        for m, _, _ in frozen:
+            m.momentum = 0.0
+            m.num_batches_tracked = None
         with torch.no_grad():
             saved = [b.clone() for b in self.mutated]
         try:
             yield
         finally:
+            for m, momentum, count in frozen:
+                m.momentum = momentum
+                m.num_batches_tracked = count
             with torch.no_grad():
                 for b, s in zip(self.mutated, saved):
                     b.copy_(s)

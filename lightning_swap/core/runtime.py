@@ -12,10 +12,10 @@ forward, so none outlive a step.
 from __future__ import annotations
 
 import logging
-import time
 import types
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from collections import deque
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -26,9 +26,12 @@ from .meter import DeviceMemoryMeter
 from .offload import OffloadEngine
 from .plan import Plan
 from .recompute import RecomputeTimer, checkpointed
+from .streams import Timing, default_ops
 from .unified import UMMode
 
-__all__ = ["DEFAULT_MIN_OFFLOAD_BYTES", "StepStats", "SwapRuntime", "check_min_offload_bytes", "tensors_in"]
+__all__ = [
+    "DEFAULT_MIN_OFFLOAD_BYTES", "StatsHistory", "StepStats", "SwapRuntime", "check_inflight_segments", "check_min_offload_bytes", "tensors_in",
+]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,15 @@ def _normalize_device(device: torch.device | str) -> torch.device:
     return device
 
 
+def check_inflight_segments(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"`inflight_segments` must be an int >= 0 (segments whose copies to the host may still run "
+            f"while later segments compute); got {value!r}."
+        )
+    return value
+
+
 def check_min_offload_bytes(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"`min_offload_bytes` must be an int >= 0 (bytes); got {value!r}.")
@@ -87,25 +99,71 @@ def check_min_offload_bytes(value: Any) -> int:
 
 @dataclass(frozen=True)
 class StepStats:
-    """What the runtime did during one training step (forward and backward)."""
+    """What the runtime did during one training step (from ``begin_step`` to ``end_step``:
+    forward, loss and backward; the optimizer step is outside).
 
+    Byte counts and tensor counts are known when the step ends. The three times are measured on
+    the device without making the host wait (Note [Stream protocol] in ``streams.py``): on CUDA
+    they are ``None`` until the device has finished the step, and filled in later
+    (:meth:`SwapRuntime.stats`); on CPU they are known at once.
+    """
+
+    #: Bytes: the most bytes alive on the device during the step (CUDA: the caching allocator's
+    #: ``max_memory_allocated``; CPU: the live-storage meter, host pool excluded).
     peak_device_bytes: int
+    #: Bytes copied to host memory in forward (each storage once: Note [One storage, one copy]).
     offloaded_bytes: int
+    #: Bytes copied back to the device in backward, prefetched or on demand; equals
+    #: ``offloaded_bytes`` in a step with one backward.
     fetched_bytes: int
+    #: Bytes of ``fetched_bytes`` copied ahead of need (Note [Prefetch schedule]).
     prefetched_bytes: int
+    #: Saved tensors offloaded (distinct storages), and saved tensors that shared one of them.
     offloaded_tensors: int
     deduplicated_tensors: int
-    recompute_ms: float
-    exposed_transfer_ms: float
+    #: Host memory reserved for offloaded activations at the end of the step, bytes.
     host_pool_bytes: int
-    step_ms: float
+    #: Milliseconds spent recomputing segments in backward.
+    recompute_ms: Optional[float]
+    #: Milliseconds the computation stood waiting for copies (on CPU: all copy time).
+    exposed_transfer_ms: Optional[float]
+    #: Milliseconds of the whole step on the device.
+    step_ms: Optional[float]
     #: Unified memory (``um`` not ``"off"``): managed bytes at the end of the step, and bytes
     #: prefetched during it, either way (0 without unified memory).
     managed_bytes: int = 0
     um_prefetched_bytes: int = 0
 
+    @property
+    def resolved(self) -> bool:
+        """Whether the device-timed fields are filled in."""
+        return self.step_ms is not None and self.recompute_ms is not None and self.exposed_transfer_ms is not None
+
     def as_metrics(self, prefix: str = "swap/") -> dict[str, float]:
-        return {prefix + k: float(v) for k, v in asdict(self).items()}
+        """Plain floats, one per field, for a logger (times left out until resolved)."""
+        return {prefix + k: float(v) for k, v in asdict(self).items() if v is not None}
+
+
+class _StepRecord:
+    """A finished step whose device times may still be running (Note [Stream protocol], rule 5)."""
+
+    __slots__ = ("stats", "step", "recompute", "exposed", "copy_ms")
+
+    def __init__(self, stats: StepStats, step: Timing, recompute: Timing, exposed: Optional[Timing], copy_ms: float) -> None:
+        self.stats = stats
+        self.step = step
+        self.recompute = recompute
+        self.exposed = exposed
+        self.copy_ms = copy_ms
+
+    def resolve(self, wait: bool) -> bool:
+        step = self.step.resolve(wait=wait)
+        recompute = self.recompute.resolve(wait=wait)
+        exposed = self.exposed.resolve(wait=wait) if self.exposed is not None else 0.0
+        if step is None or recompute is None or exposed is None:
+            return False
+        self.stats = replace(self.stats, step_ms=step, recompute_ms=recompute, exposed_transfer_ms=exposed + self.copy_ms)
+        return True
 
 
 def _plain_forward(module: nn.Module) -> Any:
@@ -135,6 +193,81 @@ class _SegmentForward:
         return (_plain_forward, (self.module,))
 
 
+class StatsHistory:
+    """The statistics of the last steps, oldest first, some with device times still running
+    (Note [Stream protocol], rule 5, in ``streams.py``): reading never waits for the device
+    unless asked to, outside a step."""
+
+    def __init__(self, maxlen: int = 64) -> None:
+        self._records: deque[_StepRecord] = deque(maxlen=maxlen)
+        #: How many steps were ever added (a position for :meth:`since`).
+        self.count = 0
+
+    def add(self, record: _StepRecord) -> None:
+        self._records.append(record)
+        self.count += 1
+
+    def resolve(self, *, wait: bool = False) -> None:
+        for record in self._records:
+            if not record.stats.resolved and not record.resolve(wait):
+                break  # later steps finish later
+
+    def latest(self, *, wait: bool = False) -> Optional[StepStats]:
+        """The newest step whose times are known; with ``wait=True`` the newest step, waiting
+        for the device if it must."""
+        self.resolve(wait=wait)
+        for record in reversed(self._records):
+            if record.stats.resolved:
+                return record.stats
+        return None
+
+    def newest_record(self) -> Optional[_StepRecord]:
+        """The newest step's record: another history may share it (a session's, across runtimes)."""
+        return self._records[-1] if self._records else None
+
+    def newest(self) -> Optional[StepStats]:
+        """The newest step as known now (times may still be ``None``)."""
+        return self._records[-1].stats if self._records else None
+
+    def since(self, count: int, *, wait: bool = False) -> list[StepStats]:
+        """The steps added after :attr:`count` was ``count`` (those still kept), oldest first."""
+        self.resolve(wait=wait)
+        new = min(self.count - count, len(self._records))
+        return [r.stats for r in list(self._records)[len(self._records) - new:]] if new > 0 else []
+
+    def all(self) -> list[StepStats]:
+        self.resolve()
+        return [r.stats for r in self._records]
+
+    def clear(self) -> None:
+        self._records.clear()
+
+
+def _inert_hook(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class _ModuleHook:
+    """A module hook of a runtime. Copied with the model (``copy.deepcopy``, ``pickle``), it
+    becomes a hook that does nothing: the runtime belongs to the original model only
+    (Note [Copies of a planned model])."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self):
+        return (_inert_hook_factory, ())
+
+
+def _inert_hook_factory() -> Any:
+    return _inert_hook
+
+
 class SwapRuntime:
     """Applies ``plan`` (or a mapping from segment name to action) to ``model``.
 
@@ -150,6 +283,7 @@ class SwapRuntime:
         device: Optional[torch.device | str] = None,
         min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
         prefetch_segments: Optional[int] = None,
+        inflight_segments: int = 1,
         unified: Optional[Any] = None,
     ) -> None:
         self.model = model
@@ -168,6 +302,7 @@ class SwapRuntime:
         if isinstance(prefetch_segments, bool) or not isinstance(prefetch_segments, int) or prefetch_segments < 0:
             raise ValueError(f"`prefetch_segments` must be an int >= 0; got {prefetch_segments!r}.")
         self.prefetch_segments = prefetch_segments
+        self.inflight_segments = check_inflight_segments(inflight_segments)
         modules = dict(model.named_modules())
         unknown = [name for name in self.plan.actions if name not in modules or name == ""]
         if unknown:
@@ -179,11 +314,15 @@ class SwapRuntime:
         self._saved_forward: dict[str, tuple[bool, Any]] = {}
         self._handles: list[Any] = []
         self.engine: Optional[OffloadEngine] = None
-        self.timer = RecomputeTimer(self.device)
+        #: The stream layer every timing and copy of this runtime goes through (Note [Stream protocol]).
+        self.ops = default_ops(self.device)
+        self.timer = RecomputeTimer(self.ops)
         self.meter = DeviceMemoryMeter(self.device)
-        self._step_start = 0.0
+        self._step_timing: Optional[Timing] = None
+        self._step_start: Any = None
         self._um_start: Optional[Any] = None
-        self.last_stats: Optional[StepStats] = None
+        #: Finished steps, newest last, some with device times still running.
+        self.records = StatsHistory()
 
     # -- install / remove ---------------------------------------------------------------
     @property
@@ -198,7 +337,9 @@ class SwapRuntime:
                 self.device,
                 min_offload_bytes=self.min_offload_bytes,
                 prefetch_segments=self.prefetch_segments,
+                inflight_segments=self.inflight_segments,
                 pool=self.unified.host_pool() if self.unified is not None else None,
+                ops=self.ops,
             )
         try:
             for index, (name, action) in enumerate(self.plan.actions.items()):
@@ -208,9 +349,12 @@ class SwapRuntime:
                 had_attr = "forward" in module.__dict__
                 self._saved_forward[name] = (had_attr, module.__dict__.get("forward"))
                 module.forward = self._wrap(module, module.forward, action, index)
-            if self.engine is not None and self.prefetch_segments > 0:
+            if self.engine is not None:
                 for index, name in enumerate(self.plan.actions):
-                    self._handles.append(self._modules[name].register_forward_hook(self._backward_trigger(index)))
+                    module = self._modules[name]
+                    self._handles.append(module.register_forward_pre_hook(self._forward_trigger()))
+                    if self.prefetch_segments > 0:
+                        self._handles.append(module.register_forward_hook(self._backward_trigger(index)))
             if self.unified is not None and self.unified.mode is UMMode.ALL:
                 self._install_parameter_prefetch()
         except BaseException:
@@ -232,6 +376,17 @@ class SwapRuntime:
         outer = (lambda: engine.hooks(index)) if action is Action.RECOMPUTE_OFFLOAD else None
         return _SegmentForward(module, checkpointed(module, forward, action, self.timer, outer=outer))
 
+    def _forward_trigger(self) -> Any:
+        """A forward pre-hook on every segment: what is in flight is bounded in segments
+        (Note [Stream protocol], rule 2)."""
+        engine = self.engine
+
+        def hook(module: nn.Module, args: Any) -> None:
+            if torch.is_grad_enabled():
+                engine.segment_started()
+
+        return _ModuleHook(hook)
+
     def _backward_trigger(self, index: int) -> Any:
         """A forward hook marking, on the segment's outputs, when its backward starts
         (Note [Prefetch schedule] in offload.py)."""
@@ -241,7 +396,7 @@ class SwapRuntime:
             if torch.is_grad_enabled():
                 on_backward_start(output, lambda: engine.backward_started(index))
 
-        return hook
+        return _ModuleHook(hook)
 
     def _install_parameter_prefetch(self) -> None:
         """Under ``um="all"``: segment ``i+1``'s parameters are prefetched when segment ``i``'s
@@ -261,14 +416,14 @@ class SwapRuntime:
                     prefetch(0)
                 prefetch(index + 1)
 
-            return hook
+            return _ModuleHook(hook)
 
         def after_forward(index: int) -> Any:
             def hook(module: nn.Module, args: Any, output: Any) -> None:
                 if torch.is_grad_enabled():
                     on_backward_start(output, lambda: prefetch(index - 1))
 
-            return hook
+            return _ModuleHook(hook)
 
         for index, name in enumerate(self.plan.actions):
             module = self._modules[name]
@@ -309,15 +464,18 @@ class SwapRuntime:
         state), nested in lists, tuples, dicts or dataclasses."""
         if self.meter._open:
             self.meter.__exit__(None, None, None)
-        static = [*self.model.parameters(), *self.model.buffers()]
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         self.meter.__enter__()
-        self.meter.track([*static, *grads, *tensors_in(list(track))])
-        if self.engine is not None:
-            self.engine.begin_step(static)
-        self.timer.reset()
+        counted = not self.meter.is_cuda  # the CUDA allocator sees everything by itself
+        if counted or self.engine is not None:
+            tracked = tensors_in(list(track))
+            params = list(self.model.parameters())
+            if counted:
+                self.meter.track([*params, *self.model.buffers(), *(p.grad for p in params if p.grad is not None), *tracked])
+            if self.engine is not None:
+                self.engine.begin_step([*params, *self.model.buffers(), *tracked])
         self._um_start = self.unified.stats() if self.unified is not None else None
-        self._step_start = time.perf_counter()
+        self._step_timing = Timing(self.ops)
+        self._step_start = self.ops.record(self.ops.compute_stream(), timing=True)
 
     def _unified_step_stats(self) -> dict[str, int]:
         if self.unified is None or self._um_start is None:
@@ -330,25 +488,37 @@ class SwapRuntime:
         )
 
     def end_step(self) -> StepStats:
+        """Close the window and return the step's statistics, without waiting for the device:
+        on CUDA the times are ``None`` until :meth:`stats` finds the step finished."""
         if not self.meter._open:
             raise RuntimeError("end_step() called without begin_step()")
-        counters = self.engine.end_step() if self.engine is not None else None
-        recompute_ms = self.timer.total_ms()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # step time covers the device's work
-        step_ms = (time.perf_counter() - self._step_start) * 1e3
+        counters, exposed = self.engine.end_step() if self.engine is not None else (None, None)
+        step = self._step_timing
+        step.add(self._step_start, self.ops.record(self.ops.compute_stream(), timing=True))
         self.meter.__exit__(None, None, None)
-        self.last_stats = StepStats(
+        stats = StepStats(
             peak_device_bytes=self.meter.peak_bytes,
             offloaded_bytes=counters.offloaded_bytes if counters else 0,
             fetched_bytes=counters.fetched_bytes if counters else 0,
             prefetched_bytes=counters.prefetched_bytes if counters else 0,
             offloaded_tensors=counters.offloaded_tensors if counters else 0,
             deduplicated_tensors=counters.deduplicated_tensors if counters else 0,
-            recompute_ms=recompute_ms,
-            exposed_transfer_ms=counters.exposed_transfer_ms if counters else 0.0,
             host_pool_bytes=self.engine.pool.reserved_bytes if self.engine is not None else 0,
-            step_ms=step_ms,
+            recompute_ms=None,
+            exposed_transfer_ms=None,
+            step_ms=None,
             **self._unified_step_stats(),
         )
-        return self.last_stats
+        self.records.add(_StepRecord(stats, step, self.timer.take(), exposed, counters.copy_ms if counters else 0.0))
+        self.records.resolve()
+        return self.records.newest()
+
+    def stats(self, *, wait: bool = False) -> Optional[StepStats]:
+        """The newest step whose device times are known (``None`` before any): never waits for
+        the device unless ``wait=True``, which returns the last step, resolved (outside a step)."""
+        return self.records.latest(wait=wait)
+
+    @property
+    def last_stats(self) -> Optional[StepStats]:
+        """The last step's statistics as known now (times may still be ``None`` on CUDA)."""
+        return self.records.newest()

@@ -428,10 +428,13 @@ def search_for_loop(
 
     def run_trial(batch_size: int, plan: Plan) -> TrialMeasurement:
         session.apply(plan, pinned=True)
+        mark = session.records.count
         try:
-            stats = list(run_steps(batch_size, config.steps_per_trial))
+            returned = list(run_steps(batch_size, config.steps_per_trial))
         finally:
             session.remove()
+        # The trial is over: its device times may be waited for (Note [Stream protocol]).
+        stats = session.records.since(mark, wait=True) or returned
         if not stats:
             raise RuntimeError("the trial run made no measured training step; `run_steps` returned no statistics.")
         warm = stats[1:] or stats  # the first step includes warm-up costs

@@ -17,7 +17,10 @@ from torch import nn
 
 from .actions import Action, PolicyLike, resolve_policy
 from .plan import Plan
-from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats, SwapRuntime, _normalize_device, check_min_offload_bytes, tensors_in
+from .runtime import (
+    DEFAULT_MIN_OFFLOAD_BYTES, StatsHistory, StepStats, SwapRuntime, _normalize_device, check_inflight_segments,
+    check_min_offload_bytes, tensors_in,
+)
 from .segments import SegmentSpec, find_segments
 from .unified import UMMode, UnifiedMemory, check_um_max_bytes, install_unified_memory
 
@@ -81,6 +84,9 @@ class SwapConfig:
     budget_bytes: Optional[int] = None
     #: How many segments ahead backward prefetches; ``None``: 1 on CUDA, 0 on CPU.
     prefetch_segments: Optional[int] = None
+    #: How many segments' copies to the host may still run while later segments compute
+    #: (Note [Stream protocol], rule 2); 0 waits for each segment's copies before the next.
+    inflight_segments: int = 1
     #: Log the plan table when a plan is applied.
     log_plan: bool = field(default=True)
     #: CUDA unified memory: ``"off"``, ``"offload"`` (offloaded activations in managed host
@@ -115,6 +121,7 @@ class SwapConfig:
                 )
             object.__setattr__(self, "segments", tuple(segments))
         check_min_offload_bytes(self.min_offload_bytes)
+        check_inflight_segments(self.inflight_segments)
         _check_budget(self.budget_bytes)
         p = self.prefetch_segments
         if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 0):
@@ -157,6 +164,8 @@ class SwapSession:
         self.plan: Optional[Plan] = None
         self.runtime: Optional[SwapRuntime] = None
         self.last_stats: Optional[StepStats] = None
+        #: Every measured step of this session, across plans (device times filled in lazily).
+        self.records = StatsHistory()
         self.profile = None  # the ModelProfile behind an auto plan
         self._planned_for: Optional[tuple] = None
         self._planned_state: Optional[int] = None
@@ -298,8 +307,10 @@ class SwapSession:
                 self.apply(plan, pinned=pinned)
 
     def reset(self) -> None:
-        """Remove the runtime and forget the plan: the next step plans afresh."""
+        """Remove the runtime and forget the plan and the steps measured so far (a batch-size
+        search's trials): the next step plans afresh."""
         self.remove()
+        self.records.clear()
         self.plan = None
         self._planned_for = None
         self._planned_state = None
@@ -316,6 +327,7 @@ class SwapSession:
             device=self.device,
             min_offload_bytes=self.config.min_offload_bytes,
             prefetch_segments=self.config.prefetch_segments,
+            inflight_segments=self.config.inflight_segments,
             unified=self.unified,
         )
         runtime.install()
@@ -336,7 +348,13 @@ class SwapSession:
         if self.runtime is None or not self.runtime.measuring:
             return None
         self.last_stats = self.runtime.end_step()
+        self.records.add(self.runtime.records.newest_record())
         return self.last_stats
+
+    def stats(self, *, wait: bool = False) -> Optional[StepStats]:
+        """The newest step whose device times are known; ``wait=True`` (outside a step) waits
+        for the last one."""
+        return self.records.latest(wait=wait)
 
     def remove(self) -> None:
         if self.runtime is not None:
