@@ -34,15 +34,9 @@ from accelerate.utils import broadcast_object_list, send_to_device
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from lightning_swap.core.errors import is_out_of_memory
 from lightning_swap.core.runtime import StepStats
-from lightning_swap.core.scale import (
-    BatchSearchError,
-    Collectives,
-    ScaleConfig,
-    ScaleResult,
-    is_out_of_memory,
-    search_for_loop,
-)
+from lightning_swap.core.scale import BatchSearchError, Collectives, ScaleConfig, ScaleResult, search_for_loop
 from lightning_swap.core.session import _check_budget
 
 from .accelerator import SwapAccelerator

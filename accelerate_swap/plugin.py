@@ -35,10 +35,10 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_swap.core.actions import Action, PolicyLike
+from lightning_swap.core.actions import AUTO, Action, PolicyLike
 from lightning_swap.core.runtime import DEFAULT_MIN_OFFLOAD_BYTES
 from lightning_swap.core.segments import SegmentSpec
-from lightning_swap.core.session import AUTO, SwapConfig
+from lightning_swap.core.session import SwapConfig
 from lightning_swap.core.unified import UMMode
 
 __all__ = ["ENV_CONFIG", "ENV_FLAG", "ENV_PREFIX", "FILE_FLAG", "OPTIONS", "SwapPlugin", "env_name", "parse_option"]

@@ -32,16 +32,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-
 from .actions import Action
-from .errors import InfeasibleBudgetError
+from .errors import InfeasibleBudgetError, is_out_of_memory  # re-exported: its old home
 from .plan import Plan, format_bytes
 from .profiler import ModelProfile, StepFn
 from .runtime import StepStats
 from .solver import solve
 
-if TYPE_CHECKING:  # the session imports this module lazily; a type is all that is needed here
+if TYPE_CHECKING:  # a type is all that is needed here; the session never imports this module
     from .session import SwapSession
 
 __all__ = [
@@ -68,20 +66,6 @@ class BatchSearchError(RuntimeError):
     def __init__(self, message: str, *, trials: tuple["Trial", ...] = ()) -> None:
         super().__init__(message)
         self.trials = trials
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Out-of-memory, by type first (``torch.OutOfMemoryError``), by message second."""
-    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(exc, oom_type):
-        return True
-    if not isinstance(exc, RuntimeError):
-        return False
-    text = str(exc)
-    return any(
-        marker in text
-        for marker in ("CUDA out of memory", "CUDA error: out of memory", "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED", "DefaultCPUAllocator: can't allocate memory")
-    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,16 +15,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .actions import Action, PolicyLike, resolve_policy
+from .actions import AUTO, Action, PolicyLike, allowed_actions, resolve_policy
+from .errors import is_out_of_memory
 from .plan import Plan
 from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats, SwapRuntime, _normalize_device, check_min_offload_bytes, tensors_in
 from .segments import SegmentSpec, find_segments
 from .unified import UMMode, UnifiedMemory, check_um_max_bytes, install_unified_memory
 
 __all__ = ["AUTO", "SwapConfig", "SwapSession", "device_budget_bytes", "tensors_in"]
-
-#: The policy that profiles the first batch and lets the planner choose.
-AUTO = "auto"
 
 #: Held back from the free device memory when no budget is given (allocator fragmentation,
 #: CUDA context growth, what the model does not predict).
@@ -198,7 +196,6 @@ class SwapSession:
         On CUDA a step that does not fit is profiled in fake mode instead (memory exact, times
         estimated: Note [Fake-mode times are estimates])."""
         from .profiler import profile
-        from .scale import is_out_of_memory
 
         self.remove()
         kwargs = dict(
@@ -254,15 +251,9 @@ class SwapSession:
     def allowed_actions(self) -> Optional[tuple[Action, ...]]:
         """The actions the planner may use: all for ``"auto"``, the one for a single forced action.
 
-        A per-segment mapping cannot be re-planned at another batch size: ``ValueError``."""
-        if self.config.is_auto:
-            return None
-        if isinstance(self.config.policy, Action):
-            return (self.config.policy,)
-        raise ValueError(
-            "`policy`: a per-segment mapping fixes the plan, so the batch-size search cannot re-plan "
-            "it; use policy='auto' or a single action."
-        )
+        A per-segment mapping cannot be re-planned at another batch size: ``ValueError``
+        (:func:`~lightning_swap.core.actions.allowed_actions`)."""
+        return allowed_actions(self.config.policy)
 
     def record_plain_timeline(self, batch: Any, step_fn: Callable[[nn.Module, Any], Any], track: Iterable[Any] = ()):
         """A :class:`~lightning_swap.core.timeline.Timeline` of one plain step (every segment
@@ -270,7 +261,6 @@ class SwapSession:
         the current plan is applied again. ``None`` if the plain step does not fit (CUDA)."""
         from .meter import DeviceMemoryMeter
         from .profiler import _loss_of, _Snapshot
-        from .scale import is_out_of_memory
         from .timeline import TimelineRecorder
 
         plan = self.plan
