@@ -32,6 +32,7 @@ from lightning_swap.core.runtime import DEFAULT_MIN_OFFLOAD_BYTES
 from lightning_swap.core.scale import ScaleConfig, predict_batch_size
 from lightning_swap.core.segments import SegmentSpec
 from lightning_swap.core.solver import min_budget_bytes, solve
+from lightning_swap.core.units import ByteSize, parse_bytes
 
 from .plugin import import_object
 
@@ -129,7 +130,7 @@ def estimate(
     batch_size: int,
     input_shape: tuple[int, ...],
     input_dtype: str = "float32",
-    budget_bytes: Optional[int] = None,
+    budget_bytes: Optional[ByteSize] = None,
     policy: str = "auto",
     segments: SegmentSpec = None,
     margin: float = 0.05,
@@ -138,7 +139,11 @@ def estimate(
     model_name: str = "model",
     clock: Callable[[], float] = time.perf_counter,
 ) -> Estimate:
-    """Profile ``model`` in fake mode at ``batch_size`` and predict (module docstring)."""
+    """Profile ``model`` in fake mode at ``batch_size`` and predict (module docstring).
+
+    ``budget_bytes``: bytes as an ``int`` or a size string (``"24GiB"``); ``None`` for the
+    profile alone."""
+    budget_bytes = parse_bytes(budget_bytes, field="budget_bytes", allow_none=True)
     if input_dtype not in DTYPES:
         raise ValueError(f"`input_dtype` got {input_dtype!r}; allowed: {', '.join(DTYPES)}.")
     actions = None if policy == "auto" else (Action.parse(policy, field="policy"),)

@@ -21,6 +21,7 @@ from .core.runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats
 from .core.segments import SegmentSpec
 from .core.session import SwapConfig, SwapSession
 from .core.timeline import Timeline, TimelineRecorder
+from .core.units import ByteSize
 from .core.unified import UnifiedMemory
 from .report import plot_timelines
 
@@ -37,14 +38,14 @@ class _SwapStrategyMixin:
         *,
         policy: PolicyLike,
         segments: SegmentSpec,
-        min_offload_bytes: int,
-        budget_bytes: Optional[int],
+        min_offload_bytes: ByteSize,
+        budget_bytes: Optional[ByteSize],
         prefetch_segments: Optional[int],
         log_stats: bool,
         device_given: bool,
         report: bool = False,
         um: str = "off",
-        um_max_bytes: Optional[int] = None,
+        um_max_bytes: Optional[ByteSize] = None,
     ) -> None:
         self.swap_config = SwapConfig(
             log_plan=False,  # logged here, on rank zero only
@@ -254,7 +255,10 @@ _SWAP_ARGS_DOC = """
             min_offload_bytes: saved tensors smaller than this stay on the device.
             budget_bytes: the device memory budget for the planner; on CPU the simulated device
                 capacity (without it, ``"auto"`` keeps everything on CPU); on CUDA by default
-                the free device memory less 10%.
+                the free device memory less 10%. Bytes, as an ``int`` or a size string
+                (``"12GiB"``, ``"500MB"``; as ``min_offload_bytes`` and ``um_max_bytes``), never
+                a fraction: for 80% of a GPU pass
+                ``int(0.8 * torch.cuda.get_device_properties(0).total_memory)``.
             prefetch_segments: segments prefetched ahead in backward (default 1 on CUDA, 0 on CPU).
             log_stats: log ``swap/...`` metrics after each training batch.
             report: once training is in its steady state, draw one plain and one planned
@@ -277,13 +281,13 @@ def _build_single(base: type, callback_base: type, name: str) -> type:
             self,
             policy: PolicyLike = "auto",
             segments: SegmentSpec = None,
-            min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
-            budget_bytes: Optional[int] = None,
+            min_offload_bytes: ByteSize = DEFAULT_MIN_OFFLOAD_BYTES,
+            budget_bytes: Optional[ByteSize] = None,
             prefetch_segments: Optional[int] = None,
             log_stats: bool = True,
             report: bool = False,
             um: str = "off",
-            um_max_bytes: Optional[int] = None,
+            um_max_bytes: Optional[ByteSize] = None,
             device: Any = None,
             accelerator: Any = None,
             checkpoint_io: Any = None,
@@ -324,13 +328,13 @@ def _build_ddp(base: type, callback_base: type, name: str) -> type:
             self,
             policy: PolicyLike = "auto",
             segments: SegmentSpec = None,
-            min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
-            budget_bytes: Optional[int] = None,
+            min_offload_bytes: ByteSize = DEFAULT_MIN_OFFLOAD_BYTES,
+            budget_bytes: Optional[ByteSize] = None,
             prefetch_segments: Optional[int] = None,
             log_stats: bool = True,
             report: bool = False,
             um: str = "off",
-            um_max_bytes: Optional[int] = None,
+            um_max_bytes: Optional[ByteSize] = None,
             **ddp_kwargs: Any,
         ) -> None:
             super().__init__(**ddp_kwargs)

@@ -18,9 +18,10 @@ from torch import nn
 from .actions import AUTO, Action, PolicyLike, allowed_actions, resolve_policy
 from .errors import is_out_of_memory
 from .plan import Plan
-from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats, SwapRuntime, _normalize_device, check_min_offload_bytes, tensors_in
+from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats, SwapRuntime, _normalize_device, tensors_in
 from .segments import SegmentSpec, find_segments
-from .unified import UMMode, UnifiedMemory, check_um_max_bytes, install_unified_memory
+from .unified import UMMode, UnifiedMemory, install_unified_memory
+from .units import ByteSize, parse_bytes
 
 __all__ = ["AUTO", "SwapConfig", "SwapSession", "device_budget_bytes", "tensors_in"]
 
@@ -56,16 +57,19 @@ log = logging.getLogger(__name__)
 
 
 def _check_budget(value: Any, field_name: str = "budget_bytes") -> Optional[int]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"`{field_name}` must be a positive int (bytes) or None; got {value!r}.")
-    return value
+    """Kept for old imports: :func:`~lightning_swap.core.units.parse_bytes` for a budget."""
+    return parse_bytes(value, field=field_name, allow_none=True)
 
 
 @dataclass(frozen=True, kw_only=True)
 class SwapConfig:
-    """Options shared by every front end (strategy, plugin)."""
+    """Options shared by every front end (strategy, plugin).
+
+    Byte options take an ``int`` or a size string (``"12GiB"``, ``"500MB"``; the forms of
+    :func:`~lightning_swap.core.units.parse_bytes`) and are stored as ``int``. None takes a
+    fraction of device memory (Note [No fraction of device memory] in ``core/units.py``): for
+    80% of a GPU pass ``budget_bytes=int(0.8 * torch.cuda.get_device_properties(0).total_memory)``.
+    """
 
     #: ``"auto"`` (profile the first batch, let the planner choose under ``budget_bytes``), an
     #: action name (case-insensitive), an :class:`Action`, or a mapping from segment name to
@@ -73,10 +77,11 @@ class SwapConfig:
     policy: PolicyLike = AUTO
     #: ``None`` finds repeated blocks; or module classes / qualified names.
     segments: SegmentSpec = None
-    #: Saved tensors smaller than this are never offloaded.
-    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
-    #: The device memory budget for the planner (on CPU: the simulated capacity).
-    budget_bytes: Optional[int] = None
+    #: Saved tensors smaller than this are never offloaded (bytes, >= 0; e.g. ``"16KiB"``).
+    min_offload_bytes: ByteSize = DEFAULT_MIN_OFFLOAD_BYTES
+    #: The device memory budget for the planner (on CPU: the simulated capacity); bytes, e.g.
+    #: ``12 << 30`` or ``"12GiB"``. ``None``: on CUDA the free memory less a margin.
+    budget_bytes: Optional[ByteSize] = None
     #: How many segments ahead backward prefetches; ``None``: 1 on CUDA, 0 on CPU.
     prefetch_segments: Optional[int] = None
     #: Log the plan table when a plan is applied.
@@ -85,7 +90,7 @@ class SwapConfig:
     #: buffers, prefetched before their backward) or ``"all"`` (every CUDA allocation managed).
     um: str = "off"
     #: Cap on managed memory in bytes (only with ``um`` on); ``None``: the device's free memory.
-    um_max_bytes: Optional[int] = None
+    um_max_bytes: Optional[ByteSize] = None
 
     def __post_init__(self) -> None:
         policy = self.policy
@@ -112,14 +117,13 @@ class SwapConfig:
                     "of module classes or qualified module names."
                 )
             object.__setattr__(self, "segments", tuple(segments))
-        check_min_offload_bytes(self.min_offload_bytes)
-        _check_budget(self.budget_bytes)
+        for name, allow_none, minimum in (("min_offload_bytes", False, 0), ("budget_bytes", True, 1), ("um_max_bytes", True, 1)):
+            object.__setattr__(self, name, parse_bytes(getattr(self, name), field=name, allow_none=allow_none, minimum=minimum))
         p = self.prefetch_segments
         if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 0):
             raise ValueError(f"`prefetch_segments` must be an int >= 0 or None; got {p!r}.")
         um = UMMode.parse(self.um)
         object.__setattr__(self, "um", um.value)
-        check_um_max_bytes(self.um_max_bytes)
         if um is UMMode.OFF and self.um_max_bytes is not None:
             raise ValueError(
                 f"`um_max_bytes` caps unified memory and applies only with um='offload' or um='all'; got "
