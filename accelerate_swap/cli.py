@@ -14,7 +14,8 @@ import argparse
 import os
 import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -111,7 +112,12 @@ def _add_estimate_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument("model_name", nargs="?", help="a torchvision model name, e.g. resnet50 (or use --model)")
-    _flag(parser, "model", help="'package.module:factory', called with no arguments, returning the nn.Module")
+    _flag(
+        parser,
+        "model",
+        help="'package.module:factory' (importable from the working directory) or 'path/to/file.py:factory', "
+        "called with no arguments, returning the nn.Module; e.g. examples.models:build from the repository root",
+    )
     _flag(parser, "batch_size", default="32", help="the batch profiled and planned (default 32)")
     _flag(parser, "image_size", default="224", help="image height and width: input (batch, 3, size, size) (default 224)")
     _flag(parser, "input_shape", help="one sample's shape instead, comma-separated (e.g. 3,32,32 or 512 for token ids)")
@@ -192,10 +198,29 @@ def build_parser() -> argparse.ArgumentParser:
         description="Planned CPU offload and recompute for Accelerate training loops.",
         usage="accelerate-swap <command> [<args>]",
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="<command>")
+    # prog: each subcommand's usage reads `accelerate-swap estimate ...`, not the top-level usage line
+    subparsers = parser.add_subparsers(dest="command", metavar="<command>", prog=parser.prog)
     for add_parser, _ in _COMMANDS.values():
         add_parser(subparsers)
     return parser
+
+
+@contextmanager
+def _working_directory_importable() -> Iterator[None]:
+    """Note [Modules named on the command line]: ``--model package.module:factory`` and
+    ``--segments package.module:Block`` name the user's code, usually in the project they run
+    the command from. ``python -m`` puts the working directory on ``sys.path``; a console script
+    puts its own ``bin`` directory there instead. So, as ``uvicorn`` does for its app, the
+    working directory is importable while a command runs, and removed again afterwards."""
+    cwd = os.getcwd()
+    added = not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path)
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added:
+            sys.path.remove(cwd)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -205,7 +230,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 1
     try:
-        return _COMMANDS[args.command][1](args)
+        with _working_directory_importable():
+            return _COMMANDS[args.command][1](args)
     except ValueError as err:
         print(f"accelerate-swap {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -17,8 +17,11 @@ counted; keep the budget under the device's capacity by that much.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -32,6 +35,7 @@ from lightning_swap.core.runtime import DEFAULT_MIN_OFFLOAD_BYTES
 from lightning_swap.core.scale import ScaleConfig, predict_batch_size
 from lightning_swap.core.segments import SegmentSpec
 from lightning_swap.core.solver import min_budget_bytes, solve
+from lightning_swap.core.units import ByteSize, parse_bytes
 
 from .plugin import import_object
 
@@ -99,10 +103,12 @@ class Estimate:
 
 
 def build_model(spec: str, *, source: str = "model") -> nn.Module:
-    """A torchvision model by name (``weights=None``), or ``package.module:factory`` called
-    with no arguments; ``ValueError`` naming ``source`` otherwise."""
+    """A torchvision model by name (``weights=None``), or a factory called with no arguments:
+    ``package.module:factory`` or ``path/to/file.py:factory``; ``ValueError`` naming ``source``
+    otherwise."""
     if ":" in spec:
-        factory = import_object(spec, source)
+        target, _, name = spec.rpartition(":")
+        factory = _from_file(target, name, spec, source) if target.strip().endswith(".py") else import_object(spec, source)
         if not callable(factory):
             raise ValueError(f"`{source}` names {spec!r}, which is not callable.")
         try:
@@ -118,9 +124,40 @@ def build_model(spec: str, *, source: str = "model") -> nn.Module:
     if spec not in names:
         raise ValueError(
             f"`{source}` got {spec!r}; allowed: a torchvision model name (e.g. resnet50, vit_b_16; see "
-            "torchvision.models.list_models()) or 'package.module:factory'."
+            "torchvision.models.list_models()), 'package.module:factory' or 'path/to/file.py:factory'."
         )
     return torchvision.models.get_model(spec, weights=None)
+
+
+def _from_file(path: str, name: str, spec: str, source: str) -> Any:
+    """``name`` in the Python file at ``path``, run as a module of its own (as ``python path``
+    would run it: its directory importable while it loads)."""
+    file = Path(path.strip()).expanduser()
+    if not file.is_file():
+        raise ValueError(f"`{source}` names {spec!r}, but there is no file {str(file)!r}.")
+    module_name = f"_accelerate_swap_model_{file.stem}"
+    loader_spec = importlib.util.spec_from_file_location(module_name, file)
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+    directory = str(file.resolve().parent)
+    added = directory not in sys.path
+    if added:
+        sys.path.insert(0, directory)
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[module_name]
+        raise ValueError(f"`{source}` names {spec!r}, which cannot be loaded ({type(err).__name__}: {err}).") from err
+    finally:
+        if added:
+            sys.path.remove(directory)
+    obj: Any = module
+    try:
+        for part in name.strip().split("."):
+            obj = getattr(obj, part)
+    except AttributeError as err:
+        raise ValueError(f"`{source}` names {spec!r}, which cannot be imported ({err}).") from err
+    return obj
 
 
 def estimate(
@@ -129,7 +166,7 @@ def estimate(
     batch_size: int,
     input_shape: tuple[int, ...],
     input_dtype: str = "float32",
-    budget_bytes: Optional[int] = None,
+    budget_bytes: Optional[ByteSize] = None,
     policy: str = "auto",
     segments: SegmentSpec = None,
     margin: float = 0.05,
@@ -138,7 +175,11 @@ def estimate(
     model_name: str = "model",
     clock: Callable[[], float] = time.perf_counter,
 ) -> Estimate:
-    """Profile ``model`` in fake mode at ``batch_size`` and predict (module docstring)."""
+    """Profile ``model`` in fake mode at ``batch_size`` and predict (module docstring).
+
+    ``budget_bytes``: bytes as an ``int`` or a size string (``"24GiB"``); ``None`` for the
+    profile alone."""
+    budget_bytes = parse_bytes(budget_bytes, field="budget_bytes", allow_none=True)
     if input_dtype not in DTYPES:
         raise ValueError(f"`input_dtype` got {input_dtype!r}; allowed: {', '.join(DTYPES)}.")
     actions = None if policy == "auto" else (Action.parse(policy, field="policy"),)

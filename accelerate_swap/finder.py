@@ -34,16 +34,10 @@ from accelerate.utils import broadcast_object_list, send_to_device
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from lightning_swap.core.errors import is_out_of_memory
 from lightning_swap.core.runtime import StepStats
-from lightning_swap.core.scale import (
-    BatchSearchError,
-    Collectives,
-    ScaleConfig,
-    ScaleResult,
-    is_out_of_memory,
-    search_for_loop,
-)
-from lightning_swap.core.session import _check_budget
+from lightning_swap.core.scale import BatchSearchError, Collectives, ScaleConfig, ScaleResult, search_for_loop
+from lightning_swap.core.units import ByteSize, parse_bytes
 
 from .accelerator import SwapAccelerator
 
@@ -71,7 +65,7 @@ def find_batch_size(
     optimizer: torch.optim.Optimizer,
     make_batch: Callable[[int], Any],
     step_fn: Callable[[nn.Module, Any], torch.Tensor],
-    budget_bytes: Optional[int] = None,
+    budget_bytes: Optional[ByteSize] = None,
     mode: str = "max",
     margin: float = 0.05,
     min_batch_size: int = 1,
@@ -98,7 +92,8 @@ def find_batch_size(
         step_fn: ``step_fn(model, batch)`` runs the forward and returns the loss, as the
             training loop does. The trials call it on ``model`` and pass the loss to
             ``accelerator.backward``; the profile calls it on the unwrapped model.
-        budget_bytes: the device budget; default: the plugin's ``budget_bytes``, else the free
+        budget_bytes: the device budget, bytes as an ``int`` or a size string (``"12GiB"``; not a
+            fraction of device memory). Default: the plugin's ``budget_bytes``, else the free
             CUDA memory less 10%. Required on CPU, where it is the simulated capacity.
         mode, margin, min_batch_size, max_batch_size, steps_per_trial, max_trials, candidates:
             as for :class:`~lightning_swap.SwapBatchSizeFinder`; ``max_trials`` also bounds the
@@ -115,7 +110,7 @@ def find_batch_size(
         max_trials=max_trials,
         candidates=candidates,
     )
-    _check_budget(budget_bytes)
+    budget_bytes = parse_bytes(budget_bytes, field="budget_bytes", allow_none=True)
     if not isinstance(accelerator, SwapAccelerator) or not accelerator.swap_enabled:
         raise ValueError(
             "`accelerator` must be a SwapAccelerator with the swap plugin switched on "

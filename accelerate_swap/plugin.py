@@ -31,15 +31,15 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_swap.core.actions import Action, PolicyLike
+from lightning_swap.core.actions import AUTO, Action, PolicyLike
 from lightning_swap.core.runtime import DEFAULT_MIN_OFFLOAD_BYTES
 from lightning_swap.core.segments import SegmentSpec
-from lightning_swap.core.session import AUTO, SwapConfig
+from lightning_swap.core.session import SwapConfig
 from lightning_swap.core.unified import UMMode
+from lightning_swap.core.units import ByteSize, parse_bytes
 
 __all__ = ["ENV_CONFIG", "ENV_FLAG", "ENV_PREFIX", "FILE_FLAG", "OPTIONS", "SwapPlugin", "env_name", "parse_option"]
 
@@ -53,13 +53,6 @@ FILE_FLAG = "enabled"
 
 _TRUE = ("y", "yes", "t", "true", "on", "1")
 _FALSE = ("n", "no", "f", "false", "off", "0")
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-}
-_BYTES_FORMS = "an integer number of bytes, optionally with a unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. 12GiB"
 
 
 def env_name(option: str) -> str:
@@ -84,22 +77,16 @@ def _is_none(value: Any) -> bool:
     return value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null"))
 
 
-def _parse_bytes(value: Any, source: str, *, allow_none: bool) -> Optional[int]:
-    if allow_none and _is_none(value):
-        return None
-    none = " or none" if allow_none else ""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value  # range checked by SwapConfig
-    if isinstance(value, str):
-        match = re.fullmatch(r"\s*([-+]?[0-9][0-9_]*(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", value)
-        if match and match.group(2).lower() in _UNITS:
-            try:
-                amount = Decimal(match.group(1).replace("_", "")) * _UNITS[match.group(2).lower()]
-            except InvalidOperation:  # pragma: no cover - the pattern only admits numbers
-                amount = None
-            if amount is not None and amount == amount.to_integral_value():
-                return int(amount)
-    raise ValueError(f"`{source}` got {value!r}; allowed: {_BYTES_FORMS}{none}.")
+def _bytes_parser(*, allow_none: bool, minimum: int) -> Callable[[Any, str], Optional[int]]:
+    """The core's :func:`~lightning_swap.core.units.parse_bytes`, its errors naming the variable
+    or file key; ``none``/``null``/empty text is ``None`` where the option allows it."""
+
+    def parse(value: Any, source: str) -> Optional[int]:
+        if allow_none and _is_none(value):
+            return None
+        return parse_bytes(value, field=source, allow_none=allow_none, minimum=minimum)
+
+    return parse
 
 
 def _parse_count(value: Any, source: str) -> Optional[int]:
@@ -181,13 +168,13 @@ def _parse_segments(value: Any, source: str) -> SegmentSpec:
 _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "policy": _parse_policy,
     "segments": _parse_segments,
-    "min_offload_bytes": lambda v, s: _parse_bytes(v, s, allow_none=False),
-    "budget_bytes": lambda v, s: _parse_bytes(v, s, allow_none=True),
+    "min_offload_bytes": _bytes_parser(allow_none=False, minimum=0),
+    "budget_bytes": _bytes_parser(allow_none=True, minimum=1),
     "prefetch_segments": _parse_count,
     "log_plan": _parse_bool,
     "log_stats": _parse_bool,
     "um": lambda v, s: UMMode.parse(v, field=s).value,
-    "um_max_bytes": lambda v, s: _parse_bytes(v, s, allow_none=True),
+    "um_max_bytes": _bytes_parser(allow_none=True, minimum=1),
 }
 #: Options that ``SwapConfig`` holds (the rest are the plugin's own).
 _CONFIG_OPTIONS = (
@@ -254,10 +241,12 @@ class SwapPlugin:
     policy: PolicyLike = AUTO
     #: ``None`` finds repeated blocks; or module classes / qualified module names.
     segments: SegmentSpec = None
-    #: Saved tensors smaller than this stay on the device.
-    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
-    #: The device memory budget for the planner (on CPU: the simulated capacity).
-    budget_bytes: Optional[int] = None
+    #: Saved tensors smaller than this stay on the device (bytes, >= 0; e.g. ``"16KiB"``).
+    min_offload_bytes: ByteSize = DEFAULT_MIN_OFFLOAD_BYTES
+    #: The device memory budget for the planner (on CPU: the simulated capacity): bytes as an
+    #: ``int`` or a size string (``"12GiB"``), stored as ``int``; not a fraction of device
+    #: memory (for 80% of a GPU: ``int(0.8 * torch.cuda.get_device_properties(0).total_memory)``).
+    budget_bytes: Optional[ByteSize] = None
     #: Segments prefetched ahead in backward; ``None``: 1 on CUDA, 0 on CPU.
     prefetch_segments: Optional[int] = None
     #: Log the plan table (``logging``, level INFO) when it is applied.
@@ -268,8 +257,8 @@ class SwapPlugin:
     #: buffers) or ``"all"`` (every CUDA allocation managed; installed when the accelerator is
     #: built, so build it before moving anything to the GPU). Refused on CPU.
     um: str = "off"
-    #: Cap on managed memory (only with ``um`` on); ``None``: the GPU's free memory.
-    um_max_bytes: Optional[int] = None
+    #: Cap on managed memory in bytes (only with ``um`` on); ``None``: the GPU's free memory.
+    um_max_bytes: Optional[ByteSize] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, Mapping) and not _is_auto(self.policy):
@@ -278,7 +267,9 @@ class SwapPlugin:
             except ValueError as err:
                 raise ValueError(f"{err} Or 'auto' to let the planner choose.") from None
         object.__setattr__(self, "um", UMMode.parse(self.um).value)
-        self.to_config()  # validates every shared option, naming the field
+        config = self.to_config()  # validates every shared option, naming the field
+        for name in ("min_offload_bytes", "budget_bytes", "um_max_bytes"):  # "12GiB" -> int
+            object.__setattr__(self, name, getattr(config, name))
         if not isinstance(self.log_stats, bool):
             raise ValueError(f"`log_stats` must be True or False; got {self.log_stats!r}.")
 

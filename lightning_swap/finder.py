@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from .core.scale import Collectives, ScaleConfig, ScaleResult, search_for_loop
-from .core.session import _check_budget
+from .core.units import ByteSize, parse_bytes
 from .strategy import _SwapStrategyMixin
 
 __all__ = ["SwapBatchSizeFinder"]
@@ -49,8 +49,11 @@ class SwapBatchSizeFinder(BatchSizeFinder):
         steps_per_trial: real steps per confirming trial run.
         max_trials: trial runs before giving up.
         candidates: trial runs timing the best predictions in ``mode="throughput"``.
-        budget_bytes: the device budget; default: the strategy's ``budget_bytes``, else the
-            free CUDA memory less 10%. Required on CPU, where it is the simulated capacity.
+        budget_bytes: the device budget, bytes as an ``int`` or a size string (``"12GiB"``); not
+            a fraction of device memory (for 80% of a GPU pass
+            ``int(0.8 * torch.cuda.get_device_properties(0).total_memory)``). Default: the
+            strategy's ``budget_bytes``, else the free CUDA memory less 10%. Required on CPU,
+            where it is the simulated capacity.
         batch_arg_name: the attribute holding the batch size, as for ``BatchSizeFinder``.
 
     Needs ``strategy="cpu_swap"`` or ``"ddp_cpu_swap"``. Under DDP every rank runs the same
@@ -69,7 +72,7 @@ class SwapBatchSizeFinder(BatchSizeFinder):
         steps_per_trial: int = 2,
         max_trials: int = 6,
         candidates: int = 3,
-        budget_bytes: Optional[int] = None,
+        budget_bytes: Optional[ByteSize] = None,
         batch_arg_name: str = "batch_size",
     ) -> None:
         self.scale_config = ScaleConfig(
@@ -90,7 +93,7 @@ class SwapBatchSizeFinder(BatchSizeFinder):
             margin=margin,
             max_val=max_batch_size,
         )
-        self.budget_bytes = _check_budget(budget_bytes)
+        self.budget_bytes = parse_bytes(budget_bytes, field="budget_bytes", allow_none=True)
         self.result: Optional[ScaleResult] = None
         self.optimal_batch_size: Optional[int] = None
 

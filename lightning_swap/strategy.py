@@ -21,6 +21,7 @@ from .core.runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats
 from .core.segments import SegmentSpec
 from .core.session import SwapConfig, SwapSession
 from .core.timeline import Timeline, TimelineRecorder
+from .core.units import ByteSize
 from .core.unified import UnifiedMemory
 from .report import plot_timelines
 
@@ -37,15 +38,15 @@ class _SwapStrategyMixin:
         *,
         policy: PolicyLike,
         segments: SegmentSpec,
-        min_offload_bytes: int,
-        budget_bytes: Optional[int],
+        min_offload_bytes: ByteSize,
+        budget_bytes: Optional[ByteSize],
         prefetch_segments: Optional[int],
         inflight_segments: int,
         log_stats: bool,
         device_given: bool,
         report: bool = False,
         um: str = "off",
-        um_max_bytes: Optional[int] = None,
+        um_max_bytes: Optional[ByteSize] = None,
     ) -> None:
         self.swap_config = SwapConfig(
             log_plan=False,  # logged here, on rank zero only
@@ -267,7 +268,10 @@ _SWAP_ARGS_DOC = """
             min_offload_bytes: saved tensors smaller than this stay on the device.
             budget_bytes: the device memory budget for the planner; on CPU the simulated device
                 capacity (without it, ``"auto"`` keeps everything on CPU); on CUDA by default
-                the free device memory less 10%.
+                the free device memory less 10%. Bytes, as an ``int`` or a size string
+                (``"12GiB"``, ``"500MB"``; as ``min_offload_bytes`` and ``um_max_bytes``), never
+                a fraction: for 80% of a GPU pass
+                ``int(0.8 * torch.cuda.get_device_properties(0).total_memory)``.
             prefetch_segments: segments prefetched ahead in backward (default 1 on CUDA, 0 on CPU).
             inflight_segments: segments whose copies to the host may still run while later
                 segments compute (default 1); their device memory is released after that.
@@ -293,13 +297,13 @@ def _build_single(base: type, callback_base: type, name: str) -> type:
             self,
             policy: PolicyLike = "auto",
             segments: SegmentSpec = None,
-            min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
-            budget_bytes: Optional[int] = None,
+            min_offload_bytes: ByteSize = DEFAULT_MIN_OFFLOAD_BYTES,
+            budget_bytes: Optional[ByteSize] = None,
             prefetch_segments: Optional[int] = None,
             log_stats: bool = True,
             report: bool = False,
             um: str = "off",
-            um_max_bytes: Optional[int] = None,
+            um_max_bytes: Optional[ByteSize] = None,
             inflight_segments: int = 1,
             device: Any = None,
             accelerator: Any = None,
@@ -342,13 +346,13 @@ def _build_ddp(base: type, callback_base: type, name: str) -> type:
             self,
             policy: PolicyLike = "auto",
             segments: SegmentSpec = None,
-            min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
-            budget_bytes: Optional[int] = None,
+            min_offload_bytes: ByteSize = DEFAULT_MIN_OFFLOAD_BYTES,
+            budget_bytes: Optional[ByteSize] = None,
             prefetch_segments: Optional[int] = None,
             log_stats: bool = True,
             report: bool = False,
             um: str = "off",
-            um_max_bytes: Optional[int] = None,
+            um_max_bytes: Optional[ByteSize] = None,
             inflight_segments: int = 1,
             **ddp_kwargs: Any,
         ) -> None:

@@ -10,6 +10,7 @@ from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats, SwapRuntime
 from .segments import find_segments
 from .solver import brute_force, min_budget_bytes, solve
 from .unified import UMMode, UnifiedMemory, UnifiedMemoryStats, install_unified_memory
+from .units import parse_bytes
 
 __all__ = [
     "Action",
@@ -34,6 +35,7 @@ __all__ = [
     "install_unified_memory",
     "measure_bandwidth",
     "min_budget_bytes",
+    "parse_bytes",
     "profile",
     "resolve_policy",
     "simulate",

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import Union
+from typing import Optional, Union
 
-__all__ = ["Action", "PolicyLike", "resolve_policy"]
+__all__ = ["AUTO", "Action", "PolicyLike", "allowed_actions", "resolve_policy"]
+
+#: The policy that profiles the first batch and lets the planner choose.
+AUTO = "auto"
 
 
 class Action(enum.Enum):
@@ -70,3 +73,20 @@ def resolve_policy(policy: PolicyLike, segment_names: Sequence[str]) -> dict[str
         return actions
     action = Action.parse(policy, field="policy")
     return {name: action for name in segment_names}
+
+
+def allowed_actions(policy: PolicyLike) -> Optional[tuple[Action, ...]]:
+    """The actions the planner may use under ``policy``: all (``None``) for ``"auto"``, the one
+    for a single forced action.
+
+    A per-segment mapping fixes the plan, so it cannot be re-planned at another batch size:
+    ``ValueError``. Any other value is parsed as an action (``ValueError`` naming ``policy``).
+    """
+    if isinstance(policy, str) and policy.strip().lower() == AUTO:
+        return None
+    if isinstance(policy, Mapping):
+        raise ValueError(
+            "`policy`: a per-segment mapping fixes the plan, so the batch-size search cannot re-plan "
+            "it; use policy='auto' or a single action."
+        )
+    return (Action.parse(policy, field="policy"),)

@@ -1,8 +1,34 @@
-"""Exceptions that carry the data a caller needs to recover."""
+"""Exceptions that carry the data a caller needs to recover, and how out-of-memory is recognised.
+
+A leaf of the core: it imports torch only, so every layer (the session, the auto-scaler, the
+adapters) can ask :func:`is_out_of_memory` without importing another.
+"""
 
 from __future__ import annotations
 
-__all__ = ["InfeasibleBudgetError", "UnifiedMemoryError"]
+import torch
+
+__all__ = ["InfeasibleBudgetError", "UnifiedMemoryError", "is_out_of_memory"]
+
+#: What an out-of-memory error says when it does not carry the type (older torch, cuDNN,
+#: the CPU allocator, errors re-raised as plain ``RuntimeError``).
+_OOM_MARKERS = (
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED",
+    "DefaultCPUAllocator: can't allocate memory",
+)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Out-of-memory, by type first (``torch.OutOfMemoryError``), by message second."""
+    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    return any(marker in text for marker in _OOM_MARKERS)
 
 
 def _mib(nbytes: int) -> str:

@@ -32,16 +32,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-
 from .actions import Action
-from .errors import InfeasibleBudgetError
+from .errors import InfeasibleBudgetError, is_out_of_memory  # re-exported: its old home
 from .plan import Plan, format_bytes
 from .profiler import ModelProfile, StepFn
 from .runtime import StepStats
 from .solver import solve
+from .units import ByteSize, parse_bytes
 
-if TYPE_CHECKING:  # the session imports this module lazily; a type is all that is needed here
+if TYPE_CHECKING:  # a type is all that is needed here; the session never imports this module
     from .session import SwapSession
 
 __all__ = [
@@ -68,20 +67,6 @@ class BatchSearchError(RuntimeError):
     def __init__(self, message: str, *, trials: tuple["Trial", ...] = ()) -> None:
         super().__init__(message)
         self.trials = trials
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Out-of-memory, by type first (``torch.OutOfMemoryError``), by message second."""
-    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(exc, oom_type):
-        return True
-    if not isinstance(exc, RuntimeError):
-        return False
-    text = str(exc)
-    return any(
-        marker in text
-        for marker in ("CUDA out of memory", "CUDA error: out of memory", "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED", "DefaultCPUAllocator: can't allocate memory")
-    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,7 +226,7 @@ def _shrink(effective: int, trial: Trial) -> int:
 
 def search_batch_size(
     profile: ModelProfile,
-    budget_bytes: int,
+    budget_bytes: ByteSize,
     run_trial: RunTrial,
     config: ScaleConfig = ScaleConfig(),
     *,
@@ -254,8 +239,7 @@ def search_batch_size(
     :class:`TrialMeasurement` (or raises out-of-memory); the caller restores model and
     optimizer state. ``actions`` restricts the planner (a forced single-action policy).
     """
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-        raise ValueError(f"`budget_bytes` must be a positive int; got {budget_bytes!r}.")
+    budget_bytes = parse_bytes(budget_bytes, field="budget_bytes")
     start = time.perf_counter()
     effective = int(budget_bytes * (1 - config.margin))
     trials: list[Trial] = []
@@ -325,7 +309,7 @@ def search_batch_size(
 # -- predictions only --------------------------------------------------------------------------
 def predict_batch_size(
     profile: ModelProfile,
-    budget_bytes: int,
+    budget_bytes: ByteSize,
     config: ScaleConfig = ScaleConfig(),
     *,
     actions: Optional[tuple[Action, ...]] = None,
@@ -337,8 +321,7 @@ def predict_batch_size(
     No model runs: the same bisection over predictions that :func:`search_batch_size` starts
     from, without the confirming trials (``accelerate-swap estimate`` uses it).
     """
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-        raise ValueError(f"`budget_bytes` must be a positive int; got {budget_bytes!r}.")
+    budget_bytes = parse_bytes(budget_bytes, field="budget_bytes")
     effective = int(budget_bytes * (1 - config.margin))
     plan_at = _planner(profile, actions)
     batch = _largest_feasible(plan_at, effective, config.min_batch_size, config.max_batch_size)

@@ -15,19 +15,17 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .actions import Action, PolicyLike, resolve_policy
+from .actions import AUTO, Action, PolicyLike, allowed_actions, resolve_policy
+from .errors import is_out_of_memory
 from .plan import Plan
 from .runtime import (
-    DEFAULT_MIN_OFFLOAD_BYTES, StatsHistory, StepStats, SwapRuntime, _normalize_device, check_inflight_segments,
-    check_min_offload_bytes, tensors_in,
+    DEFAULT_MIN_OFFLOAD_BYTES, StatsHistory, StepStats, SwapRuntime, _normalize_device, check_inflight_segments, tensors_in,
 )
 from .segments import SegmentSpec, find_segments
-from .unified import UMMode, UnifiedMemory, check_um_max_bytes, install_unified_memory
+from .unified import UMMode, UnifiedMemory, install_unified_memory
+from .units import ByteSize, parse_bytes
 
 __all__ = ["AUTO", "SwapConfig", "SwapSession", "device_budget_bytes", "tensors_in"]
-
-#: The policy that profiles the first batch and lets the planner choose.
-AUTO = "auto"
 
 #: Held back from the free device memory when no budget is given (allocator fragmentation,
 #: CUDA context growth, what the model does not predict).
@@ -61,16 +59,19 @@ log = logging.getLogger(__name__)
 
 
 def _check_budget(value: Any, field_name: str = "budget_bytes") -> Optional[int]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"`{field_name}` must be a positive int (bytes) or None; got {value!r}.")
-    return value
+    """Kept for old imports: :func:`~lightning_swap.core.units.parse_bytes` for a budget."""
+    return parse_bytes(value, field=field_name, allow_none=True)
 
 
 @dataclass(frozen=True, kw_only=True)
 class SwapConfig:
-    """Options shared by every front end (strategy, plugin)."""
+    """Options shared by every front end (strategy, plugin).
+
+    Byte options take an ``int`` or a size string (``"12GiB"``, ``"500MB"``; the forms of
+    :func:`~lightning_swap.core.units.parse_bytes`) and are stored as ``int``. None takes a
+    fraction of device memory (Note [No fraction of device memory] in ``core/units.py``): for
+    80% of a GPU pass ``budget_bytes=int(0.8 * torch.cuda.get_device_properties(0).total_memory)``.
+    """
 
     #: ``"auto"`` (profile the first batch, let the planner choose under ``budget_bytes``), an
     #: action name (case-insensitive), an :class:`Action`, or a mapping from segment name to
@@ -78,10 +79,11 @@ class SwapConfig:
     policy: PolicyLike = AUTO
     #: ``None`` finds repeated blocks; or module classes / qualified names.
     segments: SegmentSpec = None
-    #: Saved tensors smaller than this are never offloaded.
-    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
-    #: The device memory budget for the planner (on CPU: the simulated capacity).
-    budget_bytes: Optional[int] = None
+    #: Saved tensors smaller than this are never offloaded (bytes, >= 0; e.g. ``"16KiB"``).
+    min_offload_bytes: ByteSize = DEFAULT_MIN_OFFLOAD_BYTES
+    #: The device memory budget for the planner (on CPU: the simulated capacity); bytes, e.g.
+    #: ``12 << 30`` or ``"12GiB"``. ``None``: on CUDA the free memory less a margin.
+    budget_bytes: Optional[ByteSize] = None
     #: How many segments ahead backward prefetches; ``None``: 1 on CUDA, 0 on CPU.
     prefetch_segments: Optional[int] = None
     #: How many segments' copies to the host may still run while later segments compute
@@ -93,7 +95,7 @@ class SwapConfig:
     #: buffers, prefetched before their backward) or ``"all"`` (every CUDA allocation managed).
     um: str = "off"
     #: Cap on managed memory in bytes (only with ``um`` on); ``None``: the device's free memory.
-    um_max_bytes: Optional[int] = None
+    um_max_bytes: Optional[ByteSize] = None
 
     def __post_init__(self) -> None:
         policy = self.policy
@@ -120,15 +122,14 @@ class SwapConfig:
                     "of module classes or qualified module names."
                 )
             object.__setattr__(self, "segments", tuple(segments))
-        check_min_offload_bytes(self.min_offload_bytes)
+        for name, allow_none, minimum in (("min_offload_bytes", False, 0), ("budget_bytes", True, 1), ("um_max_bytes", True, 1)):
+            object.__setattr__(self, name, parse_bytes(getattr(self, name), field=name, allow_none=allow_none, minimum=minimum))
         check_inflight_segments(self.inflight_segments)
-        _check_budget(self.budget_bytes)
         p = self.prefetch_segments
         if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 0):
             raise ValueError(f"`prefetch_segments` must be an int >= 0 or None; got {p!r}.")
         um = UMMode.parse(self.um)
         object.__setattr__(self, "um", um.value)
-        check_um_max_bytes(self.um_max_bytes)
         if um is UMMode.OFF and self.um_max_bytes is not None:
             raise ValueError(
                 f"`um_max_bytes` caps unified memory and applies only with um='offload' or um='all'; got "
@@ -207,7 +208,6 @@ class SwapSession:
         On CUDA a step that does not fit is profiled in fake mode instead (memory exact, times
         estimated: Note [Fake-mode times are estimates])."""
         from .profiler import profile
-        from .scale import is_out_of_memory
 
         self.remove()
         kwargs = dict(
@@ -263,15 +263,9 @@ class SwapSession:
     def allowed_actions(self) -> Optional[tuple[Action, ...]]:
         """The actions the planner may use: all for ``"auto"``, the one for a single forced action.
 
-        A per-segment mapping cannot be re-planned at another batch size: ``ValueError``."""
-        if self.config.is_auto:
-            return None
-        if isinstance(self.config.policy, Action):
-            return (self.config.policy,)
-        raise ValueError(
-            "`policy`: a per-segment mapping fixes the plan, so the batch-size search cannot re-plan "
-            "it; use policy='auto' or a single action."
-        )
+        A per-segment mapping cannot be re-planned at another batch size: ``ValueError``
+        (:func:`~lightning_swap.core.actions.allowed_actions`)."""
+        return allowed_actions(self.config.policy)
 
     def record_plain_timeline(self, batch: Any, step_fn: Callable[[nn.Module, Any], Any], track: Iterable[Any] = ()):
         """A :class:`~lightning_swap.core.timeline.Timeline` of one plain step (every segment
@@ -279,7 +273,6 @@ class SwapSession:
         the current plan is applied again. ``None`` if the plain step does not fit (CUDA)."""
         from .meter import DeviceMemoryMeter
         from .profiler import _loss_of, _Snapshot
-        from .scale import is_out_of_memory
         from .timeline import TimelineRecorder
 
         plan = self.plan
