@@ -157,9 +157,11 @@ class _StepRecord:
         self.copy_ms = copy_ms
 
     def resolve(self, wait: bool) -> bool:
+        # The step's end event is the last one recorded on the compute stream: once it has
+        # completed, so has every earlier timing event of the step. One wait at most.
         step = self.step.resolve(wait=wait)
-        recompute = self.recompute.resolve(wait=wait)
-        exposed = self.exposed.resolve(wait=wait) if self.exposed is not None else 0.0
+        recompute = self.recompute.resolve()
+        exposed = self.exposed.resolve() if self.exposed is not None else 0.0
         if step is None or recompute is None or exposed is None:
             return False
         self.stats = replace(self.stats, step_ms=step, recompute_ms=recompute, exposed_transfer_ms=exposed + self.copy_ms)

@@ -1,0 +1,393 @@
+"""The GPU engine seen on CPU (Note [Stream protocol] in ``lightning_swap/core/streams.py``):
+exact results when copies land late or out of order, nothing fetched twice, prefetch that
+costs only what it prefetches, no host synchronisation and no extra work per step, and the
+protocol's waits shown necessary by removing them."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_swap import CPUSwapStrategy, SwapRuntime, find_segments
+from lightning_swap.core import resolve_policy
+from lightning_swap.core.offload import OffloadEngine
+from lightning_swap.core.streams import CopyStreams, override_stream_ops
+
+from .helpers import POLICIES, train_core
+from .lit import fit
+from .models import MODELS
+from .stream_double import DoubleFactory, StreamDouble
+
+_PLAIN: dict = {}
+
+
+def _plain(name):
+    if name not in _PLAIN:
+        _PLAIN[name] = train_core(name, None)
+    return _PLAIN[name]
+
+
+def _differences(name, model, grads):
+    plain, _, plain_grads = _plain(name)
+    state, expected = model.state_dict(), plain.state_dict()
+    out = [k for k in expected if not torch.equal(state[k], expected[k])]
+    out += [f"grad {k}" for k in plain_grads if not torch.equal(grads[k], plain_grads[k])]
+    return out
+
+
+def _under_double(name, policy, *, mode="late", **kwargs):
+    factory = DoubleFactory(mode)
+    with override_stream_ops(factory):
+        model, stats, grads = train_core(name, policy, **kwargs)
+    syncs_before_drain = factory.host_syncs
+    factory.drain()
+    return model, stats, grads, factory, syncs_before_drain
+
+
+# -- exactness under late and reordered copies -----------------------------------------------
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+@pytest.mark.parametrize("policy", ["offload", "recompute_offload"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_exact_when_copies_land_late(name, policy, prefetch):
+    model, stats, grads, factory, _ = _under_double(name, policy, prefetch_segments=prefetch)
+    assert _differences(name, model, grads) == []
+    assert factory.violations == []
+    assert all(s.offloaded_bytes > 0 and s.fetched_bytes == s.offloaded_bytes for s in stats)
+    if prefetch:
+        assert stats[-1].prefetched_bytes > 0
+    assert sum(d.copies_done for d in factory.doubles) > 0  # the copies did go through the double
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+@pytest.mark.parametrize("policy", ["offload", "recompute_offload"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_exact_when_copies_land_out_of_order(name, policy, prefetch):
+    model, stats, grads, factory, _ = _under_double(name, policy, mode="early", prefetch_segments=prefetch)
+    assert _differences(name, model, grads) == []
+    assert factory.violations == []
+    assert all(s.fetched_bytes == s.offloaded_bytes for s in stats)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_each_offloaded_storage_comes_back_once(name, prefetch):
+    """Note [One storage, one copy], with synchronous CPU copies: a storage saved by several
+    ops (in-place ReLU and the next conv, a block's output and the next block's input) is
+    fetched once, however deep the prefetch."""
+    _, stats, _ = train_core(name, "offload", prefetch_segments=prefetch)
+    assert all(s.fetched_bytes == s.offloaded_bytes > 0 for s in stats)
+    assert stats[-1].deduplicated_tensors > 0 or name == "mlp"
+
+
+def _offloaded_per_segment(monkeypatch):
+    sizes: dict[int, int] = {}
+    original = OffloadEngine._copy_out
+
+    def spy(self, segment, storage, version):
+        sizes[segment] = sizes.get(segment, 0) + storage.nbytes()
+        return original(self, segment, storage, version)
+
+    monkeypatch.setattr(OffloadEngine, "_copy_out", spy)
+    return sizes
+
+
+@pytest.mark.parametrize("name", ["gpt", "cnn", "mlp"])
+def test_deeper_prefetch_costs_at_most_the_prefetched_segments(name, monkeypatch):
+    """With ``k`` segments of prefetch, when segment ``i``'s backward runs, its own bytes
+    (fetched ahead when ``i+1`` started) and those of ``i-1 .. i-k`` are on the device; with
+    none, only the bytes in use are. So prefetching ``k`` deep may raise the peak by at most
+    ``k+1`` segments' offloaded bytes, and each extra level by at most one segment's. (Before
+    the fix, orphaned re-fetches made the GPT's peak with ``k=3`` three times that with 0.)"""
+    sizes = _offloaded_per_segment(monkeypatch)
+    peaks = []
+    for prefetch in range(4):
+        sizes.clear()
+        _, stats, _ = train_core(name, "offload", prefetch_segments=prefetch, steps=2)
+        peaks.append(stats[-1].peak_device_bytes)
+    segment = max(sizes.values()) // 2  # two steps were counted
+    for k in range(1, 4):
+        assert peaks[k] - peaks[0] <= (k + 1) * segment, (k, peaks, segment)
+        if k >= 2:
+            assert peaks[k] - peaks[k - 1] <= segment, (k, peaks, segment)
+
+
+def test_offload_frees_what_it_offloads():
+    """Lean: the offloaded bytes leave the device. With synchronous copies the peak is keep's
+    less the offloaded bytes, except one segment's worth fetched back for the backward."""
+    _, keep, _ = train_core("gpt", "keep", steps=2)
+    _, offload, _ = train_core("gpt", "offload", steps=2)
+    _, recompute_offload, _ = train_core("gpt", "recompute_offload", steps=2)
+    offloaded = offload[-1].offloaded_bytes
+    segment = offloaded // len(find_segments(MODELS["gpt"][0]()))
+    assert offload[-1].peak_device_bytes <= keep[-1].peak_device_bytes - 0.9 * (offloaded - segment)
+    assert offload[-1].peak_device_bytes <= recompute_offload[-1].peak_device_bytes + segment
+
+
+@pytest.mark.parametrize("inflight", [0, 1, 2])
+def test_what_is_in_flight_is_bounded(inflight, monkeypatch):
+    """Rule 2: at every segment's start, the sources whose copies the compute stream has not
+    waited for belong to at most ``inflight_segments`` earlier segments."""
+    seen = []
+    original = CopyStreams.segment_started
+
+    def spy(self):
+        original(self)
+        seen.append(len({ordinal for ordinal, _, _ in self._stash}))
+
+    monkeypatch.setattr(CopyStreams, "segment_started", spy)
+    factory = DoubleFactory("late")
+    torch.manual_seed(0)
+    model = MODELS["gpt"][0]()
+    x, y = MODELS["gpt"][1](4)
+    with override_stream_ops(factory), SwapRuntime(model, resolve_policy("offload", find_segments(model)), min_offload_bytes=0, inflight_segments=inflight) as rt:
+        rt.begin_step([x, y])
+        MODELS["gpt"][2](model(x), y).backward()
+        stats = rt.end_step()
+    factory.drain()
+    assert factory.violations == []
+    assert seen and max(seen) <= inflight, seen
+    assert stats.fetched_bytes == stats.offloaded_bytes > 0
+
+
+# -- the waits are necessary: remove one, the double shows it ------------------------------
+def _run_mutated(name="gpt", policy="offload", prefetch=1):
+    model, _, grads, factory, _ = _under_double(name, policy, prefetch_segments=prefetch)
+    return _differences(name, model, grads), factory.violations
+
+
+def test_without_the_compute_wait_fetched_bytes_are_read_before_they_land(monkeypatch):
+    """Rule 3 removed: the computation reads device memory the copy has not written (poison)."""
+    monkeypatch.setattr(CopyStreams, "consume", lambda self, event: None)
+    differences, _ = _run_mutated()
+    assert differences
+
+
+def test_without_the_retire_wait_copies_read_freed_memory(monkeypatch):
+    """Rule 2 removed: sources dropped before their copies ran; the copies read freed memory."""
+
+    def drop(self, before=None):
+        self._stash = [e for e in self._stash if before is not None and e[0] >= before]
+
+    monkeypatch.setattr(CopyStreams, "retire", drop)
+    differences, violations = _run_mutated()
+    assert violations and differences
+
+
+def test_the_old_prefetch_orphans_copies(monkeypatch):
+    """The engine as it ran on the H100 (issue 11): every unpack prefetched from its own segment
+    on, re-fetching entries already consumed, and nobody waited for those copies. The double
+    reports copies landing in memory that was freed — on a GPU, a later gradient's block."""
+
+    def refetch_everything(self, segment):
+        for ref in self._by_segment.get(segment, ()):
+            entry = ref()
+            if entry is not None and entry.fetch is None:
+                self._fetch(entry)  # queued, never consumed: an orphan
+
+    original_unpack = OffloadEngine._unpack
+
+    def unpack(self, packed):
+        if hasattr(packed, "entry"):
+            refetch_everything(self, packed.entry.segment)
+        return original_unpack(self, packed)
+
+    monkeypatch.setattr(OffloadEngine, "_unpack", unpack)
+    _, violations = _run_mutated(prefetch=3)
+    assert any("freed before it ran" in v for v in violations)
+
+
+# -- no host synchronisation, no extra work -------------------------------------------------
+_SYNC_LIKE = {
+    "aten._local_scalar_dense.default",  # .item(), float(t), bool(t): a device-to-host read
+    "aten.is_nonzero.default",
+    "aten.equal.default",
+    "aten.allclose.default",
+    "aten.nonzero.default",  # a data-dependent shape
+    "aten.lift_fresh.default",  # a tensor built from Python numbers: a pageable host-to-device copy
+    "aten.lift_fresh_copy.default",
+}
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def sync_like(self) -> list[str]:
+        return [op for op in self.ops if op in _SYNC_LIKE]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_runtime_step_never_waits_for_the_device(policy):
+    """Rule 5: over steady-state steps the runtime's own begin/end do no device-to-host read and
+    the host never waits (the double counts every synchronize); the times still resolve."""
+    factory = DoubleFactory("late")
+    torch.manual_seed(0)
+    build, data, loss_fn = MODELS["cnn"]
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with override_stream_ops(factory), SwapRuntime(model, resolve_policy(policy, find_segments(model)), min_offload_bytes=0, prefetch_segments=1) as rt:
+        for step in range(4):
+            x, y = data(4)
+            if step == 2:
+                syncs = factory.host_syncs
+                counter = _OpCounter().__enter__()
+            rt.begin_step([x, y, opt.state])
+            loss_fn(model(x), y).backward()
+            stats = rt.end_step()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        counter.__exit__(None, None, None)
+        assert factory.host_syncs == syncs
+        plain = _OpCounter()
+        with plain:
+            loss_fn(model(x), y).backward()
+        assert len(counter.sync_like) == 2 * len(plain.sync_like)  # two steps, nothing of ours
+        assert stats.resolved and stats.step_ms is not None
+
+
+class _SlowDevice(StreamDouble):
+    """A device that has not finished anything until told to: every event is pending."""
+
+    finished = False
+
+    def done(self, event):
+        return self.finished and super().done(event)
+
+    def synchronize(self, event):
+        super().synchronize(event)
+        self.finished = True  # the host waited for the newest event: everything before it is done
+
+
+def test_step_times_are_read_later_not_waited_for():
+    double = _SlowDevice(torch.device("cpu"))
+    torch.manual_seed(0)
+    model = MODELS["mlp"][0]()
+    x, y = MODELS["mlp"][1](8)
+    with override_stream_ops(lambda device: double), SwapRuntime(model, resolve_policy("recompute", find_segments(model))) as rt:
+        rt.begin_step([x, y])
+        nn.functional.cross_entropy(model(x), y).backward()
+        stats = rt.end_step()
+        assert stats.step_ms is None and stats.recompute_ms is None and not stats.resolved
+        assert rt.stats() is None and double.host_syncs == 0  # nothing finished, nobody waited
+        assert stats.as_metrics()["swap/peak_device_bytes"] > 0 and "swap/step_ms" not in stats.as_metrics()
+        double.finished = True
+        resolved = rt.stats()  # the device is done: read without waiting
+        assert resolved.resolved and resolved.recompute_ms >= 0 and double.host_syncs == 0
+        double.finished = False
+        rt.begin_step([x, y])
+        nn.functional.cross_entropy(model(x), y).backward()
+        rt.end_step()
+        assert rt.stats() is resolved  # the newest complete step is still the first
+        last = rt.stats(wait=True)  # outside a step the caller may ask to wait
+        assert last is not resolved and last.resolved and double.host_syncs == 1
+
+
+class _StepCounter:
+    """Counts the ops of training steps ``first..`` (Lightning's batch hooks bracket a step)."""
+
+    def __init__(self, first: int) -> None:
+        import lightning as L
+
+        counter = self
+
+        class Callback(L.pytorch.callbacks.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                if batch_idx >= first:
+                    counter.mode = _OpCounter().__enter__()
+                    counter.syncs = counter.factory.host_syncs if counter.factory else 0
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if batch_idx >= first:
+                    counter.mode.__exit__(None, None, None)
+                    counter.steps.append(counter.mode.ops)
+                    counter.sync_counts.append((counter.factory.host_syncs if counter.factory else 0) - counter.syncs)
+
+        self.callback = Callback()
+        self.steps: list[list[str]] = []
+        self.sync_counts: list[int] = []
+        self.factory = None
+
+
+def _lightning_steps(strategy, factory=None, **kwargs):
+    counter = _StepCounter(first=2)
+    counter.factory = factory
+    if factory is not None:
+        with override_stream_ops(factory):
+            fit("cnn", strategy, steps=5, callbacks=[counter.callback], **kwargs)
+    else:
+        fit("cnn", strategy, steps=5, callbacks=[counter.callback], **kwargs)
+    return counter
+
+
+def test_keep_dispatches_no_more_ops_than_plain_lightning(tmp_path):
+    """Zero overhead when idle: a steady-state step of ``policy="keep"`` dispatches exactly the
+    ops of plain Lightning training, statistics logging included."""
+    import lightning as L
+
+    plain = _lightning_steps("auto", logger=L.pytorch.loggers.CSVLogger(tmp_path / "a"), log_every_n_steps=1)
+    keep = _lightning_steps(CPUSwapStrategy(policy="keep"), factory=DoubleFactory(), logger=L.pytorch.loggers.CSVLogger(tmp_path / "b"), log_every_n_steps=1)
+    assert [len(s) for s in keep.steps] == [len(s) for s in plain.steps]
+    assert keep.steps == plain.steps
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_lightning_steps_never_synchronise(policy, tmp_path):
+    """No host synchronisation on the per-step path of any policy: the double counts none, and
+    the step reads nothing from the device that plain training does not read."""
+    import lightning as L
+
+    plain = _lightning_steps("auto", logger=L.pytorch.loggers.CSVLogger(tmp_path / "a"), log_every_n_steps=1)
+    factory = DoubleFactory()
+    ours = _lightning_steps(
+        CPUSwapStrategy(policy=policy, min_offload_bytes=0, prefetch_segments=1), factory=factory,
+        logger=L.pytorch.loggers.CSVLogger(tmp_path / "b"), log_every_n_steps=1,
+    )
+    assert ours.sync_counts == [0, 0, 0]
+    assert [[op for op in s if op in _SYNC_LIKE] for s in ours.steps] == [[op for op in s if op in _SYNC_LIKE] for s in plain.steps]
+    factory.drain()
+    assert factory.violations == []
+
+
+def test_swap_metrics_reach_the_logger_as_floats_every_n_steps(tmp_path):
+    import lightning as L
+
+    logger = L.pytorch.loggers.CSVLogger(tmp_path)
+    module, trainer = fit("cnn", CPUSwapStrategy(policy="offload", min_offload_bytes=0), steps=6, logger=logger, log_every_n_steps=3)
+    logger.save()
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("swap/offloaded_bytes")]
+    assert [int(r["step"]) for r in rows] == [2, 5]  # Lightning's own logging steps
+    assert all(float(r["swap/offloaded_bytes"]) > 0 and float(r["swap/step_ms"]) > 0 for r in rows)
+    assert isinstance(trainer.logged_metrics["swap/step_ms"], float)
+
+
+# -- recompute -------------------------------------------------------------------------------
+def test_batchnorm_recompute_copies_no_buffers():
+    """Note [Recompute leaves buffers alone]: the statistics stay those of one forward without a
+    single clone or copy of a buffer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()) for _ in range(3)])
+    twin = nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()) for _ in range(3)])
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(2, 4, 8, 8)
+    twin(x).sum().backward()
+    with SwapRuntime(model, resolve_policy("recompute", find_segments(model))):
+        loss = model(x).sum()
+        counter = _OpCounter()
+        with counter:
+            loss.backward()
+    assert not [op for op in counter.ops if op.startswith(("aten.clone", "aten.copy_"))]
+    for a, b in zip(model.state_dict().values(), twin.state_dict().values()):
+        assert torch.equal(a, b)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
