@@ -36,6 +36,7 @@ def train_core(
         runtime = SwapRuntime(
             model,
             resolve_policy(policy, find_segments(model)),
+            device=device,
             min_offload_bytes=min_offload_bytes,
             prefetch_segments=prefetch_segments,
             unified=unified,

@@ -208,7 +208,7 @@ def _clean(model) -> bool:
 
 
 def test_switched_off_is_accelerator(fresh_state):
-    accelerator = SwapAccelerator()
+    accelerator = SwapAccelerator(cpu=True)
     assert accelerator.swap_plugin is None and not accelerator.swap_enabled
     model, optimizer = _setup(accelerator)
     _step(accelerator, model, optimizer)
@@ -219,7 +219,7 @@ def test_switched_off_is_accelerator(fresh_state):
 def test_env_switch_in_process(fresh_state, monkeypatch):
     monkeypatch.setenv("ACCELERATE_CPU_SWAP", "1")
     monkeypatch.setenv("ACCELERATE_CPU_SWAP_POLICY", "blocks.1=recompute")
-    accelerator = SwapAccelerator()
+    accelerator = SwapAccelerator(cpu=True)
     model, optimizer = _setup(accelerator)
     assert dict(accelerator.swap_plan.actions) == {s: Action.RECOMPUTE if s == "blocks.1" else Action.KEEP for s in SEGMENTS}
     _step(accelerator, model, optimizer)
@@ -229,7 +229,7 @@ def test_env_switch_in_process(fresh_state, monkeypatch):
 
 
 def test_window_restarts_after_a_plain_backward(fresh_state):
-    accelerator = SwapAccelerator(swap_plugin=SwapPlugin(policy="offload", min_offload_bytes=0))
+    accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(policy="offload", min_offload_bytes=0))
     model, optimizer = _setup(accelerator)
     _step(accelerator, model, optimizer, use_accelerator=False)  # loss.backward(): window left open
     assert accelerator.swap_session.runtime.measuring and accelerator.swap_step_stats is None
@@ -241,7 +241,7 @@ def test_window_restarts_after_a_plain_backward(fresh_state):
 
 
 def test_one_model_with_a_plan(fresh_state):
-    accelerator = SwapAccelerator(swap_plugin=SwapPlugin(policy="recompute"))
+    accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(policy="recompute"))
     model, _ = _setup(accelerator)
     assert accelerator.prepare(model) is model  # preparing it again changes nothing
     assert accelerator.swap_session.model is model
@@ -257,7 +257,7 @@ def test_one_model_with_a_plan(fresh_state):
 
 
 def test_bad_policy_fails_at_prepare_and_leaves_nothing(fresh_state):
-    accelerator = SwapAccelerator(swap_plugin=SwapPlugin(policy={"blocks.9": "offload"}))
+    accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(policy={"blocks.9": "offload"}))
     model = CNN()
     with pytest.raises(ValueError, match="`policy`.*blocks.9"):
         accelerator.prepare(model)
@@ -266,10 +266,10 @@ def test_bad_policy_fails_at_prepare_and_leaves_nothing(fresh_state):
 
 def test_bad_arguments(fresh_state):
     with pytest.raises(ValueError, match="`swap_plugin`"):
-        SwapAccelerator(swap_plugin={"policy": "offload"})
+        SwapAccelerator(cpu=True, swap_plugin={"policy": "offload"})
     with pytest.raises(ValueError, match="dynamo_backend"):
-        SwapAccelerator(swap_plugin=SwapPlugin(), dynamo_backend="inductor")
-    assert isinstance(SwapAccelerator(dynamo_backend="inductor"), Accelerator)  # off: Accelerate decides
+        SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(), dynamo_backend="inductor")
+    assert isinstance(SwapAccelerator(cpu=True, dynamo_backend="inductor"), Accelerator)  # off: Accelerate decides
 
 
 def test_mixed_precision_recompute_equals_plain(fresh_state):

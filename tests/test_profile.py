@@ -29,14 +29,14 @@ class Case:
         self.model = build()
         self.data = data
         self.x, self.y = data(self.batch_size)
-        self.profile = profile(self.model, (self.x, self.y), step_fn=self.step)
+        self.profile = profile(self.model, (self.x, self.y), step_fn=self.step, device="cpu")
 
     def step(self, model, batch):
         return self.loss_fn(model(batch[0]), batch[1])
 
     def measure(self, actions) -> int:
         """Peak device bytes of one real step under ``actions``, on the runtime's meter."""
-        runtime = SwapRuntime(self.model, dict(zip(self.profile.names, actions))).install()
+        runtime = SwapRuntime(self.model, dict(zip(self.profile.names, actions)), device="cpu").install()
         try:
             runtime.begin_step([self.x, self.y])
             self.step(self.model, (self.x, self.y)).backward()
@@ -97,7 +97,7 @@ def test_infeasible_budget_min_budget_fits_when_measured(case: Case) -> None:
 
 
 def test_fake_profile_agrees_with_real(case: Case) -> None:
-    fake = profile(case.model, (case.x, case.y), step_fn=case.step, fake=True, scale=False)
+    fake = profile(case.model, (case.x, case.y), step_fn=case.step, fake=True, scale=False, device="cpu")
     assert fake.fake and not case.profile.fake
     assert fake.names == case.profile.names
     for real_seg, fake_seg in zip(case.profile.segments, fake.segments):
@@ -109,7 +109,7 @@ def test_fake_profile_agrees_with_real(case: Case) -> None:
 def test_batch_scaling_predicts_a_real_profile_at_another_batch(case: Case) -> None:
     big = 3 * case.batch_size // 2
     x, y = case.data(big)
-    real = profile(case.model, (x, y), step_fn=case.step, scale=False)
+    real = profile(case.model, (x, y), step_fn=case.step, scale=False, device="cpu")
     scaled = case.profile.at_batch(big)
     assert scaled.batch_size == big
     assert abs(scaled.peak_bytes - real.peak_bytes) <= 0.05 * real.peak_bytes
@@ -124,7 +124,7 @@ def test_profile_leaves_the_model_as_it_was() -> None:
     x, y = _images(4, 16)
     before = {k: v.clone() for k, v in case_model.state_dict().items()}
     rng = torch.get_rng_state()
-    prof = profile(case_model, (x, y), step_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    prof = profile(case_model, (x, y), step_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]), device="cpu")
     assert len(prof.segments) == 2
     assert all(torch.equal(before[k], v) for k, v in case_model.state_dict().items())
     assert all(p.grad is None for p in case_model.parameters())
@@ -138,13 +138,13 @@ def test_bad_batch_size_is_a_value_error_naming_it(batch_size) -> None:
     model = cnn_bn_dropout(channels=4, blocks=2)
     x, y = _images(2, 8)
     with pytest.raises(ValueError, match="batch_size"):
-        profile(model, (x, y), step_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]), batch_size=batch_size)
+        profile(model, (x, y), step_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]), batch_size=batch_size, device="cpu")
 
 
 def test_at_batch_rejects_bad_sizes_and_unscaled_profiles() -> None:
     model = cnn_bn_dropout(channels=4, blocks=2)
     x, y = _images(2, 8)
-    prof = profile(model, (x, y), step_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]), scale=False)
+    prof = profile(model, (x, y), step_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]), scale=False, device="cpu")
     for bad in (0, -1, 2.5):
         with pytest.raises(ValueError, match="batch_size"):
             prof.at_batch(bad)
@@ -171,7 +171,7 @@ def test_profiling_leaves_rng_weights_and_gradients_as_they_were():
     torch.manual_seed(1)
     expected = torch.rand(4)
     torch.manual_seed(1)
-    run_profile(model, (x, y), step_fn=lambda m, b: loss_fn(m(b[0]), b[1]), min_offload_bytes=0)
+    run_profile(model, (x, y), step_fn=lambda m, b: loss_fn(m(b[0]), b[1]), min_offload_bytes=0, device="cpu")
     assert torch.equal(torch.rand(4), expected)
     assert model.lm_head.weight is model.wte.weight
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())

@@ -58,7 +58,7 @@ def test_plain_checkpoint_updates_batchnorm_twice_and_ours_once():
     ours = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
     ours.load_state_dict(plain.state_dict())
     plain(x).sum().backward()
-    with SwapRuntime(ours, {"0": Action.RECOMPUTE, "1": Action.SELECTIVE}):
+    with SwapRuntime(ours, {"0": Action.RECOMPUTE, "1": Action.SELECTIVE}, device="cpu"):
         ours(x).sum().backward()
     assert ours[0][1].num_batches_tracked.item() == 1
     assert_same_state(ours, plain)
@@ -72,7 +72,7 @@ def test_dropout_masks_repeat_in_recompute():
     model(x).sum().backward()
     plain = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    with SwapRuntime(model, {"0": Action.RECOMPUTE}):
+    with SwapRuntime(model, {"0": Action.RECOMPUTE}, device="cpu"):
         torch.manual_seed(3)
         model(x).sum().backward()
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain))
@@ -86,7 +86,7 @@ def _mlp_peak(policy, width=64, depth=6, batch=2048):
     model = mlp_chain(width=width, depth=depth)
     x = torch.randn(batch, width)
     y = torch.randint(0, 10, (batch,))
-    with SwapRuntime(model, resolve_policy(policy, find_segments(model)), min_offload_bytes=0) as runtime:
+    with SwapRuntime(model, resolve_policy(policy, find_segments(model)), min_offload_bytes=0, device="cpu") as runtime:
         runtime.begin_step([x, y])
         nn.functional.cross_entropy(model(x), y).backward()
         return runtime.end_step()
@@ -146,7 +146,7 @@ class _SaveTwice(nn.Module):
 def test_a_storage_saved_twice_moves_once():
     model = nn.Sequential(_SaveTwice(), nn.Identity())
     x = torch.randn(64, 256, requires_grad=True)
-    with SwapRuntime(model, {"0": Action.OFFLOAD}, min_offload_bytes=0) as runtime:
+    with SwapRuntime(model, {"0": Action.OFFLOAD}, min_offload_bytes=0, device="cpu") as runtime:
         runtime.begin_step([x])
         model(x).sum().backward()
         stats = runtime.end_step()
@@ -163,12 +163,12 @@ def test_a_storage_saved_twice_moves_once():
 def test_parameters_and_small_tensors_are_not_offloaded():
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 1))
     x = torch.randn(4, 256)  # 4 KiB input; weights are 256 KiB
-    with SwapRuntime(model, {"0": Action.OFFLOAD, "1": Action.OFFLOAD}, min_offload_bytes=8192) as runtime:
+    with SwapRuntime(model, {"0": Action.OFFLOAD, "1": Action.OFFLOAD}, min_offload_bytes=8192, device="cpu") as runtime:
         runtime.begin_step([x])
         model(x).sum().backward()
         stats = runtime.end_step()
     assert stats.offloaded_bytes == 0
-    with SwapRuntime(model, {"0": Action.OFFLOAD, "1": Action.OFFLOAD}, min_offload_bytes=0) as runtime:
+    with SwapRuntime(model, {"0": Action.OFFLOAD, "1": Action.OFFLOAD}, min_offload_bytes=0, device="cpu") as runtime:
         runtime.begin_step([x])
         model(x).sum().backward()
         stats = runtime.end_step()
@@ -187,7 +187,7 @@ def test_retain_graph_backward_twice_with_offload():
     model = mlp_chain(width=32, depth=3)
     x = torch.randn(64, 32)
     expected = torch.autograd.grad(model(x).sum(), list(model.parameters()))
-    with SwapRuntime(model, resolve_policy("offload", find_segments(model)), min_offload_bytes=0):
+    with SwapRuntime(model, resolve_policy("offload", find_segments(model)), min_offload_bytes=0, device="cpu"):
         loss = model(x).sum()
         first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
         second = torch.autograd.grad(loss, list(model.parameters()))
@@ -197,7 +197,7 @@ def test_retain_graph_backward_twice_with_offload():
 
 def test_recompute_refuses_a_segment_that_modifies_its_input():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 1))
-    with SwapRuntime(model, {"1": Action.RECOMPUTE}):
+    with SwapRuntime(model, {"1": Action.RECOMPUTE}, device="cpu"):
         with pytest.raises(RuntimeError, match="modified its input in place"):
             model(torch.randn(4, 8)).sum().backward()
 
@@ -208,7 +208,7 @@ def test_no_grad_forward_runs_plainly():
     x = torch.randn(4, 16)
     expected = model(x)
     for policy in ("offload", "recompute", "selective", "recompute_offload"):
-        with SwapRuntime(model, resolve_policy(policy, find_segments(model))), torch.no_grad():
+        with SwapRuntime(model, resolve_policy(policy, find_segments(model)), device="cpu"), torch.no_grad():
             assert torch.equal(model(x), expected)
 
 
@@ -228,7 +228,7 @@ def test_runtime_leaves_no_trace(policy):
     model = MODELS["resnet18"][0]()
     keys = list(model.state_dict())
     hooks = _hook_counts(model)
-    runtime = SwapRuntime(model, resolve_policy(policy, find_segments(model)), min_offload_bytes=0).install()
+    runtime = SwapRuntime(model, resolve_policy(policy, find_segments(model)), min_offload_bytes=0, device="cpu").install()
     assert list(model.state_dict()) == keys
     x, y = MODELS["resnet18"][1](2)
     runtime.begin_step([x])
@@ -250,7 +250,7 @@ def test_remove_restores_a_forward_the_user_had_set():
     model = mlp_chain(width=8, depth=2)
     custom = model[0].forward
     model[0].forward = custom
-    with SwapRuntime(model, {"0": Action.RECOMPUTE}):
+    with SwapRuntime(model, {"0": Action.RECOMPUTE}, device="cpu"):
         assert model[0].forward is not custom
     assert model[0].__dict__["forward"] is custom
 
@@ -260,7 +260,7 @@ def test_host_pool_buffers_are_reused_across_steps():
     model = build()
     x, y = data(4)
     allocations, reserved = [], []
-    with SwapRuntime(model, resolve_policy("offload", find_segments(model)), min_offload_bytes=0) as runtime:
+    with SwapRuntime(model, resolve_policy("offload", find_segments(model)), min_offload_bytes=0, device="cpu") as runtime:
         for _ in range(3):
             runtime.begin_step([x, y])
             loss_fn(model(x), y).backward()
@@ -289,9 +289,9 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="`segments` must not nest"):
         find_segments(model, ["0", "0.1"])
     with pytest.raises(ValueError, match="`min_offload_bytes`"):
-        SwapRuntime(model, {"0": Action.OFFLOAD}, min_offload_bytes=-1)
+        SwapRuntime(model, {"0": Action.OFFLOAD}, min_offload_bytes=-1, device="cpu")
     with pytest.raises(ValueError, match="`plan`"):
-        SwapRuntime(model, {"nope": Action.OFFLOAD})
+        SwapRuntime(model, {"nope": Action.OFFLOAD}, device="cpu")
 
 
 def test_segments_found_automatically():
@@ -317,7 +317,7 @@ def test_copies_of_a_planned_model_run_their_own_weights():
     model = mlp_chain(width=16, depth=3)
     x = torch.randn(4, 16)
     # prefetch_segments=1: the runtime's module hooks (forward and backward triggers) are copied too
-    with SwapRuntime(model, resolve_policy("recompute_offload", find_segments(model)), min_offload_bytes=0, prefetch_segments=1):
+    with SwapRuntime(model, resolve_policy("recompute_offload", find_segments(model)), min_offload_bytes=0, prefetch_segments=1, device="cpu"):
         twin = copy.deepcopy(model)
         buffer = io.BytesIO()
         torch.save(model, buffer)

@@ -40,18 +40,18 @@ class Loop:
         return stats
 
     def peak(self, batch: int, actions) -> int:
-        with SwapRuntime(self.model, actions, min_offload_bytes=0) as runtime:
+        with SwapRuntime(self.model, actions, min_offload_bytes=0, device="cpu") as runtime:
             return max(self.step(batch, runtime).peak_device_bytes for _ in range(2))
 
     def profile(self, batch: int):
         self.opt.zero_grad(set_to_none=True)
-        return profile(self.model, self.data(batch), step_fn=lambda m, b: self.loss_fn(m(b[0]), b[1]), track=[self.opt.state], min_offload_bytes=0)
+        return profile(self.model, self.data(batch), step_fn=lambda m, b: self.loss_fn(m(b[0]), b[1]), track=[self.opt.state], min_offload_bytes=0, device="cpu")
 
     def run_trial(self, batch: int, plan) -> TrialMeasurement:
         self.trials += 1
         saved = copy.deepcopy((self.model.state_dict(), self.opt.state_dict()))
         try:
-            with SwapRuntime(self.model, plan, min_offload_bytes=0) as runtime:
+            with SwapRuntime(self.model, plan, min_offload_bytes=0, device="cpu") as runtime:
                 stats = [self.step(batch, runtime) for _ in range(2)]
         finally:
             self.model.load_state_dict(saved[0])

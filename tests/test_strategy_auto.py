@@ -79,7 +79,7 @@ def test_timeline_marks_every_segment_forward_and_backward():
     model = build()
     x, y = data(8)
     names = find_segments(model)
-    with SwapRuntime(model, {n: Action.OFFLOAD for n in names}, min_offload_bytes=0) as runtime:
+    with SwapRuntime(model, {n: Action.OFFLOAD for n in names}, min_offload_bytes=0, device="cpu") as runtime:
         runtime.begin_step([x, y])
         with TimelineRecorder(model, names, runtime.meter, "offload") as recorder:
             loss_fn(model(x), y).backward()

@@ -321,7 +321,7 @@ def test_managed_offload_memory_matches_pinned_offload():
         model = build()
         x, y = data(1024)
         actions = resolve_policy("offload" if unified is not False else "keep", find_segments(model))
-        with SwapRuntime(model, actions, unified=unified or None, min_offload_bytes=0) as runtime:
+        with SwapRuntime(model, actions, unified=unified or None, min_offload_bytes=0, device="cpu") as runtime:
             runtime.begin_step([x, y])
             loss_fn(model(x), y).backward()
             return runtime.end_step().peak_device_bytes
@@ -339,7 +339,7 @@ def test_cap_turns_into_a_clear_out_of_memory_error_and_nothing_leaks():
     model = build()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = data(512)
-    with SwapRuntime(model, resolve_policy("offload", find_segments(model)), min_offload_bytes=0, unified=unified):
+    with SwapRuntime(model, resolve_policy("offload", find_segments(model)), min_offload_bytes=0, unified=unified, device="cpu"):
         with pytest.raises(torch.OutOfMemoryError, match="would exceed um_max_bytes=65536"):
             loss_fn(model(x), y).backward()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -371,7 +371,7 @@ def test_all_mode_prefetches_parameters_one_segment_ahead():
     owner = _params_in_managed_memory(model, unified)
     segments = find_segments(model)
     x, y = data(8)
-    with SwapRuntime(model, resolve_policy("keep", segments), unified=unified):
+    with SwapRuntime(model, resolve_policy("keep", segments), unified=unified, device="cpu"):
         unified.always_prefetch_parameters = True
         runtime.calls.clear()
         loss_fn(model(x), y).backward()
@@ -396,13 +396,13 @@ def test_all_mode_does_not_prefetch_while_everything_fits():
     _params_in_managed_memory(model, unified)
     unified._device_total = unified.memory.managed_bytes + 1  # the device holds all of it
     x, y = data(8)
-    with SwapRuntime(model, resolve_policy("keep", find_segments(model)), unified=unified) as rt:
+    with SwapRuntime(model, resolve_policy("keep", find_segments(model)), unified=unified, device="cpu") as rt:
         rt.begin_step([x, y])
         loss_fn(model(x), y).backward()
         assert rt.end_step().um_prefetched_bytes == 0
     assert runtime.of("prefetch") == []
     unified._device_total = 0  # now it does not fit: prefetch starts
-    with SwapRuntime(model, resolve_policy("keep", find_segments(model)), unified=unified) as rt:
+    with SwapRuntime(model, resolve_policy("keep", find_segments(model)), unified=unified, device="cpu") as rt:
         rt.begin_step([x, y])
         loss_fn(model(x), y).backward()
         assert rt.end_step().um_prefetched_bytes > 0

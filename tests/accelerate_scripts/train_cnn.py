@@ -130,21 +130,21 @@ def main() -> None:
             del os.environ[key]
         os.environ.update(values)
 
-    reports["plain"] = train(Accelerator(), out, "plain")
+    reports["plain"] = train(Accelerator(cpu=True), out, "plain")
 
     # the switch as launched: on, policy from the launching environment
-    acc = SwapAccelerator()
+    acc = SwapAccelerator(cpu=True)
     reports["launched"] = train(acc, out, "launched")
     reports["launched"]["env"] = launched
 
     set_env({"ACCELERATE_CPU_SWAP": "false", "ACCELERATE_CPU_SWAP_POLICY": "offload"})
-    acc = SwapAccelerator()
+    acc = SwapAccelerator(cpu=True)
     reports["off"] = train(acc, out, "off")
     reports["off"]["plugin"] = repr(acc.swap_plugin)
 
     for policy in POLICIES:
         set_env({"ACCELERATE_CPU_SWAP": "true", "ACCELERATE_CPU_SWAP_POLICY": policy, "ACCELERATE_CPU_SWAP_MIN_OFFLOAD_BYTES": "0"})
-        acc = SwapAccelerator(log_with=[RecordingTracker()])
+        acc = SwapAccelerator(cpu=True, log_with=[RecordingTracker()])
         acc.init_trackers("swap-test")
         reports[policy] = train(acc, out, policy)
 
@@ -156,12 +156,12 @@ def main() -> None:
         "ACCELERATE_CPU_SWAP_BUDGET_BYTES": str(budget),
         "ACCELERATE_CPU_SWAP_MIN_OFFLOAD_BYTES": "0",
     })
-    reports["auto"] = train(SwapAccelerator(), out, "auto")
+    reports["auto"] = train(SwapAccelerator(cpu=True), out, "auto")
     reports["auto"]["budget"] = budget
 
     set_env({})
     plugin = SwapPlugin(policy={"blocks.0": "offload", "blocks.2": "recompute_offload"}, min_offload_bytes=0)
-    reports["code"] = train(SwapAccelerator(swap_plugin=plugin), out, "code", close="session")
+    reports["code"] = train(SwapAccelerator(cpu=True, swap_plugin=plugin), out, "code", close="session")
 
     (out / f"report.rank{acc.process_index}.json").write_text(json.dumps(reports, indent=1))
     acc.end_training()
