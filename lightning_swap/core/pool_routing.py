@@ -76,6 +76,7 @@ import logging
 from typing import Any, Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 __all__ = ["PoolRouting", "ROUTING_SEPARATE_FROM_CAPTURE", "routing_holds_capture_state"]
 
@@ -128,7 +129,7 @@ class PoolRouting:
         self.active = True
         if self.holds_capture_state and self._hook is None:
             self._managed_seen = self.memory.managed_bytes
-            self._hook = torch.optim.optimizer.register_optimizer_step_post_hook(self._after_optimizer_step)
+            self._hook = register_optimizer_step_post_hook(self._after_optimizer_step)
             log.info(
                 "torch %s keeps its caching allocator in CUDA-graph capture state while um='all' routes "
                 "allocations: blocks freed after record_stream are reclaimed at optimizer steps once more "
