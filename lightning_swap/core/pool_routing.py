@@ -17,7 +17,7 @@ graph were being captured:
 - ``malloc`` calls ``process_events`` only ``if (C10_LIKELY(captures_underway.empty()))``: the
   events of cross-stream frees are never polled;
 - ``free`` of a block with ``stream_uses`` (its tensor went through ``record_stream``) files it in
-  ``deferred_blocks`` (``needs_events_deferred_until_no_capture`` before 2.9) instead of
+  ``deferred_blocks`` (``needs_events_deferred_until_no_capture`` in the older snapshot) instead of
   recording events, so the block is not reusable until routing ends: with the engine's stream
   protocol (every offloaded activation freed after ``record_stream``) that is a leak per step;
 - ``recordStream`` also files the stream in ``block_to_cudagraph_stream_uses``, and once routing
@@ -35,10 +35,11 @@ reports this for every user MemPool). torch 2.14 separates the two: ``markCaptur
 ``markCaptureEnd`` mark a real capture, "Distinct from begin/endAllocateToPool, which only routes
 allocations into a private mempool and can be invoked without an active cudaStreamBeginCapture
 (e.g. from torch.cuda.use_mem_pool ...)" (torch/include/c10/cuda/CUDACachingAllocator.h:158-164
-in the 2.14.1 wheel, whose ``libc10_cuda.so`` asserts on ``num_active_captures_`` and no longer
-contains ``captures_underway``; pytorch/pytorch#181830 separated them). 2.13 was not read: it is
-treated as affected, and ``test_cuda_record_stream_frees_are_reclaimed`` says on the GPU machine
-whether the table below is right.
+in the 2.14.1 wheel; the separation pytorch/pytorch#181830 and #175374 proposed). Its
+``libc10_cuda.so`` asserts on ``num_active_captures_`` and ``is_capture_context()`` where the
+2.9-2.11 snapshot asserts ``captures_underway.empty()``; its ``.cpp`` was not read, so that 2.14 no longer defers is inferred
+from the header and the binary, and 2.13 (not read at all) is treated as affected.
+``test_cuda_record_stream_frees_are_reclaimed`` checks the table below on the GPU machine's torch.
 
 The choice, for torch 2.8 and newer:
 
