@@ -24,15 +24,8 @@ from lightning_swap.core.cudart import CPU_DEVICE, Advice, CudaRuntime, CudaRunt
 from lightning_swap.core.meter import DeviceMemoryMeter
 from lightning_swap.core.runtime import SwapRuntime
 from lightning_swap.core.session import SwapConfig
-from lightning_swap.core.unified import (
-    ManagedMemory,
-    UnifiedMemory,
-    _ManagedAllocator,
-    _MALLOC,
-    _FREE,
-    check_um_max_bytes,
-    refusal,
-)
+from lightning_swap.core.pool_routing import _FREE, _MALLOC, _ManagedAllocator
+from lightning_swap.core.unified import ManagedMemory, UnifiedMemory, check_um_max_bytes, refusal
 
 from .helpers import assert_same_state, train_core
 from .lit import LitModel

@@ -1,5 +1,5 @@
-"""Routing every CUDA allocation of torch's caching allocator to one ``torch.cuda.MemPool``
-(``um="all"``), and the repair older torch needs for it.
+"""``um="all"``: the managed allocator under a ``torch.cuda.MemPool``, every CUDA allocation of
+torch's caching allocator routed to that pool, and the repair older torch needs for the routing.
 
 Note [Routing is not capture]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -73,6 +73,7 @@ The choice, for torch 2.8 and newer:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import Any, Optional
 
@@ -97,6 +98,57 @@ def routing_holds_capture_state(version: tuple[int, int]) -> bool:
     return tuple(version) < ROUTING_SEPARATE_FROM_CAPTURE
 
 
+# -- the allocator behind um="all" --------------------------------------------------------
+_MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+
+
+class _ManagedAllocator:
+    """``malloc(size, device, stream)`` / ``free(ptr, size, device, stream)`` with the
+    signatures :class:`torch.cuda.memory.CUDAPluggableAllocator` expects, as C function
+    pointers made by ``ctypes`` (Note [Callbacks take the GIL] in :mod:`.unified`). ``memory`` is
+    the :class:`~lightning_swap.core.unified.ManagedMemory` they allocate from.
+
+    Note [Managed memory outlives the session]: weights and optimizer state allocated under
+    ``um="all"`` live in this allocator's segments after training ends, so the callbacks
+    and the pool must never be collected: instances are kept in ``_LIVE`` for the life of
+    the process (``unified._LIVE``). Closing a session only stops routing new allocations here.
+    """
+
+    def __init__(self, memory: Any) -> None:
+        self.memory = memory
+        self._malloc = _MALLOC(self._on_malloc)
+        self._free = _FREE(self._on_free)
+        self.allocator: Any = None
+        self.pool: Any = None
+
+    @property
+    def function_pointers(self) -> tuple[int, int]:
+        """The addresses of the C-callable malloc and free."""
+        return ctypes.cast(self._malloc, ctypes.c_void_p).value, ctypes.cast(self._free, ctypes.c_void_p).value
+
+    def build_pool(self) -> "_ManagedAllocator":
+        """The torch allocator over the function pointers and the pool using it (needs CUDA)."""
+        self.allocator = torch._C._cuda_customAllocator(*self.function_pointers)
+        self.pool = torch.cuda.MemPool(self.allocator)
+        return self
+
+    def _on_malloc(self, size: int, device: int, stream: Optional[int]) -> int:
+        try:
+            return self.memory.alloc(int(size))
+        except Exception:  # noqa: BLE001 - an exception cannot cross into C++
+            log.exception("managed allocation of %d bytes failed", size)
+            return 0
+
+    def _on_free(self, ptr: Optional[int], size: int, device: int, stream: Optional[int]) -> None:
+        try:
+            if ptr:
+                self.memory.free(int(ptr))
+        except Exception:  # noqa: BLE001
+            log.exception("freeing managed memory at %s failed", ptr)
+
+
+# -- routing ---------------------------------------------------------------------------------
 def _end_fn() -> Any:
     return getattr(torch._C, "_cuda_endAllocateToPool", None) or getattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", None)
 

@@ -34,7 +34,6 @@ torch or the runtime API (it needs CUPTI's unified-memory counters); ``fault_ms`
 from __future__ import annotations
 
 import bisect
-import ctypes
 import enum
 import logging
 import threading
@@ -47,7 +46,7 @@ import torch
 from .cudart import CPU_DEVICE, Advice, CudaRuntime
 from .errors import UnifiedMemoryError
 from .host_pool import HostPool
-from .pool_routing import PoolRouting, _end_fn, routing_holds_capture_state
+from .pool_routing import PoolRouting, _end_fn, _ManagedAllocator, routing_holds_capture_state
 
 __all__ = [
     "ManagedHostPool",
@@ -339,55 +338,6 @@ class ManagedHostPool(HostPool):
 
 def _stream_handle(stream: Any) -> int:
     return 0 if stream is None else int(stream.cuda_stream)
-
-
-# -- the allocator behind um="all" --------------------------------------------------------
-_MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
-_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
-
-
-class _ManagedAllocator:
-    """``malloc(size, device, stream)`` / ``free(ptr, size, device, stream)`` with the
-    signatures :class:`torch.cuda.memory.CUDAPluggableAllocator` expects, as C function
-    pointers made by ``ctypes`` (Note [Callbacks take the GIL]).
-
-    Note [Managed memory outlives the session]: weights and optimizer state allocated under
-    ``um="all"`` live in this allocator's segments after training ends, so the callbacks
-    and the pool must never be collected: instances are kept in ``_LIVE`` for the life of
-    the process. Closing a session only stops routing new allocations here.
-    """
-
-    def __init__(self, memory: ManagedMemory) -> None:
-        self.memory = memory
-        self._malloc = _MALLOC(self._on_malloc)
-        self._free = _FREE(self._on_free)
-        self.allocator: Any = None
-        self.pool: Any = None
-
-    @property
-    def function_pointers(self) -> tuple[int, int]:
-        """The addresses of the C-callable malloc and free."""
-        return ctypes.cast(self._malloc, ctypes.c_void_p).value, ctypes.cast(self._free, ctypes.c_void_p).value
-
-    def build_pool(self) -> "_ManagedAllocator":
-        """The torch allocator over the function pointers and the pool using it (needs CUDA)."""
-        self.allocator = torch._C._cuda_customAllocator(*self.function_pointers)
-        self.pool = torch.cuda.MemPool(self.allocator)
-        return self
-
-    def _on_malloc(self, size: int, device: int, stream: Optional[int]) -> int:
-        try:
-            return self.memory.alloc(int(size))
-        except Exception:  # noqa: BLE001 - an exception cannot cross into C++
-            log.exception("managed allocation of %d bytes failed", size)
-            return 0
-
-    def _on_free(self, ptr: Optional[int], size: int, device: int, stream: Optional[int]) -> None:
-        try:
-            if ptr:
-                self.memory.free(int(ptr))
-        except Exception:  # noqa: BLE001
-            log.exception("freeing managed memory at %s failed", ptr)
 
 
 #: One managed allocator per device index, alive until the process ends
