@@ -220,8 +220,9 @@ class PoolRouting:
 
     def reclaim(self) -> int:
         """Return the blocks deferred while routing to the pool (Note [Routing is not capture]);
-        the bytes that became reusable. Synchronizes the device: call it between steps."""
-        if not self.active:
+        the bytes that became reusable. Synchronizes the device: call it between steps. Nothing
+        to do (0) where routing does not hold the capture state."""
+        if not (self.active and self.holds_capture_state):
             return 0
         before = self.pending_free_bytes()
         # Every stream use recorded while routing must have finished before routing ends, since
