@@ -68,3 +68,48 @@ def test_unified_memory_benchmark_says_it_needs_a_gpu():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "needs a CUDA GPU" in proc.stdout and "nothing measured" in proc.stdout
+
+
+_FAKE_WORKER = r"""
+import json, sys, time
+section, config = sys.argv[1], sys.argv[2]
+print("ROW " + json.dumps(dict(plan="keep", ms=10.0, peak=2 ** 20, wall_s=0.1)), flush=True)
+if config == "um=all":
+    time.sleep(60)  # hangs after its first row: must be killed, the row kept
+print("ROW " + json.dumps(dict(plan="offload", ms=20.0, peak=2 ** 20, wall_s=0.1)), flush=True)
+print("DONE " + json.dumps(dict(managed_peak=2 ** 20, refused=0, reclaims=0)), flush=True)
+"""
+
+
+def test_unified_memory_benchmark_keeps_its_time_budget(monkeypatch, capsys):
+    """The benchmark's run-time bound, on CPU with stand-in workers: each process is killed at its
+    timeout or the section's deadline, the rows it printed before are kept and were printed as they
+    came, a configuration with too little budget left is skipped and says so, and the summary shows
+    what is missing as '-'."""
+    import importlib.util
+    import time
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("unified_memory_benchmark", BENCHMARKS / "unified_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "_worker_cmd", lambda section, config, name, steps: [sys.executable, "-c", _FAKE_WORKER, section, config])
+    monkeypatch.setattr(bench, "_MIN_START_S", 1.5)
+    models = ["resnet50", "gpt2-small-like"]
+    start = time.monotonic()
+    results = bench.run_section("all", models, 5, budget_s=5.0, process_timeout_s=2.0)
+    elapsed = time.monotonic() - start
+    out = capsys.readouterr().out
+    assert elapsed < 5.0 + 2.0, elapsed
+    hung = results[("resnet50", "um=all")]
+    assert hung["status"] == "timed out" and [r["plan"] for r in hung["rows"]] == ["keep"]
+    assert "! resnet50 / um=all: timed out after 2 s, 1 measurement(s) printed above" in out
+    assert results[("resnet50", "default")]["status"] == "done" and len(results[("resnet50", "default")]["rows"]) == 2
+    assert "skipped gpt2-small-like / default again: the section's budget of 5 s is spent" in out
+    assert ("gpt2-small-like", "default again") not in results
+    # rows were printed as they came: the hung process's row precedes its timeout notice
+    assert out.index("resnet50         | um=all") < out.index("! resnet50 / um=all")
+    bench.summarize_all(results, models)
+    summary = capsys.readouterr().out
+    line = next(l for l in summary.splitlines() if l.strip().startswith("resnet50") and "| offload" in l)
+    assert [c.strip() for c in line.split("|")][2:5] == ["20.0", "-", "-"]  # default measured; um=all missing

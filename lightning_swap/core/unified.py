@@ -11,8 +11,9 @@ says where it should live. Two modes, chosen by ``um``:
   to the GPU on the engine's copy stream (Note [Managed host buffers]).
 - ``"all"``: in addition, every torch CUDA allocation on the device comes from managed
   memory: a :class:`torch.cuda.MemPool` whose allocator is :class:`_ManagedAllocator`, with
-  every thread's allocations routed to it (Note [Routing every allocation]). Training that
-  does not fit is then slow instead of crashing, up to ``um_max_bytes``; the plan's segments
+  every thread's allocations routed to it (Note [Routing every allocation], and Note [Routing is
+  not capture] in :mod:`.pool_routing` for what that does to torch < 2.14's caching allocator).
+  Training that does not fit is then slow instead of crashing, up to ``um_max_bytes``; the plan's segments
   get their parameters prefetched ahead of their forward and backward once the managed
   memory outgrows the device (Note [Prefetch only when oversubscribed]).
 
@@ -33,7 +34,6 @@ torch or the runtime API (it needs CUPTI's unified-memory counters); ``fault_ms`
 from __future__ import annotations
 
 import bisect
-import ctypes
 import enum
 import logging
 import threading
@@ -46,6 +46,7 @@ import torch
 from .cudart import CPU_DEVICE, Advice, CudaRuntime
 from .errors import UnifiedMemoryError
 from .host_pool import HostPool
+from .pool_routing import PoolRouting, _end_fn, _ManagedAllocator, routing_holds_capture_state
 
 __all__ = [
     "ManagedHostPool",
@@ -122,7 +123,7 @@ def _missing_features() -> list[str]:
 
 
 def _end_routing_fn() -> Any:
-    return getattr(torch._C, "_cuda_endAllocateToPool", None) or getattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", None)
+    return _end_fn()
 
 
 def refusal(
@@ -170,29 +171,53 @@ class ManagedMemory:
 
     ``alloc`` returns 0 instead of exceeding ``max_bytes`` (torch then raises its ordinary
     out-of-memory error), so a test or a user's cap can never ask the driver for more.
+
+    Note [Refusals are not always errors]: torch turns a NULL from the pool's allocator into
+    ``torch.OutOfMemoryError``, and some callers catch that and carry on differently: cuDNN's
+    convolution planner (``try_plans`` in ATen's ``Conv_v8.cpp``) moves to the next engine when its
+    workspace cannot be allocated, so a cap the default allocator does not have can change which
+    kernels run, their speed and their rounding. A refusal is therefore counted
+    (``refused_allocations``, ``refused_bytes``, read on the host at no cost) and the first one of
+    each installation is logged as a warning naming the cap and how to raise it.
     """
 
-    def __init__(self, runtime: Any, device_index: int, max_bytes: int) -> None:
+    def __init__(self, runtime: Any, device_index: int, max_bytes: int, *, cap_origin: str = "um_max_bytes") -> None:
         self.runtime = runtime
         self.device_index = device_index
         self.max_bytes = max_bytes
+        #: Where ``max_bytes`` came from, for the refusal warning.
+        self.cap_origin = cap_origin
+        self._warned_refusal = False
         self._lock = threading.Lock()
         self._starts: list[int] = []
         self._sizes: dict[int, int] = {}
         self.managed_bytes = 0
         self.peak_managed_bytes = 0
         self.refused_allocations = 0
+        self.refused_bytes = 0
         self.prefetched_to_device_bytes = 0
         self.prefetched_to_host_bytes = 0
         self.advised_bytes = 0
 
+    def set_cap(self, max_bytes: int, origin: str) -> None:
+        """A new installation's cap; its first refusal is warned about again."""
+        with self._lock:
+            self.max_bytes = max_bytes
+            self.cap_origin = origin
+            self._warned_refusal = False
+
     def alloc(self, nbytes: int) -> int:
         with self._lock:
-            if self.managed_bytes + nbytes > self.max_bytes:
-                self.refused_allocations += 1
-                log.debug("managed allocation of %d bytes refused: cap um_max_bytes=%d", nbytes, self.max_bytes)
-                return 0
-            self.managed_bytes += nbytes  # reserved before the call: another thread sees it
+            refused = self.managed_bytes + nbytes > self.max_bytes
+            if refused:
+                self._refused(nbytes)
+                in_use, first = self.managed_bytes, not self._warned_refusal
+                self._warned_refusal = True
+            else:
+                self.managed_bytes += nbytes  # reserved before the call: another thread sees it
+        if refused:
+            self._report_refusal(nbytes, in_use, first)
+            return 0
         try:
             ptr = self.runtime.malloc_managed(nbytes)
         except Exception as exc:  # noqa: BLE001 - reported as a failed allocation
@@ -201,12 +226,31 @@ class ManagedMemory:
         with self._lock:
             if not ptr:
                 self.managed_bytes -= nbytes
-                self.refused_allocations += 1
+                self._refused(nbytes)
                 return 0
             bisect.insort(self._starts, ptr)
             self._sizes[ptr] = nbytes
             self.peak_managed_bytes = max(self.peak_managed_bytes, self.managed_bytes)
         return ptr
+
+    def _refused(self, nbytes: int) -> None:
+        self.refused_allocations += 1
+        self.refused_bytes += nbytes
+
+    def _report_refusal(self, nbytes: int, in_use: int, first: bool) -> None:
+        """Note [Refusals are not always errors]. Runs in the allocator's callback: logging only."""
+        if not first:
+            log.debug("managed allocation of %d bytes refused: cap um_max_bytes=%d", nbytes, self.max_bytes)
+            return
+        log.warning(
+            "unified memory refused a managed allocation of %d bytes on cuda:%d: it would exceed the cap "
+            "um_max_bytes=%d (%s), with %d bytes already managed. torch turns a refusal into an out-of-memory "
+            "error, or picks a kernel needing less workspace (cuDNN convolutions), which changes speed and can "
+            "change results. Raise um_max_bytes (CPUSwapStrategy(um_max_bytes=...), SwapPlugin(um_max_bytes=...) "
+            "or ACCELERATE_CPU_SWAP_UM_MAX_BYTES); above the device's free memory it oversubscribes the GPU. "
+            "Refusals are counted in stats().refused_allocations; this is logged once per installation.",
+            nbytes, self.device_index, self.max_bytes, self.cap_origin, in_use,
+        )
 
     def free(self, ptr: int) -> None:
         with self._lock:
@@ -296,55 +340,6 @@ def _stream_handle(stream: Any) -> int:
     return 0 if stream is None else int(stream.cuda_stream)
 
 
-# -- the allocator behind um="all" --------------------------------------------------------
-_MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
-_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
-
-
-class _ManagedAllocator:
-    """``malloc(size, device, stream)`` / ``free(ptr, size, device, stream)`` with the
-    signatures :class:`torch.cuda.memory.CUDAPluggableAllocator` expects, as C function
-    pointers made by ``ctypes`` (Note [Callbacks take the GIL]).
-
-    Note [Managed memory outlives the session]: weights and optimizer state allocated under
-    ``um="all"`` live in this allocator's segments after training ends, so the callbacks
-    and the pool must never be collected: instances are kept in ``_LIVE`` for the life of
-    the process. Closing a session only stops routing new allocations here.
-    """
-
-    def __init__(self, memory: ManagedMemory) -> None:
-        self.memory = memory
-        self._malloc = _MALLOC(self._on_malloc)
-        self._free = _FREE(self._on_free)
-        self.allocator: Any = None
-        self.pool: Any = None
-
-    @property
-    def function_pointers(self) -> tuple[int, int]:
-        """The addresses of the C-callable malloc and free."""
-        return ctypes.cast(self._malloc, ctypes.c_void_p).value, ctypes.cast(self._free, ctypes.c_void_p).value
-
-    def build_pool(self) -> "_ManagedAllocator":
-        """The torch allocator over the function pointers and the pool using it (needs CUDA)."""
-        self.allocator = torch._C._cuda_customAllocator(*self.function_pointers)
-        self.pool = torch.cuda.MemPool(self.allocator)
-        return self
-
-    def _on_malloc(self, size: int, device: int, stream: Optional[int]) -> int:
-        try:
-            return self.memory.alloc(int(size))
-        except Exception:  # noqa: BLE001 - an exception cannot cross into C++
-            log.exception("managed allocation of %d bytes failed", size)
-            return 0
-
-    def _on_free(self, ptr: Optional[int], size: int, device: int, stream: Optional[int]) -> None:
-        try:
-            if ptr:
-                self.memory.free(int(ptr))
-        except Exception:  # noqa: BLE001
-            log.exception("freeing managed memory at %s failed", ptr)
-
-
 #: One managed allocator per device index, alive until the process ends
 #: (Note [Managed memory outlives the session]).
 _LIVE: dict[int, _ManagedAllocator] = {}
@@ -362,7 +357,13 @@ class UnifiedMemoryStats:
     prefetched_to_device_bytes: int
     prefetched_to_host_bytes: int
     advised_bytes: int
+    #: Managed allocations refused (the cap, or the driver): Note [Refusals are not always errors].
     refused_allocations: int
+    refused_bytes: int = 0
+    #: ``um="all"`` on torch < 2.14: times the blocks deferred by routing were reclaimed (each a
+    #: device synchronization) and the bytes it made reusable (Note [Routing is not capture]).
+    reclaims: int = 0
+    reclaimed_bytes: int = 0
     #: Not measurable without CUPTI: Note [Page-fault time].
     fault_ms: Optional[float] = None
 
@@ -379,7 +380,7 @@ class UnifiedMemory:
         self.device = device
         self.memory = memory
         self._allocator = allocator
-        self._routing = False
+        self._router: Optional[PoolRouting] = None
         self._stream: Optional[Any] = None
         #: Prefetch the plan's parameters even when the managed memory fits the device (tests).
         self.always_prefetch_parameters = False
@@ -388,22 +389,42 @@ class UnifiedMemory:
     @property
     def routing(self) -> bool:
         """Whether torch's allocations on the device currently come from managed memory."""
-        return self._routing
+        return self._router is not None and self._router.active
+
+    @property
+    def routing_holds_capture_state(self) -> bool:
+        """Whether this torch's caching allocator behaves as under CUDA-graph capture while
+        ``um="all"`` routes (torch < 2.14: Note [Routing is not capture])."""
+        return routing_holds_capture_state(_torch_version())
 
     def _begin_routing(self) -> None:
-        if self._allocator is not None and not self._routing:
+        if self._allocator is None or self.routing:
+            return
+        if self._router is None:
             # Note [Routing every allocation]: ``torch.cuda.use_mem_pool`` routes only the calling
             # thread, and autograd runs the backward of CUDA work on its own device thread: its
             # allocations would bypass managed memory. ``_cuda_beginAllocateToPool`` routes every
-            # thread and stream on the device.
-            torch._C._cuda_beginAllocateToPool(self.device.index, self._allocator.pool.id)
-            self._routing = True
+            # thread and stream on the device; what that costs on torch < 2.14, and the repair, is
+            # Note [Routing is not capture] (pool_routing.py).
+            self._router = PoolRouting(
+                self.device.index, self._allocator.pool.id, self.memory,
+                holds_capture_state=self.routing_holds_capture_state,
+            )
+        self._router.begin()
 
     def close(self) -> None:
-        if self._routing:
-            _end_routing_fn()(self.device.index, self._allocator.pool.id)
-            torch._C._cuda_releasePool(self.device.index, self._allocator.pool.id)
-            self._routing = False
+        if self._router is not None:
+            self._router.end()
+
+    def pending_free_bytes(self) -> int:
+        """Bytes freed by torch that its allocator cannot reuse yet (``um="all"``; 0 otherwise):
+        :meth:`PoolRouting.pending_free_bytes`. Reads the allocator's host-side counters."""
+        return self._router.pending_free_bytes() if self.routing else 0
+
+    def reclaim(self) -> int:
+        """Make the blocks that routing deferred reusable now (torch < 2.14; the optimizer-step
+        hook does it on its own): Note [Routing is not capture]. Synchronizes the device."""
+        return self._router.reclaim() if self.routing else 0
 
     def host_pool(self) -> ManagedHostPool:
         return ManagedHostPool(self.memory, self.device)
@@ -452,6 +473,9 @@ class UnifiedMemory:
             prefetched_to_host_bytes=m.prefetched_to_host_bytes,
             advised_bytes=m.advised_bytes,
             refused_allocations=m.refused_allocations,
+            refused_bytes=m.refused_bytes,
+            reclaims=self._router.reclaims if self._router is not None else 0,
+            reclaimed_bytes=self._router.reclaimed_bytes if self._router is not None else 0,
         )
 
     def __enter__(self) -> "UnifiedMemory":
@@ -497,8 +521,9 @@ def install_unified_memory(
     if why is not None:
         raise UnifiedMemoryError(why, mode=mode.value, device=str(device))
     free, total = torch.cuda.mem_get_info(device)
+    origin = "set by um_max_bytes"
     if max_bytes is None:
-        max_bytes = free
+        max_bytes, origin = free, "the default: the device's free memory at installation"
     elif max_bytes > free:
         log.warning(
             "um_max_bytes=%d exceeds the free memory of %s (%d bytes): managed memory may oversubscribe the GPU",
@@ -506,10 +531,10 @@ def install_unified_memory(
         )
     if existing is not None:
         memory = existing.memory
-        memory.max_bytes = max_bytes
+        memory.set_cap(max_bytes, origin)
     else:
         try:
-            memory = ManagedMemory(runtime if runtime is not None else CudaRuntime(), index, max_bytes)
+            memory = ManagedMemory(runtime if runtime is not None else CudaRuntime(), index, max_bytes, cap_origin=origin)
         except OSError as exc:
             raise UnifiedMemoryError(f"um={mode.value!r}: {exc}", mode=mode.value, device=str(device)) from exc
     allocator = None
