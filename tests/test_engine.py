@@ -143,7 +143,7 @@ def test_what_is_in_flight_is_bounded(inflight, monkeypatch):
     torch.manual_seed(0)
     model = MODELS["gpt"][0]()
     x, y = MODELS["gpt"][1](4)
-    with override_stream_ops(factory), SwapRuntime(model, resolve_policy("offload", find_segments(model)), min_offload_bytes=0, inflight_segments=inflight) as rt:
+    with override_stream_ops(factory), SwapRuntime(model, resolve_policy("offload", find_segments(model)), min_offload_bytes=0, inflight_segments=inflight, device="cpu") as rt:
         rt.begin_step([x, y])
         MODELS["gpt"][2](model(x), y).backward()
         stats = rt.end_step()
@@ -235,7 +235,7 @@ def test_runtime_step_never_waits_for_the_device(policy):
     build, data, loss_fn = MODELS["cnn"]
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    with override_stream_ops(factory), SwapRuntime(model, resolve_policy(policy, find_segments(model)), min_offload_bytes=0, prefetch_segments=1) as rt:
+    with override_stream_ops(factory), SwapRuntime(model, resolve_policy(policy, find_segments(model)), min_offload_bytes=0, prefetch_segments=1, device="cpu") as rt:
         for step in range(4):
             x, y = data(4)
             if step == 2:
@@ -273,7 +273,7 @@ def test_step_times_are_read_later_not_waited_for():
     torch.manual_seed(0)
     model = MODELS["mlp"][0]()
     x, y = MODELS["mlp"][1](8)
-    with override_stream_ops(lambda device: double), SwapRuntime(model, resolve_policy("recompute", find_segments(model))) as rt:
+    with override_stream_ops(lambda device: double), SwapRuntime(model, resolve_policy("recompute", find_segments(model)), device="cpu") as rt:
         rt.begin_step([x, y])
         nn.functional.cross_entropy(model(x), y).backward()
         stats = rt.end_step()
@@ -381,7 +381,7 @@ def test_batchnorm_recompute_copies_no_buffers():
     twin.load_state_dict(model.state_dict())
     x = torch.randn(2, 4, 8, 8)
     twin(x).sum().backward()
-    with SwapRuntime(model, resolve_policy("recompute", find_segments(model))):
+    with SwapRuntime(model, resolve_policy("recompute", find_segments(model)), device="cpu"):
         loss = model(x).sum()
         counter = _OpCounter()
         with counter:

@@ -175,7 +175,7 @@ def test_parameters_and_small_tensors_are_not_offloaded():
     # Only activations: the hidden layer's output (4x256); not the weights, and not the input,
     # which is the tracked batch (Note [What is never offloaded]).
     assert stats.offloaded_bytes == 4 * 256 * 4
-    with SwapRuntime(model, {"0": Action.OFFLOAD, "1": Action.OFFLOAD}, min_offload_bytes=0) as runtime:
+    with SwapRuntime(model, {"0": Action.OFFLOAD, "1": Action.OFFLOAD}, min_offload_bytes=0, device="cpu") as runtime:
         runtime.begin_step([])  # the input not tracked: offloaded like any activation
         model(x).sum().backward()
         stats = runtime.end_step()

@@ -221,6 +221,6 @@ def test_core_search_takes_a_size_string():
 
     build, data, loss = MODELS["mlp"]
     torch.manual_seed(0)
-    prof = profile(build(), data(8), step_fn=lambda m, b: loss(m(b[0]), b[1]), scale=True, fake=True)
+    prof = profile(build(), data(8), step_fn=lambda m, b: loss(m(b[0]), b[1]), scale=True, fake=True, device="cpu")
     plan = predict_batch_size(prof, "12GiB", ScaleConfig(max_batch_size=32))
     assert plan.budget_bytes == int(12 * GiB * 0.95) and plan.batch_size == 32

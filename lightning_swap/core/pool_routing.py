@@ -18,8 +18,9 @@ graph were being captured:
   events of cross-stream frees are never polled;
 - ``free`` of a block with ``stream_uses`` (its tensor went through ``record_stream``) files it in
   ``deferred_blocks`` (``needs_events_deferred_until_no_capture`` in the older snapshot) instead of
-  recording events, so the block is not reusable until routing ends: with the engine's stream
-  protocol (every offloaded activation freed after ``record_stream``) that is a leak per step;
+  recording events, so the block is not reusable until routing ends: a leak per step for any code
+  that frees after ``record_stream`` (the offload engine never does: its sources are freed after
+  a compute-stream wait, Note [Stream protocol] rule 2; DDP or user code may);
 - ``recordStream`` also files the stream in ``block_to_cudagraph_stream_uses``, and once routing
   ends, ``insert_events_deferred_until_no_capture`` -> ``remove_cudagraph_stream_uses`` drops those
   streams without waiting on them (right after a real capture, whose work never ran; wrong for
