@@ -290,6 +290,7 @@ def test_managed_offload_equals_plain_and_cleans_up(name, policy):
     # each buffer read back went to the device before and back to the host after
     assert sum(c[2] for c in to_host) == sum(s.offloaded_bytes + s.fetched_bytes for s in stats)
     assert all(s.um_prefetched_bytes > 0 for s in stats)
+    assert all(s.um_refused_allocations == 0 for s in stats) and unified.stats().refused_allocations == 0
     # (c) runtime removed and graphs gone: every managed byte freed
     gc.collect()
     assert unified.memory.managed_bytes == 0

@@ -133,6 +133,9 @@ class StepStats:
     #: prefetched during it, either way (0 without unified memory).
     managed_bytes: int = 0
     um_prefetched_bytes: int = 0
+    #: Managed allocations the ``um_max_bytes`` cap (or the driver) refused during the step: a
+    #: refused cuDNN workspace silently changes the convolution algorithm.
+    um_refused_allocations: int = 0
 
     @property
     def resolved(self) -> bool:
@@ -487,6 +490,7 @@ class SwapRuntime:
             managed_bytes=now.managed_bytes,
             um_prefetched_bytes=(now.prefetched_to_device_bytes - start.prefetched_to_device_bytes)
             + (now.prefetched_to_host_bytes - start.prefetched_to_host_bytes),
+            um_refused_allocations=now.refused_allocations - start.refused_allocations,
         )
 
     def end_step(self) -> StepStats:
