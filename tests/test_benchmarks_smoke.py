@@ -113,3 +113,21 @@ def test_unified_memory_benchmark_keeps_its_time_budget(monkeypatch, capsys):
     summary = capsys.readouterr().out
     line = next(l for l in summary.splitlines() if l.strip().startswith("resnet50") and "| offload" in l)
     assert [c.strip() for c in line.split("|")][2:5] == ["20.0", "-", "-"]  # default measured; um=all missing
+
+
+def test_engine_benchmark_needs_a_gpu_and_its_harness_runs_on_cpu():
+    """``engine_gpu.py`` measures nothing without a GPU and says so; ``--cpu-smoke`` runs the
+    same harness (workers, Lightning, every method, the table and targets) on tiny models."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "engine_gpu.py")], capture_output=True, text=True,
+                          timeout=120, cwd=BENCHMARKS.parent, env=CPU_ONLY)
+    assert proc.returncode == 0 and "needs a CUDA GPU" in proc.stdout
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "engine_gpu.py"), "--cpu-smoke"], capture_output=True, text=True,
+                          timeout=600, cwd=BENCHMARKS.parent, env=CPU_ONLY)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for model in ("gpt2", "resnet50"):
+        assert f"== {model}" in out
+    for method in ("plain", "torch checkpoint", "save_on_cpu", "keep", "offload", "recompute", "selective", "recompute_offload", "auto@99%"):
+        assert f"\n   {method} " in out, method
+    assert "Error" not in out, out
+    assert "keep / plain:" in out and "recompute / torch checkpoint:" in out
