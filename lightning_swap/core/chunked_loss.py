@@ -343,4 +343,6 @@ def hf_causal_lm_loss(
     if num_items_in_batch is None:
         return chunked_cross_entropy(hidden, weight, shifted, bias=bias, chunk_size=chunk_size, ignore_index=ignore_index)
     total = chunked_cross_entropy(hidden, weight, shifted, bias=bias, chunk_size=chunk_size, ignore_index=ignore_index, reduction="sum")
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch
