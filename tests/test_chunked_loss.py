@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Optional
 
 import pytest
 import torch
@@ -219,6 +218,19 @@ def test_bf16_tensors_without_autocast_give_a_bf16_loss():
     torch.testing.assert_close(loss, expected, rtol=1e-2, atol=0)
     for g, want in zip(grads, expected_grads):
         _close(g, want, 2e-2)
+
+
+def test_non_contiguous_hidden():
+    """A transposed (N, D) hidden: the chunks are strided rows, the gradient still right."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(16, 30, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    target = torch.randint(0, 50, (30,), generator=g)
+    expected, expected_grads = _loss_and_grads(lambda h, w, b, t: _reference(h.t(), w, b, t), base, weight, None, target)
+    loss, grads = _loss_and_grads(lambda h, w, b, t: chunked_cross_entropy(h.t(), w, t, chunk_size=7), base, weight, None, target)
+    _close(loss, expected, 1e-6)
+    for got, want in zip(grads, expected_grads):
+        _close(got, want, 1e-6)
 
 
 def test_frozen_head_gets_no_gradient():

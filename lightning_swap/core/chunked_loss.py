@@ -42,15 +42,12 @@ that dtype promoted to at least fp32, and the loss comes back in the input dtype
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -181,7 +178,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if reduction == "mean":
             grad = grad / valid.sum()
         scale = torch.where(valid, grad, 0.0)  # g_i, (N,): zero for ignored tokens (and for count 0)
-        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None  # contiguous
         grad_w = grad_b = None
         with torch.autocast(hidden.device.type, enabled=False):  # Note [Chunked loss under autocast]
             w, b = weight.to(compute), None if bias is None else bias.to(compute)
@@ -199,13 +196,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_b = part_b if grad_b is None else grad_b.add_(part_b)
                 dz_c = dz.to(compute)
                 del dz
-                if need_h:
+                if need_h and grad_h.dtype == compute:
+                    torch.mm(dz_c, w, out=grad_h[start:stop])  # rows of a contiguous tensor
+                elif need_h:
                     grad_h[start:stop] = torch.mm(dz_c, w)
-                if need_w:
-                    part_w = torch.mm(dz_c.t(), h)
-                    # Accumulated in the loss dtype (fp32 += bf16 under autocast, elementwise).
-                    grad_w = part_w.to(math) if grad_w is None else grad_w.add_(part_w)
-                    del part_w
+                if need_w and grad_w is None:
+                    grad_w = torch.mm(dz_c.t(), h).to(math)
+                elif need_w and compute == math:
+                    grad_w.addmm_(dz_c.t(), h)  # no (vocab, dim) temporary
+                elif need_w:  # fp32 += bf16 under autocast: summed over chunks in fp32
+                    grad_w.add_(torch.mm(dz_c.t(), h))
         if need_w and grad_w is None:  # no tokens
             grad_w = torch.zeros_like(weight)
         if need_b and grad_b is None:
