@@ -40,7 +40,7 @@ from lightning.pytorch.tuner import batch_size_scaling as bss
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from common import MiB, Bench, common_args, fmt, loss_fn, model_specs, print_table, setup
+from common import MiB, Bench, common_args, fmt, model_specs, print_table, setup
 from lightning_swap import CPUSwapStrategy, Plan, SwapBatchSizeFinder
 
 HEADER = ("searcher", "batch found", "trial runs", "OOM crashes", "search wall s", "samples/s at batch", "x Lightning power")
@@ -64,11 +64,12 @@ class LitBench(L.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.model = spec.build()
+        self.spec = spec
         self.batch_size = batch_size
         self._data = _Samples(spec)
 
     def training_step(self, batch, batch_idx):
-        return loss_fn(self.model(batch[0]), batch[1])
+        return self.spec.loss(self.model, batch[0], batch[1])
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)

@@ -8,6 +8,12 @@ for every method); on CPU that is the tracker of live storages, on CUDA the allo
 Step time is the median of ``repeats`` further, unmetered steps (the meter's dispatch mode slows
 every op on CPU).
 
+The GPT-2-small-like model also runs as ``gpt2-small-like+chunked``: the same model, its loss
+computed by the library's chunked cross-entropy from the final hidden states and the tied head
+(the full logits never exist), so max batch and overhead compare with the plain loss. Its chunk
+is about a third of a sequence's logits at every size: the default (64 MiB of fp32 logits, 333
+tokens of 50257) at full size, 64 tokens in ``--quick``, 8 in ``--smoke``.
+
 Note [Simulated save_on_cpu]: on CPU, ``torch.autograd.graph.save_on_cpu`` is a no-op (the
 "device" already is the host), so it would measure as plain training. There it is emulated with
 the same saved-tensor hooks it installs: pack copies every saved tensor (parameters included, as
@@ -32,7 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lightning_swap.core import Action, Plan, SwapRuntime, profile
+from lightning_swap.core import Action, Plan, SwapRuntime, chunked_cross_entropy, profile
 from lightning_swap.core.meter import host_allocation, mark_host
 from lightning_swap.core.scale import ScaleConfig, ScaleResult, TrialMeasurement, search_batch_size
 from plan_quality import GPT  # one definition of the GPT-2-small-like model for every benchmark
@@ -56,6 +62,15 @@ class ModelSpec:
     classes: int  # classes, or vocabulary
     base_batch: int
     segments: Optional[tuple] = None  # None: the library finds the repeated blocks
+    chunked_loss: bool = False  # tokens only: the loss by chunked_cross_entropy on hidden_states
+    chunk_size: Optional[int] = None  # tokens per chunk; None: the library's default
+    plain_loss_name: Optional[str] = None  # the same model with the plain loss (its budget)
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The training loss of a batch: the plain one on the logits, or the chunked one."""
+        if not self.chunked_loss:
+            return loss_fn(model(x), y)
+        return chunked_cross_entropy(model.hidden_states(x), model.head.weight, y, bias=model.head.bias, chunk_size=self.chunk_size)
 
     def make_batch(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(batch_size)
@@ -92,13 +107,14 @@ def _densenet_blocks() -> tuple:
 
 
 #: Sizes: "full" nominal (a GPU), "quick" small images / sequences for a CPU, "smoke" tiny.
+#: ``chunk``: tokens per chunk of the chunked loss, about a third of a sequence's logits.
 _SIZES = {
-    "full": dict(image=224, inception=299, classes=1000, base=32, gpt=dict(), gpt_base=8),
-    "quick": dict(image=32, inception=75, classes=10, base=8, gpt=dict(vocab=2048, dim=128, heads=4, layers=6, seq=128), gpt_base=8),
-    "smoke": dict(image=32, inception=75, classes=10, base=2, gpt=dict(vocab=256, dim=32, heads=2, layers=3, seq=16), gpt_base=4),
+    "full": dict(image=224, inception=299, classes=1000, base=32, gpt=dict(), gpt_base=8, chunk=None),
+    "quick": dict(image=32, inception=75, classes=10, base=8, gpt=dict(vocab=2048, dim=128, heads=4, layers=6, seq=128), gpt_base=8, chunk=64),
+    "smoke": dict(image=32, inception=75, classes=10, base=2, gpt=dict(vocab=256, dim=32, heads=2, layers=3, seq=16), gpt_base=4, chunk=8),
 }
 
-MODEL_NAMES = ("resnet50", "densenet121", "inception_v3", "gpt2-small-like")
+MODEL_NAMES = ("resnet50", "densenet121", "inception_v3", "gpt2-small-like", "gpt2-small-like+chunked")
 
 
 def model_specs(size: str, names: Sequence[str] = MODEL_NAMES, *, image: Optional[int] = None) -> list[ModelSpec]:
@@ -117,6 +133,10 @@ def model_specs(size: str, names: Sequence[str] = MODEL_NAMES, *, image: Optiona
             "inception_v3", lambda: _inception(classes), "image", s["inception"], classes, max(1, s["base"] // 2), segments=_inception_blocks(),
         ),
         "gpt2-small-like": ModelSpec("gpt2-small-like", lambda: GPT(**gpt), "tokens", seq, vocab, s["gpt_base"]),
+        "gpt2-small-like+chunked": ModelSpec(
+            "gpt2-small-like+chunked", lambda: GPT(**gpt), "tokens", seq, vocab, s["gpt_base"],
+            chunked_loss=True, chunk_size=s["chunk"], plain_loss_name="gpt2-small-like",
+        ),
     }
     unknown = [n for n in names if n not in every]
     if unknown:
@@ -208,7 +228,7 @@ class Bench:
         if runtime is not None:
             runtime.begin_step([x, y, self.opt.state])
         with forward_ctx():
-            loss = loss_fn(self.model(x), y)
+            loss = self.spec.loss(self.model, x, y)
         loss.backward()
         stats = runtime.end_step() if runtime is not None else None
         self.opt.step()
@@ -261,7 +281,7 @@ class Bench:
         x, y = self.spec.make_batch(batch_size, self.device)
         self.opt.zero_grad(set_to_none=True)
         return profile(
-            self.model, (x, y), step_fn=lambda m, b: loss_fn(m(b[0]), b[1]), segments=list(self.segments), track=[self.opt.state]
+            self.model, (x, y), step_fn=lambda m, b: self.spec.loss(m, b[0], b[1]), segments=list(self.segments), track=[self.opt.state]
         )
 
 

@@ -12,6 +12,10 @@ and each method's largest batch is found and measured:
 
 The search stops at ``--cap`` times the base batch (marked "(cap)": the true limit is higher).
 
+``gpt2-small-like+chunked`` is the same GPT with its loss computed by the library's chunked
+cross-entropy (the logits never whole); its budget is the plain-loss model's, so the two tables
+compare at one budget, and a last table sets their largest batches side by side.
+
     python benchmarks/max_batch.py --quick     # CPU, small images / sequences, simulated budget
     python benchmarks/max_batch.py             # full sizes on a GPU
     python benchmarks/max_batch.py --smoke     # tiny, seconds (the smoke test)
@@ -47,13 +51,19 @@ from common import (
 HEADER = ("method", "max batch", "x plain", "step ms", "samples/s", "peak MiB", "found by")
 
 
-def run_model(spec, device, args) -> None:
+def run_model(spec, device, args, budgets: dict) -> list:
+    """Prints the model's table; returns its rows' ``MaxBatch``. ``budgets``: name -> bytes, shared
+    so a chunked-loss model is held to its plain-loss twin's budget."""
     start = time.perf_counter()
+    budget_of = spec.plain_loss_name or spec.name
+    if budget_of not in budgets:  # the twin has not run: measure its plain peak here
+        twin = next(s for s in model_specs(args.size, [budget_of]))
+        budgets[budget_of] = Bench(twin, device).measure("plain", twin.base_batch, repeats=0).peak_bytes
     bench = Bench(spec, device)
     cap = args.cap * spec.base_batch
-    budget = bench.measure("plain", spec.base_batch, repeats=0).peak_bytes
+    budget = budgets[budget_of]
     print(f"\n== {spec.name} ({spec.kind} {spec.size}, {len(bench.segments)} segments): budget {budget / MiB:.1f} MiB "
-          f"= plain peak at batch {spec.base_batch}; search capped at batch {cap}")
+          f"= plain peak of {budget_of} (plain loss) at batch {spec.base_batch}; search capped at batch {cap}")
     results = [fitted_max_batch(bench, name, budget, cap=cap, repeats=args.repeats) for name in BASELINES]
     prof = bench.profile(spec.base_batch)
     for action in FORCED:
@@ -79,6 +89,23 @@ def run_model(spec, device, args) -> None:
         ))
     print_table(HEADER, rows)
     print(f"   ({time.perf_counter() - start:.0f} s)")
+    return results
+
+
+def compare_losses(found: dict) -> None:
+    """Each chunked-loss model's largest batches beside its plain-loss twin's, same budget."""
+    for name, results in found.items():
+        twin = name.removesuffix("+chunked")
+        if name == twin or twin not in found:
+            continue
+        print(f"\n== the loss: {twin} with the plain loss vs the chunked loss, same budget")
+        rows = []
+        for plain, chunked in zip(found[twin], results):
+            a, b = plain.at, chunked.at
+            capped = " (cap)" if "(cap)" in chunked.how else ""
+            rows.append((plain.method, fmt(a.batch_size if a else None, "d"), fmt(b.batch_size if b else None, "d") + capped,
+                         fmt(b.batch_size / a.batch_size if a and b else None, ".2f")))
+        print_table(("method", "max batch, plain loss", "max batch, chunked loss", "x"), rows)
 
 
 def main(argv=None) -> int:
@@ -87,12 +114,14 @@ def main(argv=None) -> int:
     parser.add_argument("--cap", type=int, default=None, help="largest batch searched, as a multiple of the base batch")
     args = parser.parse_args(argv)
     size, device = setup(args)
+    args.size = size
     if args.cap is None:
         args.cap = {"smoke": 4, "quick": 6, "full": 16}[size]
-    names = args.models or (["gpt2-small-like"] if size == "smoke" else None)
+    names = args.models or (["gpt2-small-like", "gpt2-small-like+chunked"] if size == "smoke" else None)
     specs = model_specs(size, names) if names else model_specs(size)
-    for spec in specs:
-        run_model(spec, device, args)
+    budgets: dict = {}
+    found = {spec.name: run_model(spec, device, args, budgets) for spec in specs}
+    compare_losses(found)
     return 0
 
 

@@ -9,6 +9,10 @@ meets the budget ("-" where it does not); the plot draws overhead against peak m
 
 Plain training is measured twice, first and last: the difference is the timing noise.
 
+``gpt2-small-like+chunked`` is the same GPT with the library's chunked cross-entropy as its loss
+(its curve is relative to its own plain step); a last line sets its plain step's time and peak
+beside the plain-loss model's: what chunking the loss costs and saves before any plan.
+
     python benchmarks/overhead.py --quick --out benchmarks/overhead_cpu.png   # CPU, small sizes
     python benchmarks/overhead.py --out overhead_gpu.png                      # full sizes, GPU
     python benchmarks/overhead.py --smoke                                     # tiny, seconds
@@ -30,8 +34,9 @@ from common import BASELINES, FORCED, MiB, Bench, common_args, fmt, forced_plan,
 from lightning_swap.core import Action, InfeasibleBudgetError, SwapRuntime, measure_bandwidth, min_budget_bytes, solve
 
 
-def run_model(spec, device, args):
-    """Returns (model name, plain ms, points): points are (method, peak bytes, overhead, budget or None)."""
+def run_model(spec, device, args, plains: dict):
+    """Returns (model name, plain ms, points): points are (method, peak bytes, overhead, budget or None).
+    ``plains[spec.name]`` gets the faster of the two plain measurements."""
     start = time.perf_counter()
     bench = Bench(spec, device)
     batch = spec.base_batch
@@ -52,6 +57,7 @@ def run_model(spec, device, args):
         auto.append((budget, plan, bench.measure("ours: auto", batch, plan=plan, repeats=args.repeats)))
     plain_again = bench._cache.pop(("plain", batch, None))  # measure plain again, last
     plain_again = bench.measure("plain", batch, repeats=args.repeats)
+    plains[spec.name] = min(plain, plain_again, key=lambda m: m.step_ms)  # the less disturbed one
     plain_ms = plain.step_ms
     noise = abs(plain_again.step_ms - plain_ms) / plain_ms
 
@@ -84,6 +90,19 @@ def run_model(spec, device, args):
     points += [(name, m.peak_bytes, over(m), None) for name, m in fixed.items()]
     points += [("ours: auto", m.peak_bytes, over(m), budget) for budget, _, m in auto if m is not None]
     return spec.name, plain.peak_bytes, points
+
+
+def compare_losses(plains: dict) -> None:
+    """Each chunked-loss model's plain step beside its plain-loss twin's (same model, same batch)."""
+    for name, chunked in plains.items():
+        twin = name.removesuffix("+chunked")
+        if name == twin or twin not in plains:
+            continue
+        plain = plains[twin]
+        print(f"\n== the loss: {twin} at batch {plain.batch_size}, plain training (the faster of its two measurements): "
+              f"chunked loss {chunked.step_ms:.0f} ms vs "
+              f"{plain.step_ms:.0f} ms with the full logits ({100 * (chunked.step_ms / plain.step_ms - 1):+.0f}%), peak "
+              f"{chunked.peak_bytes / MiB:.1f} vs {plain.peak_bytes / MiB:.1f} MiB ({100 * (chunked.peak_bytes / plain.peak_bytes - 1):+.0f}%)")
 
 
 def plot(curves, path: str, title: str) -> None:
@@ -155,10 +174,13 @@ def main(argv=None) -> int:
     size, device = setup(args)
     if args.budgets is None:
         args.budgets = 3 if size == "smoke" else 5 if size == "quick" else 8
-    names = args.models or (["gpt2-small-like"] if size == "smoke" else ["resnet50", "gpt2-small-like"] if size == "quick" else None)
+    gpts = ["gpt2-small-like", "gpt2-small-like+chunked"]
+    names = args.models or (gpts if size == "smoke" else ["resnet50", *gpts] if size == "quick" else None)
     image = 64 if size == "quick" else None  # activations, not weights, must dominate the curve
     specs = model_specs(size, names, image=image) if names else model_specs(size)
-    curves = [run_model(spec, device, args) for spec in specs]
+    plains: dict = {}
+    curves = [run_model(spec, device, args, plains) for spec in specs]
+    compare_losses(plains)
     if args.out:
         where = "CPU, simulated budget, noisy shared machine" if device.type == "cpu" else torch.cuda.get_device_name(device)
         plot(curves, args.out, f"Memory/time trade-off at a fixed batch ({size} sizes)\n{where}; torch {torch.__version__}")

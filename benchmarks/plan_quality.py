@@ -58,10 +58,14 @@ class GPT(nn.Module):
         self.head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden_states(idx))
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """The final hidden states, before the head (the chunked loss takes these)."""
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.ln_f(x)
 
 
 def configs(quick: bool, device: torch.device):

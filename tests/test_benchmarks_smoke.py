@@ -52,12 +52,16 @@ def test_benchmark_runs_in_smoke_mode(script, columns):
     out = _run(script)
     assert _header(out, columns[0]) == columns
     assert "simulated budget" in out
+    if script == "max_batch.py":  # the GPT with the chunked loss, held to the plain-loss budget
+        assert "== gpt2-small-like+chunked" in out and "plain peak of gpt2-small-like (plain loss)" in out
+        assert "max batch, chunked loss" in out
 
 
 def test_overhead_runs_in_smoke_mode_and_plots(tmp_path):
     png = tmp_path / "curve.png"
     out = _run("overhead.py", "--out", str(png))
     assert "overhead per budget" in out and "| ours: auto |" in out
+    assert "== gpt2-small-like+chunked" in out and "chunked loss" in out
     assert png.stat().st_size > 10_000
 
 

@@ -1,6 +1,7 @@
 """The core of lightning-swap: measure, decide, act, scale. Imports torch only."""
 
 from .actions import Action, resolve_policy
+from .chunked_loss import ChunkedCrossEntropy, chunked_cross_entropy, hf_causal_lm_loss
 from .costmodel import Prediction, simulate
 from .errors import InfeasibleBudgetError, UnifiedMemoryError
 from .meter import DeviceMemoryMeter, host_allocation
@@ -14,6 +15,7 @@ from .units import parse_bytes
 
 __all__ = [
     "Action",
+    "ChunkedCrossEntropy",
     "DEFAULT_MIN_OFFLOAD_BYTES",
     "DeviceMemoryMeter",
     "InfeasibleBudgetError",
@@ -29,8 +31,10 @@ __all__ = [
     "UnifiedMemoryError",
     "UnifiedMemoryStats",
     "brute_force",
+    "chunked_cross_entropy",
     "find_segments",
     "format_bytes",
+    "hf_causal_lm_loss",
     "host_allocation",
     "install_unified_memory",
     "measure_bandwidth",
