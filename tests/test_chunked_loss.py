@@ -366,13 +366,13 @@ def test_profiler_predicts_the_lower_peak_of_the_chunked_loss():
         "plain": lambda m, b: lm_loss(m(b[0]), b[1]),
         "chunked": lambda m, b: loss_fn(_gpt_hidden(m, b[0]), m.lm_head, b[1]),
     }
-    profiles = {name: profile_step(model, (x, y), step_fn=step) for name, step in steps.items()}
+    profiles = {name: profile_step(model, (x, y), step_fn=step, device="cpu") for name, step in steps.items()}
     keep = [Action.KEEP] * len(profiles["plain"].segments)
     predicted = {name: simulate(p, keep).peak_bytes for name, p in profiles.items()}
     doubled = {name: simulate(p.at_batch(2 * batch), keep).peak_bytes for name, p in profiles.items()}
     assert predicted["plain"] - predicted["chunked"] >= 2 * logits_bytes, predicted
     assert doubled["plain"] - doubled["chunked"] >= 4 * logits_bytes, doubled
-    runtime = SwapRuntime(model, dict(zip(profiles["chunked"].names, keep))).install()
+    runtime = SwapRuntime(model, dict(zip(profiles["chunked"].names, keep)), device="cpu").install()
     try:
         runtime.begin_step([x, y])
         steps["chunked"](model, (x, y)).backward()
