@@ -81,12 +81,17 @@ class SegmentProfile:
     output_small: bool
     output_heavy: bool
     output_held_elsewhere: bool
+    #: What ``RECOMPUTE`` and ``SELECTIVE`` add to a step, measured on the device by running the
+    #: segment under them (:mod:`.costs`); ``None``: estimated from the forward's time.
+    recompute_ms: Optional[float] = None
+    selective_ms: Optional[float] = None
 
 
 _SCALED_INT_FIELDS = tuple(
     f.name for f in dataclasses.fields(SegmentProfile) if f.type in ("int", int) and f.name.endswith("_bytes")
 )
 _SCALED_MS_FIELDS = ("forward_ms", "backward_ms", "heavy_forward_ms")
+_MEASURED_MS_FIELDS = ("recompute_ms", "selective_ms")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +122,9 @@ class ModelProfile:
     h2d_bytes_per_ms: float
     #: The same model measured at another batch size (Note [Batch scaling]); ``None``: no scaling.
     reference: Optional["ModelProfile"] = None
+    #: Peak bytes of the optimizer step (after the backward), when the profiled step included
+    #: it (a real step observed by the adapters): foreach AdamW's parameter-sized temporaries.
+    optimizer_peak_bytes: int = 0
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -126,6 +134,34 @@ class ModelProfile:
     def copies_overlap(self) -> bool:
         """Copies run on their own engines (CUDA); on CPU they are synchronous memcpys."""
         return self.device_type == "cuda"
+
+    def with_state(self, *, forward_bytes: int, backward_bytes: int) -> "ModelProfile":
+        """This profile with more bytes alive than when it was measured.
+
+        Note [Steady-state shift]: the first step, which is the one profiled, has no gradients
+        and no optimizer state; every later one has the optimizer state alive throughout, and
+        the last step's gradients alive during the forward (and during the backward too, unless
+        the loop frees them in between, as Lightning's closure does with ``zero_grad``).
+        ``forward_bytes`` is added to every window up to the backward (the prefix's forward,
+        the segments' forwards, the tail), ``backward_bytes`` to the backward windows. The
+        optimizer step's own window was measured with its state and is left alone.
+        """
+        f, b = int(forward_bytes), int(backward_bytes)
+        if f == 0 and b == 0:
+            return self
+        segments = tuple(
+            dataclasses.replace(
+                seg, forward_peak_bytes=seg.forward_peak_bytes + f, backward_peak_bytes=seg.backward_peak_bytes + b,
+                offload_backward_peak_bytes=seg.offload_backward_peak_bytes + b,
+            )
+            for seg in self.segments
+        )
+        reference = self.reference.with_state(forward_bytes=f, backward_bytes=b) if self.reference is not None else None
+        return dataclasses.replace(
+            self, segments=segments, static_bytes=self.static_bytes + f, prefix_forward_peak_bytes=self.prefix_forward_peak_bytes + f,
+            prefix_backward_peak_bytes=self.prefix_backward_peak_bytes + b, tail_peak_bytes=self.tail_peak_bytes + max(f, b),
+            peak_bytes=self.peak_bytes + max(f, b), reference=reference,
+        )
 
     def at_batch(self, batch_size: int) -> "ModelProfile":
         """This profile at another batch size (Note [Batch scaling])."""
@@ -149,6 +185,7 @@ class ModelProfile:
         for s, r in zip(self.segments, ref.segments):
             changes: dict[str, Any] = {f: line(getattr(s, f), getattr(r, f)) for f in _SCALED_INT_FIELDS}
             changes.update({f: getattr(s, f) * ratio for f in _SCALED_MS_FIELDS})
+            changes.update({f: getattr(s, f) * ratio for f in _MEASURED_MS_FIELDS if getattr(s, f) is not None})
             segments.append(dataclasses.replace(s, **changes))
         top = {
             f: line(getattr(self, f), getattr(ref, f))
