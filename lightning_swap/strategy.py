@@ -9,6 +9,7 @@ must subclass that package's own ``Strategy``).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,7 +17,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .core.actions import PolicyLike
-from .core.plan import Plan
+from .core.plan import Plan, format_bytes
 from .core.runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats
 from .core.segments import SegmentSpec
 from .core.session import SwapConfig, SwapSession
@@ -72,6 +73,7 @@ class _SwapStrategyMixin:
         self._device_given = device_given
         self._session: Optional[SwapSession] = None
         self._stats_callback = None
+        self._logged_plan: Optional[Plan] = None
 
     # -- what users read ----------------------------------------------------------------
     @property
@@ -132,24 +134,33 @@ class _SwapStrategyMixin:
         if not self.swap_config.is_auto:
             # Every rank runs rank 0's plan (identity on one device).
             self._log_plan(self._session.apply(self.broadcast(self._session.forced_plan(), src=0)))
-        if self.log_stats and self._stats_callback_class is not None:
+        else:
+            # Lightning's closure runs forward, zero_grad, backward: without accumulation the last
+            # step's gradients are gone before the backward (Note [Steady-state shift]).
+            self._session.auto.grads_freed_before_backward = bool(
+                module.automatic_optimization and getattr(trainer, "accumulate_grad_batches", 1) == 1
+            )
+        if self._stats_callback_class is not None:
             self._stats_callback = self._stats_callback_class(self)
             trainer.callbacks.append(self._stats_callback)
 
-    def replan(self, batch: Any, track: Any = ()) -> Plan:
-        """Plan for ``batch`` on rank 0 (profiling one plain step for ``"auto"``), broadcast it
-        and apply it on every rank."""
-        session = self._session
-        plan = session.plan_for_batch(batch, self.profile_step_fn(), track) if self.is_global_zero else None
-        plan = self.broadcast(plan, src=0)
-        session.apply(plan)
-        session.mark_planned(batch, _optimizer_states(self.optimizers))
-        self._log_plan(plan)
-        return plan
+    def _plan_on_main(self, solve: Any) -> Plan:
+        """``solve()`` on rank 0, its plan (or its error) handed to every rank."""
+        payload: Any = None
+        if self.is_global_zero:
+            try:
+                payload = ("plan", solve())
+            except Exception as err:  # re-raised on every rank below
+                payload = ("error", err)
+        kind, body = self.broadcast(payload, src=0)
+        if kind == "error":
+            raise body
+        return body
 
     def profile_step_fn(self) -> Any:
-        """One training step as the profiler runs it, in Lightning's closure order: forward,
-        zero_grad (last step's gradients are freed), backward. The profiler restores gradients."""
+        """One training step as the batch-size finder's profiler runs it, in Lightning's closure
+        order: forward, zero_grad (last step's gradients are freed), backward. The profiler
+        restores gradients. (``policy="auto"`` itself never calls it: Note [Observe, do not re-run].)"""
         module = self.lightning_module
         optimizers = list(self.optimizers)
 
@@ -161,43 +172,70 @@ class _SwapStrategyMixin:
 
         return step_fn
 
-    def _log_plan(self, plan: Plan) -> None:
-        rank_zero_info(f"lightning-swap plan ({plan.summary()}):\n{plan.render()}")
+    def _log_plan(self, plan: Plan, why: str = "") -> None:
+        """The plan as one block: through the progress bar when one is drawing (as
+        ``LightningModule.print`` does, so the bar is not broken), else ``rank_zero_info``."""
+        if plan is self._logged_plan:
+            return
+        previous, self._logged_plan = self._logged_plan, plan
+        if previous is not None and dict(previous.actions) == dict(plan.actions) and not why:
+            return
+        text = f"lightning-swap plan ({plan.summary()}){': ' + why if why else ''}\n{plan.render()}"
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        bar = getattr(trainer, "progress_bar_callback", None) if trainer is not None else None
+        if bar is not None and bar.is_enabled and trainer.training:
+            if self.is_global_zero:
+                bar.print(text)
+        else:
+            rank_zero_info(text)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._session is not None:
-            track = [args, kwargs]
-            for optimizer in self.optimizers:
-                track.append(optimizer.state)
-            batch = args[0] if args else kwargs.get("batch")
-            states = _optimizer_states(self.optimizers)
-            if self._session.needs_plan(batch) or (not self._session._pinned and self._session.state_changed(states)):
-                self.replan(batch, states)
-            record = self._report_due()
-            if record:
-                self._plain_timeline = self._session.record_plain_timeline(batch, self.profile_step_fn(), states)
-            self._session.begin_step(track)
-            if record:
-                plan = self._session.plan
-                self._recorder = TimelineRecorder(
-                    self.lightning_module, self._session.segments, self._session.runtime.meter, f"planned ({plan.summary()})"
-                ).__enter__()
-        return super().training_step(*args, **kwargs)
+        session = self._session
+        if session is None:
+            return super().training_step(*args, **kwargs)
+        batch = args[0] if args else kwargs.get("batch")
+        states = _optimizer_states(self.optimizers)
+        track = [args, kwargs, states]
+        kind = session.before_step(batch, track, states, is_main=self.is_global_zero, plan_on_main=self._plan_on_main)
+        if kind == "observe" and self.report and self._plain_timeline is None and session.observing:
+            self._recorder = TimelineRecorder(
+                self.lightning_module, session.segments, session.auto.observing.meter, "plain (the observed first step)"
+            ).__enter__()
+        elif kind == "plan":
+            self._log_plan(session.plan)
+        if self._report_due():
+            plan = session.plan
+            self._recorder = TimelineRecorder(
+                self.lightning_module, session.segments, session.runtime.meter, f"planned ({plan.summary()})"
+            ).__enter__()
+        try:
+            return super().training_step(*args, **kwargs)
+        except BaseException:
+            session.abort_step()
+            raise
 
     def _report_due(self) -> bool:
-        """Record once, in the steady state: after the first optimizer step made its state."""
+        """The planned timeline is recorded once, in the steady state: the plan's check passed."""
+        session = self._session
         return (
             self.report
             and self.report_path is None
             and self._recorder is None
-            and not self._session._pinned
-            and any(len(o.state) for o in self.optimizers)
+            and self._plain_timeline is not None
+            and not session.pinned
+            and session.runtime is not None
+            and session.runtime.measuring
+            and session.auto is not None
+            and not session.auto._check_pending
         )
 
     def _finish_report(self) -> None:
         recorder, self._recorder = self._recorder, None
         recorder.__exit__(None, None, None)
-        timelines = [t for t in (self._plain_timeline, recorder.timeline) if t is not None]
+        if self._plain_timeline is None:  # the observed plain step: drawn shifted to the steady state
+            self._plain_timeline = recorder.timeline
+            return
+        timelines = [self._steady_plain_timeline(), recorder.timeline]
         trainer = self.lightning_module.trainer
         path = Path(trainer.log_dir or trainer.default_root_dir) / "swap_memory_timeline.png"
         if self.is_global_zero:
@@ -205,19 +243,49 @@ class _SwapStrategyMixin:
             rank_zero_info(f"lightning-swap memory timeline written to {path}")
         self.report_path = path
 
+    def _steady_plain_timeline(self) -> Timeline:
+        """The observed first step had no gradients or optimizer state yet; the steady state has
+        them throughout its forward (Note [Steady-state shift]): the picture adds them."""
+        plain = self._plain_timeline
+        states = _optimizer_states(self.optimizers)
+        shift = self._session.auto.steady_profile(states).static_bytes - self._session.auto.profile.static_bytes
+        return replace(
+            plain, samples=tuple((x, b + shift) for x, b in plain.samples), peak_bytes=plain.peak_bytes + shift,
+            label=f"plain (the observed first step + {format_bytes(shift)} of gradients and optimizer state)",
+        )
+
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        out = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self._recorder is not None:
-            self._finish_report()
-        if self._session is not None:
-            self._session.end_step()
+        session = self._session
+        if session is not None:
+            session.backward_begins()
+        try:
+            out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        except BaseException:
+            if session is not None:
+                session.abort_step()
+            raise
+        if session is not None:
+            if self._recorder is not None and not session.observing:
+                self._finish_report()
+            session.end_step()
         return out
+
+    def on_swap_step_end(self) -> None:
+        """The whole training step is over (its optimizer step included): an observed step becomes
+        the profile the next step plans from. Called by the strategy's own callback."""
+        session = self._session
+        if session is None:
+            return
+        if self._recorder is not None and session.observing:
+            self._finish_report()
+        session.step_done()
 
     def teardown(self) -> None:
         if self._recorder is not None:  # a step that never reached backward
             self._recorder.__exit__(None, None, None)
             self._recorder = None
         if self._session is not None:
+            self._session.abort_step()
             self._session.records.resolve(wait=True)  # training is over: the host may wait now
             self._session.close()
         if self.unified_memory is not None:
@@ -239,7 +307,8 @@ def _optimizer_states(optimizers: Any) -> list:
 
 def _stats_callback_for(callback_base: type) -> type:
     class _SwapStatsLogger(callback_base):
-        """Sends the newest complete ``step_stats`` to the loggers as ``swap/...`` plain floats,
+        """Ends each training step for the strategy (an observed step becomes the profile), and
+        (``log_stats``) sends the newest complete ``step_stats`` to the loggers as ``swap/...`` plain floats,
         at Lightning's ``log_every_n_steps``: no per-step device tensor, nothing that waits for
         the device (Note [Stream protocol])."""
 
@@ -247,8 +316,9 @@ def _stats_callback_for(callback_base: type) -> type:
             self._strategy = strategy
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self._strategy.on_swap_step_end()
             connector = trainer._logger_connector
-            if not trainer.loggers or not connector.should_update_logs:
+            if not self._strategy.log_stats or not trainer.loggers or not connector.should_update_logs:
                 return
             stats = self._strategy.step_stats
             if stats is not None:

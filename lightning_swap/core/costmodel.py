@@ -78,6 +78,26 @@ def internal_kept(s: SegmentProfile, a: Action) -> int:
     return 0
 
 
+def forward_own(s: SegmentProfile, a: Action, *, overlap: bool) -> int:
+    """Bytes of segment ``s`` alive at its own forward's peak beyond the window's base.
+
+    Note [A forward that does not keep]: kept, a segment's forward ends holding everything it
+    saves. Recomputed, or offloaded by copies done when issued (CPU), its saved tensors are not
+    held for backward, yet its forward still holds what its own code references — a block's
+    ``q, k, v`` stay alive in its frame to its end — which no trace of ops can see; so it is
+    measured, by running the segment with nothing saved (:mod:`.costs`). With ``W`` that
+    working set, ``S`` the saved bytes and ``w`` the kept forward's working bytes, the window's
+    peak is its start level plus ``W``, i.e. the base plus ``S - w + W``; plus what the action
+    keeps. Not measured (a fake profile): as kept, which never under-predicts. Offloaded with
+    copies beside compute (CUDA), the sources stay until their copies are waited for (Note
+    [Stream protocol], rule 2): all of it, as kept.
+    """
+    if a is Action.KEEP or (a is Action.OFFLOAD and overlap) or s.released_forward_working_bytes < 0:
+        return s.internal_saved_bytes
+    own = s.internal_saved_bytes - s.forward_working_bytes + s.released_forward_working_bytes
+    return max(0, own) + internal_kept(s, a)
+
+
 def copied_bytes(s: SegmentProfile, a: Action) -> int:
     """Bytes this segment sends to the host and back (no cross-segment de-duplication)."""
     if a is Action.OFFLOAD:
@@ -218,7 +238,7 @@ def simulate(profile: ModelProfile, actions: Mapping[str, Action] | Sequence[Act
     for i, (s, a) in enumerate(zip(segs, acts)):
         prev, p = (segs[i - 1], acts[i - 1]) if i else (None, None)
         in_flight = copies[i - 1] if (overlap and i and d2h_done is not None) else 0
-        fwd_peaks.append(costs.forward_base_bytes[i] + kept + internal_kept(s, a) + in_flight)
+        fwd_peaks.append(costs.forward_base_bytes[i] + kept + forward_own(s, a, overlap=overlap) + in_flight)
         clock += s.forward_ms
         if d2h_done is not None:  # wait for the previous segment's copy to the host
             wait = max(0.0, d2h_done - clock)

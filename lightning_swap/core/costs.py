@@ -32,7 +32,7 @@ from .recompute import RecomputeTimer, checkpointed
 from .streams import StreamOps, Timing
 from .trace import CapturedCall
 
-__all__ = ["ActionCosts", "measure_action_costs"]
+__all__ = ["ActionCosts", "measure_action_costs", "measure_released_working"]
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +40,29 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ActionCosts:
     """Milliseconds of one segment: its forward and backward kept, and what ``RECOMPUTE`` and
-    ``SELECTIVE`` add to a step (``None`` where it could not be measured)."""
+    ``SELECTIVE`` add to a step (``None`` where it could not be measured); and the bytes its
+    forward holds above its start when nothing is saved for backward (-1: not measured)."""
 
     forward_ms: float
     backward_ms: float
     recompute_ms: Optional[float]
     selective_ms: Optional[float]
+    released_working_bytes: int = -1
+
+
+def measure_released_working(module: nn.Module, call: CapturedCall, device: torch.device) -> int:
+    """Note [A forward that does not keep] in ``costmodel.py``: the most bytes the segment's
+    forward holds above its start (its arguments already made) when autograd saves nothing."""
+    from .meter import DeviceMemoryMeter
+
+    args, kwargs = call.make()
+    autocast = torch.autocast(call.autocast[0], dtype=call.autocast[1]) if call.autocast else contextlib.nullcontext()
+    meter = DeviceMemoryMeter(device)
+    start = torch.cuda.memory_allocated(device) if meter.is_cuda else 0
+    with meter, autocast, torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda packed: packed):
+        out = module(*args, **kwargs)
+        del out
+    return max(0, meter.peak_bytes - start)
 
 
 def _grad_inputs(args: Any, module: nn.Module) -> list[torch.Tensor]:
@@ -76,6 +93,7 @@ def measure_action_costs(
     calls: dict[str, CapturedCall],
     ops: StreamOps,
     *,
+    device: torch.device,
     repeats: int = 2,
 ) -> dict[str, ActionCosts]:
     """Time every segment in ``calls`` kept, recomputed and selectively recomputed (the fastest
@@ -112,7 +130,12 @@ def measure_action_costs(
                 timed = best[action]
                 return None if timed is None else max(0.0, sum(timed) - base)
 
-            out[name] = ActionCosts(keep[0], keep[1], extra(Action.RECOMPUTE), extra(Action.SELECTIVE))
+            try:
+                working = measure_released_working(module, call, device)
+            except Exception as exc:  # noqa: BLE001
+                log.debug("measuring %s's forward without saving failed: %s", name, exc)
+                working = -1
+            out[name] = ActionCosts(keep[0], keep[1], extra(Action.RECOMPUTE), extra(Action.SELECTIVE), working)
     finally:
         rng.__exit__(None, None, None)
         with torch.no_grad():

@@ -36,6 +36,7 @@ from .meter import host_allocation, mark_host
 from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
 from .segments import SegmentSpec, find_segments
 from .trace import StepTrace, run_timing, run_trace
+from .costs import measure_released_working
 
 __all__ = ["ModelProfile", "SegmentProfile", "measure_bandwidth", "profile"]
 
@@ -73,6 +74,10 @@ class SegmentProfile:
     backward_peak_bytes: int  # peak bytes alive during the backward (all segments kept)
     #: the same, estimated for this segment offloaded and fetched on demand (no prefetch)
     offload_backward_peak_bytes: int
+    #: the forward's peak above its start with its saved tensors not held for backward
+    #: (recomputed, or offloaded by synchronous copies), measured by running the segment so
+    #: (:mod:`.costs`); -1: not measured (Note [A forward that does not keep] in ``costmodel.py``)
+    released_forward_working_bytes: int = -1
     input_saved: bool
     input_small: bool
     input_from_previous: bool
@@ -88,7 +93,8 @@ class SegmentProfile:
 
 
 _SCALED_INT_FIELDS = tuple(
-    f.name for f in dataclasses.fields(SegmentProfile) if f.type in ("int", int) and f.name.endswith("_bytes")
+    f.name for f in dataclasses.fields(SegmentProfile)
+    if f.type in ("int", int) and f.name.endswith("_bytes") and f.name != "released_forward_working_bytes"
 )
 _SCALED_MS_FIELDS = ("forward_ms", "backward_ms", "heavy_forward_ms")
 _MEASURED_MS_FIELDS = ("recompute_ms", "selective_ms")
@@ -186,6 +192,8 @@ class ModelProfile:
             changes: dict[str, Any] = {f: line(getattr(s, f), getattr(r, f)) for f in _SCALED_INT_FIELDS}
             changes.update({f: getattr(s, f) * ratio for f in _SCALED_MS_FIELDS})
             changes.update({f: getattr(s, f) * ratio for f in _MEASURED_MS_FIELDS if getattr(s, f) is not None})
+            if s.released_forward_working_bytes >= 0:  # a working set grows with the batch
+                changes["released_forward_working_bytes"] = round(s.released_forward_working_bytes * ratio)
             segments.append(dataclasses.replace(s, **changes))
         top = {
             f: line(getattr(self, f), getattr(ref, f))
@@ -383,7 +391,7 @@ def _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_of
         static += [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
         return run_trace(
             model, names, lambda: _loss_of(step_fn(model, batch)), device=device, static=static, params=params,
-            fake=False, min_offload_bytes=min_offload_bytes,
+            fake=False, min_offload_bytes=min_offload_bytes, capture_inputs=True,
         )
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
@@ -407,10 +415,15 @@ def _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_of
 
 
 def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_offload_bytes, rates) -> ModelProfile:
+    measured: dict[int, tuple[None, None, int]] = {}
     with _Snapshot(model, device):
         trace = _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_offload_bytes)
         if not fake:
             fwd, bwd, step_ms = run_timing(model, names, lambda: _loss_of(step_fn(model, batch)), device)
+            modules = dict(model.named_modules())
+            for i, call in trace.inputs.items():  # Note [A forward that does not keep]
+                measured[i] = (None, None, measure_released_working(modules[names[i]], call, device))
+            trace.inputs = {}
     n = len(names)
     if fake:
         fwd = {i: trace.est_all_ms.get(i, 0.0) for i in range(n)}
@@ -420,9 +433,26 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
         heavy = {i: trace.est_heavy_ms.get(i, 0.0) for i in range(n)}
     else:
         heavy = {i: fwd[i] * trace.heavy_op_ms.get(i, 0.0) / max(trace.all_op_ms.get(i, 0.0), 1e-9) for i in range(n)}
+    return assemble(trace, model, names, batch_size=batch_size, device=device, fake=fake, min_offload_bytes=min_offload_bytes,
+                    fwd=fwd, bwd=bwd, heavy=heavy, step_ms=step_ms, measured=measured)
+
+
+def assemble(
+    trace: StepTrace, model: nn.Module, names: list[str], *, batch_size: int, device: torch.device, fake: bool, min_offload_bytes: int,
+    fwd: dict[int, float], bwd: dict[int, float], heavy: dict[int, float], step_ms: float,
+    measured: Optional[dict[int, tuple[Optional[float], Optional[float], int]]] = None,
+) -> ModelProfile:
+    """A :class:`ModelProfile` from a step's trace and its times (``measured``: per segment
+    index the recompute and selective costs and the released forward's working bytes, timed and
+    measured by :mod:`.costs`)."""
+    measured = measured or {}
     order = [names.index(name) for name in trace.order]
     segments = tuple(
-        _segment_from_trace(trace, i, names, order, fwd_ms=fwd[i], bwd_ms=bwd[i], heavy_ms=heavy[i], min_offload_bytes=min_offload_bytes)
+        dataclasses.replace(
+            _segment_from_trace(trace, i, names, order, fwd_ms=fwd[i], bwd_ms=bwd[i], heavy_ms=heavy[i], min_offload_bytes=min_offload_bytes),
+            recompute_ms=measured.get(i, (None, None, -1))[0], selective_ms=measured.get(i, (None, None, -1))[1],
+            released_forward_working_bytes=measured.get(i, (None, None, -1))[2],
+        )
         for i in order
     )
     seg_ms = sum(fwd.values()) + sum(bwd.values())
@@ -446,6 +476,7 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
         step_ms=step_ms,
         d2h_bytes_per_ms=d2h,
         h2d_bytes_per_ms=h2d,
+        optimizer_peak_bytes=trace.window_peak.get("optimizer", 0),
     )
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from .actions import Action
 from .costmodel import (
-    SegmentCosts, backward_need, boundary_kept, copied_bytes, internal_kept, recompute_ms, segment_costs, simulate,
+    SegmentCosts, backward_need, boundary_kept, copied_bytes, forward_own, internal_kept, recompute_ms, segment_costs, simulate,
 )
 from .errors import InfeasibleBudgetError
 from .plan import Plan
@@ -83,7 +83,7 @@ class _Chain:
                     continue
                 in_flight = copies[i - 1][pi] if (overlap and p is not None) else 0
                 for ai, a in enumerate(acts):
-                    self.fwd_need[i, pi, ai] = costs.forward_base_bytes[i] + internal_kept(s, a) + in_flight
+                    self.fwd_need[i, pi, ai] = costs.forward_base_bytes[i] + forward_own(s, a, overlap=overlap) + in_flight
                     self.bwd_need[i, pi, ai] = backward_need(costs.backward_base_bytes[i], prev, p, s, a, on_demand=not overlap) + in_flight
                     self.add_kept[i, pi, ai] = internal_kept(s, a) + boundary_kept(prev, p, s, a)
                     ms = recompute_ms(s, a)

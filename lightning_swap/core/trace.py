@@ -229,6 +229,7 @@ class _Recorder:
         self.marks: dict[Any, Any] = {}
         self.capture_inputs = False
         self.inputs: dict[int, "CapturedCall"] = {}
+        self._bwd_ops: dict[int, list[tuple[int, set]]] = {}
 
     def mark(self, key: Any) -> None:
         if self.ops is not None:
@@ -311,26 +312,35 @@ class _Recorder:
         self.trace.grad_bytes[region if isinstance(region, int) else "outside"] += p.grad.untyped_storage().nbytes()
 
     def offload_candidate(self, i: int, args: Any, kwargs: Any) -> None:
-        """Note [Offloaded backward fetches on demand]: with an offloaded segment and no
-        prefetch, a saved tensor is on the device only while the op using it runs. So the
-        bytes alive now, less this segment's offloadable saved storages this op does not use,
-        estimate the offloaded segment's backward at this moment. Boundary storages (input,
-        output) are left in: a neighbour may hold them."""
+        """One op of segment ``i``'s backward: the bytes alive now and the storages it reads,
+        for :meth:`offload_peaks`."""
         needed = set()
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None:
                 needed.add(self.keys.key(s))
-        boundary = {self.trace.input_key.get(i, (None,))[0], self.trace.output_key.get(i, (None,))[0]}
-        drop = 0
-        for key, nbytes in self.trace.saved.get(i, {}).items():
-            if key in needed or key in boundary or nbytes < self.min_offload_bytes:
-                continue
-            ref = self.keys.by_key.get(key)
-            if ref is not None and ref() is not None:
-                drop += nbytes
-        level = self.meter.current_bytes - drop
-        if level > self.trace.offload_bwd_peak.get(i, 0):
-            self.trace.offload_bwd_peak[i] = level
+        self._bwd_ops.setdefault(i, []).append((self.meter.current_bytes, needed))
+
+    def offload_peaks(self) -> None:
+        """Note [Offloaded backward fetches on demand]: with an offloaded segment and no
+        prefetch, a saved storage comes back when the first op of the backward reads it and
+        stays until the last one has (Note [One storage, one copy]); in plain training it was
+        there all along, and after its last use it is freed in both. So at each op the bytes alive
+        in plain training, less this segment's offloadable saved storages that no op has read
+        yet, estimate the offloaded segment's backward. Boundary storages (input, output) are
+        left in: a neighbour may hold them."""
+        for i, ops in self._bwd_ops.items():
+            boundary = {self.trace.input_key.get(i, (None,))[0], self.trace.output_key.get(i, (None,))[0]}
+            pending = {
+                key: nbytes for key, nbytes in self.trace.saved.get(i, {}).items()
+                if key not in boundary and nbytes >= self.min_offload_bytes
+            }
+            waiting = sum(pending.values())
+            for level, needed in ops:
+                for key in needed & pending.keys():
+                    waiting -= pending.pop(key)
+                estimate = level - waiting
+                if estimate > self.trace.offload_bwd_peak.get(i, 0):
+                    self.trace.offload_bwd_peak[i] = estimate
 
     # -- saved tensors ------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -446,6 +456,7 @@ class StepTracer:
             rec.mark("end")
         rec.switch("end")
         self._close()
+        rec.offload_peaks()
         trace = rec.trace
         missing = [self.names[i] for i in range(len(self.names)) if i not in rec._exec]
         if missing:
@@ -482,11 +493,12 @@ def run_trace(
     min_offload_bytes: int = 1,
     flops_per_ms: float = 1e9,
     bytes_per_ms: float = 1e7,
+    capture_inputs: bool = False,
 ) -> StepTrace:
     """Run ``step`` (forward, loss, backward) once with every window measured."""
     tracer = StepTracer(
         model, names, device=device, static=static, params=params, fake=fake, min_offload_bytes=min_offload_bytes,
-        flops_per_ms=flops_per_ms, bytes_per_ms=bytes_per_ms,
+        flops_per_ms=flops_per_ms, bytes_per_ms=bytes_per_ms, capture_inputs=capture_inputs,
     ).begin()
     try:
         loss = step()
