@@ -213,5 +213,10 @@ def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:
         trainer._checkpoint_connector.restore(ckpt_path)
         strategy.barrier("SwapBatchSizeFinder.restore")  # every rank has read it before rank 0 deletes it
         strategy.remove_checkpoint(ckpt_path)
-        session.reset()  # the next training step plans for the batch found
+        searched = session._profile
+        session.reset()
+        if session.auto is not None and searched is not None and "result" in locals():
+            # Training plans from the search's steady-state profile at the batch found: it never
+            # runs a step of that size without a plan (Note [Auto: observe, plan, check]).
+            session.auto.set_profile(searched, make_batch(result.batch_size), steady=True)
     return result

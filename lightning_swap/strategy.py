@@ -74,6 +74,7 @@ class _SwapStrategyMixin:
         self._session: Optional[SwapSession] = None
         self._stats_callback = None
         self._logged_plan: Optional[Plan] = None
+        self._step_open = False
 
     # -- what users read ----------------------------------------------------------------
     @property
@@ -140,7 +141,7 @@ class _SwapStrategyMixin:
             self._session.auto.grads_freed_before_backward = bool(
                 module.automatic_optimization and getattr(trainer, "accumulate_grad_batches", 1) == 1
             )
-        if self._stats_callback_class is not None:
+        if self.log_stats and self._stats_callback_class is not None:
             self._stats_callback = self._stats_callback_class(self)
             trainer.callbacks.append(self._stats_callback)
 
@@ -208,9 +209,11 @@ class _SwapStrategyMixin:
             self._recorder = TimelineRecorder(
                 self.lightning_module, session.segments, session.runtime.meter, f"planned ({plan.summary()})"
             ).__enter__()
+        self._step_open = True
         try:
             return super().training_step(*args, **kwargs)
         except BaseException:
+            self._step_open = False
             session.abort_step()
             raise
 
@@ -267,17 +270,34 @@ class _SwapStrategyMixin:
         if session is not None:
             if self._recorder is not None and not session.observing:
                 self._finish_report()
-            session.end_step()
+            session.backward_done()
         return out
 
-    def on_swap_step_end(self) -> None:
-        """The whole training step is over (its optimizer step included): an observed step becomes
-        the profile the next step plans from. Called by the strategy's own callback."""
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().optimizer_step(*args, **kwargs)
+        self._end_swap_step()  # the closure (forward, backward) and the optimizer step are over
+        return out
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._end_swap_step()  # a step without an optimizer step (accumulation) ends here
+        super().on_train_batch_start(batch, batch_idx)
+
+    def on_train_end(self) -> None:
+        self._end_swap_step()
+        super().on_train_end()
+
+    def _end_swap_step(self) -> None:
+        """The whole training step is over (its optimizer step included, when it had one): the
+        window closes, and an observed step becomes the profile the next step plans from.
+        Strategy hooks, not callbacks, call it: Lightning's batch-size finder runs its trial
+        steps with the callbacks removed."""
         session = self._session
-        if session is None:
+        if session is None or not self._step_open:
             return
+        self._step_open = False
         if self._recorder is not None and session.observing:
             self._finish_report()
+        session.end_step()
         session.step_done()
 
     def teardown(self) -> None:
@@ -307,8 +327,7 @@ def _optimizer_states(optimizers: Any) -> list:
 
 def _stats_callback_for(callback_base: type) -> type:
     class _SwapStatsLogger(callback_base):
-        """Ends each training step for the strategy (an observed step becomes the profile), and
-        (``log_stats``) sends the newest complete ``step_stats`` to the loggers as ``swap/...`` plain floats,
+        """(``log_stats``) Sends the newest complete ``step_stats`` to the loggers as ``swap/...`` plain floats,
         at Lightning's ``log_every_n_steps``: no per-step device tensor, nothing that waits for
         the device (Note [Stream protocol])."""
 
@@ -316,9 +335,8 @@ def _stats_callback_for(callback_base: type) -> type:
             self._strategy = strategy
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self._strategy.on_swap_step_end()
             connector = trainer._logger_connector
-            if not self._strategy.log_stats or not trainer.loggers or not connector.should_update_logs:
+            if not trainer.loggers or not connector.should_update_logs:
                 return
             stats = self._strategy.step_stats
             if stats is not None:

@@ -78,6 +78,8 @@ class AutoPlanner:
         self.observing: Optional[ObservedStep] = None
         self._profile_shape: Optional[tuple] = None
         self._profile_batch = 0
+        self._scalable = False  # the profile predicts other batch sizes (a batch-size search's)
+        self._planned_batch = 0
         self._observed_state = (0, 0)  # gradient bytes, optimizer state bytes
         self._signature: Optional[tuple[int, int]] = None
         self._planned_state = 0
@@ -91,8 +93,14 @@ class AutoPlanner:
         session = self.session
         if session.budget_bytes() is None:
             return "plan" if session.plan is None else "run"
-        if self.profile is None or _shape_key(batch) != self._profile_shape or _infer_batch_size(batch) > self._profile_batch:
+        size = _infer_batch_size(batch)
+        if self._profile_shape is None or _shape_key(batch) != self._profile_shape:
             return "observe"
+        if size > self._profile_batch and not self._scalable:
+            return "observe"
+        if self._scalable and size != self._planned_batch:
+            self._planned_batch = size
+            return "plan"  # a profile measured at two batch sizes rescales (Note [Batch scaling])
         if session.plan is None or self._check_pending:
             return "plan"
         signature = _signature(session.model, states)
@@ -103,9 +111,16 @@ class AutoPlanner:
         return "run"
 
     # -- observing ------------------------------------------------------------------------
-    def begin_observe(self, batch: Any, track: Any, states: Any) -> ObservedStep:
+    def begin_observe(self, batch: Any, track: Any, states: Any, *, is_main: bool = True) -> Optional[ObservedStep]:
+        """Run this step with every segment kept; the main process traces it. Every process
+        records what was observed, so that all take the same decisions afterwards."""
         session = self.session
         session.remove()
+        session.plan = None
+        self._check_pending = False
+        self._profile_shape, self._profile_batch = _shape_key(batch), _infer_batch_size(batch)
+        if not is_main:
+            return None
         self.observing = ObservedStep(
             session.model, list(session.segments), device=session.device, batch=batch, track=track,
             min_offload_bytes=session.config.min_offload_bytes, modules=session.modules,
@@ -126,11 +141,17 @@ class AutoPlanner:
             self.observing.abort()
             self.observing = None
 
-    def set_profile(self, profile: ModelProfile, batch: Any) -> None:
-        """Use ``profile`` (of a step on ``batch``) from now on: the next step plans."""
+    def set_profile(self, profile: ModelProfile, batch: Any, *, steady: bool = False) -> None:
+        """Use ``profile`` (of a step on a batch shaped like ``batch``) from now on: the next step
+        plans. ``steady``: it was measured in the steady state (a batch-size search warms up
+        first), so no shift is added; a profile measured at two batch sizes is used at any."""
         self.profile = profile
         self._profile_shape = _shape_key(batch)
         self._profile_batch = profile.batch_size
+        self._scalable = profile.reference is not None
+        self._planned_batch = _infer_batch_size(batch)
+        if steady:
+            self._observed_state = (1 << 62, 1 << 62)
         self.session.plan = None
         self._check_pending = False
 
@@ -173,6 +194,8 @@ class AutoPlanner:
                     format_bytes(current.predicted_peak_bytes), format_bytes(self.correction_bytes),
                 )
         profile = self.steady_profile(states)
+        if self._scalable and self._planned_batch != profile.batch_size:
+            profile = profile.at_batch(self._planned_batch)
         effective = budget - self.correction_bytes
         try:
             if effective <= 0:

@@ -69,6 +69,7 @@ class ObservedStep:
             min_offload_bytes=min_offload_bytes, ops=self.ops, capture_inputs=time_actions,
         )
         self.open = False
+        self.backward_over = False
 
     @property
     def meter(self):
@@ -84,6 +85,7 @@ class ObservedStep:
 
     def backward_done(self) -> None:
         self.tracer.backward_done()
+        self.backward_over = True
 
     def abort(self) -> None:
         if self.open:

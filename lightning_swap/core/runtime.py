@@ -99,8 +99,9 @@ def check_min_offload_bytes(value: Any) -> int:
 
 @dataclass(frozen=True)
 class StepStats:
-    """What the runtime did during one training step (from ``begin_step`` to ``end_step``:
-    forward, loss and backward; the optimizer step is outside).
+    """What the runtime did during one training step, from ``begin_step`` to ``end_step``: the
+    forward, the loss and the backward, and the optimizer step where the adapter can see it end
+    (the Lightning strategy does; Accelerate's loop ends the window at ``backward``).
 
     Byte counts and tensor counts are known when the step ends. The three times are measured on
     the device without making the host wait (Note [Stream protocol] in ``streams.py``): on CUDA

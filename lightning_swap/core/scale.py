@@ -408,6 +408,7 @@ def search_for_loop(
         batch = make_batch(top_size)
         prof = session.measure(batch, step_fn, track()) if collectives.is_main else None
     prof = collectives.broadcast(prof)
+    session.profile = prof  # every process: the adapter may plan training from it afterwards
 
     def run_trial(batch_size: int, plan: Plan) -> TrialMeasurement:
         session.apply(plan, pinned=True)

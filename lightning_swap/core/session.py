@@ -220,11 +220,8 @@ class SwapSession:
         kind = "run"
         if self.auto is not None and not self._pinned:
             kind = self.auto.kind(batch, states)
-            if kind == "observe":
-                if is_main:
-                    self.auto.begin_observe(batch, track, states)
-                else:
-                    self.remove()  # the other processes run the same step plainly
+            if kind == "observe":  # the other processes run the same step plainly
+                self.auto.begin_observe(batch, track, states, is_main=is_main)
                 return kind
             if kind == "plan":
                 plan = plan_on_main(lambda: self.auto.plan(states))
@@ -423,10 +420,17 @@ class SwapSession:
         assert self.runtime is not None
         self.runtime.begin_step(tensors_in(list(track)))
 
-    def end_step(self) -> Optional[StepStats]:
-        """After the backward: the step's statistics (``None`` when no window was open)."""
-        if self.observing:
+    def backward_done(self) -> None:
+        """The loss's backward is over (what follows, the optimizer step, is its own window in
+        an observed step)."""
+        if self.observing and not self.auto.observing.backward_over:
             self.auto.observing.backward_done()
+
+    def end_step(self) -> Optional[StepStats]:
+        """The step is over (adapters call it after the optimizer step when they can, else
+        after the backward): its statistics (``None`` when no window was open)."""
+        if self.observing:
+            self.backward_done()
             return None
         if self.runtime is None or not self.runtime.measuring:
             return None
