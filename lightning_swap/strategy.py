@@ -9,6 +9,8 @@ must subclass that package's own ``Strategy``).
 from __future__ import annotations
 
 import logging
+import gc
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
@@ -17,7 +19,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .core.actions import PolicyLike
+from .core.errors import is_out_of_memory
 from .core.plan import Plan, format_bytes
+from .core.runtime import tensors_in
 from .core.runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats
 from .core.segments import SegmentSpec
 from .core.session import SwapConfig, SwapSession
@@ -75,6 +79,7 @@ class _SwapStrategyMixin:
         self._stats_callback = None
         self._logged_plan: Optional[Plan] = None
         self._step_open = False
+        self._step_call: Any = None
 
     # -- what users read ----------------------------------------------------------------
     @property
@@ -210,12 +215,61 @@ class _SwapStrategyMixin:
                 self.lightning_module, session.segments, session.runtime.meter, f"planned ({plan.summary()})"
             ).__enter__()
         self._step_open = True
+        self._step_call = (args, kwargs, _rng_state(self.root_device) if kind == "observe" else None)
         try:
             return super().training_step(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             self._step_open = False
             session.abort_step()
+            if kind == "observe" and is_out_of_memory(exc):
+                self._plan_after_out_of_memory(exc)
+                return self.training_step(*args, **kwargs)
             raise
+
+    def _plan_after_out_of_memory(self, exc: BaseException) -> None:
+        """Note [The observed step does not fit]: the first step runs without a plan so that it
+        can be observed; when even that is out of memory, the step is profiled in fake mode
+        (the user's ``training_step`` runs once more, on fake tensors, with ``self.log`` silenced
+        and the RNG, buffers and gradients restored), planned, and run again from the RNG state
+        it started with. The user's side effects of the failed attempt and of the fake one (a
+        counter, a metric update) cannot be undone: that is the one case where ``training_step``
+        runs more often than in plain training, and a warning says so."""
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        from .core.profiler import profile
+
+        args, kwargs, rng = self._step_call
+        session = self._session
+        batch = args[0] if args else kwargs.get("batch")
+        states = _optimizer_states(self.optimizers)
+        gc.collect()
+        if self.root_device.type == "cuda":
+            torch.cuda.empty_cache()
+
+        def fake_profile() -> Any:
+            module = self.lightning_module
+            step_fn = self.profile_step_fn()
+            with _silenced_logging(module), self.precision_plugin.train_step_context():
+                return profile(
+                    module, batch, step_fn=step_fn, segments=list(session.segments), track=tensors_in(states), fake=True,
+                    scale=False, min_offload_bytes=self.swap_config.min_offload_bytes, device=self.root_device,
+                )
+
+        try:
+            prof = self._plan_on_main(fake_profile)
+        except Exception as err:
+            raise RuntimeError(
+                "lightning-swap: the first training step, which policy='auto' runs without a plan to observe it, "
+                f"is out of memory on {self.root_device}, and profiling it on fake tensors failed too ({type(err).__name__}: "
+                f"{err}). Choose a policy for it instead, e.g. CPUSwapStrategy(policy='recompute_offload'), or a smaller batch."
+            ) from exc
+        rank_zero_warn(
+            "lightning-swap: the first training step is out of memory without a plan; it was profiled on fake tensors "
+            "(training_step ran once more, with self.log silenced) and runs again under the plan. Side effects of "
+            "the failed attempt (counters, metric updates) were not undone."
+        )
+        session.auto.set_profile(prof, batch)
+        _set_rng_state(self.root_device, rng)
 
     def _report_due(self) -> bool:
         """The planned timeline is recorded once, in the steady state: the plan's check passed."""
@@ -259,14 +313,29 @@ class _SwapStrategyMixin:
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         session = self._session
+        observing = session is not None and session.observing
+        # An observed step's backward may be redone (Note [The observed step does not fit]); only
+        # when it starts without gradients can a failed attempt's partial ones be discarded.
+        fresh = observing and all(p.grad is None for p in self.lightning_module.parameters())
         if session is not None:
             session.backward_begins()
         try:
             out = super().backward(closure_loss, optimizer, *args, **kwargs)
-        except BaseException:
-            if session is not None:
-                session.abort_step()
-            raise
+        except BaseException as exc:
+            if session is None:
+                raise
+            session.abort_step()
+            if not (observing and fresh and is_out_of_memory(exc)):
+                raise
+            # Note [The observed step does not fit], in the backward: plan, then forward again.
+            del closure_loss
+            for p in self.lightning_module.parameters():
+                p.grad = None  # what the failed backward accumulated
+            self._plan_after_out_of_memory(exc)
+            args_, kwargs_, _ = self._step_call
+            loss = self.training_step(*args_, **kwargs_)
+            loss = loss["loss"] if isinstance(loss, dict) else loss
+            return self.backward(loss, optimizer, *args, **kwargs)
         if session is not None:
             if self._recorder is not None and not session.observing:
                 self._finish_report()
@@ -323,6 +392,28 @@ class _SwapStrategyMixin:
 
 def _optimizer_states(optimizers: Any) -> list:
     return [optimizer.state for optimizer in optimizers]
+
+
+def _rng_state(device: torch.device) -> tuple:
+    return torch.random.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(device: torch.device, state: Optional[tuple]) -> None:
+    if state is not None:
+        torch.random.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+
+
+@contextmanager
+def _silenced_logging(module: Any):
+    """``self.log`` / ``self.log_dict`` do nothing inside (a fake-tensor profile of the step)."""
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    module.log, module.log_dict = noop, noop
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
 
 
 def _stats_callback_for(callback_base: type) -> type:
