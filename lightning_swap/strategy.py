@@ -169,9 +169,13 @@ class _SwapStrategyMixin:
         restores gradients. (``policy="auto"`` itself never calls it: Note [Observe, do not re-run].)"""
         module = self.lightning_module
         optimizers = list(self.optimizers)
+        precision = self.precision_plugin
 
         def step_fn(model: Any, batch: Any) -> Any:
-            loss = module.training_step(batch, 0)
+            # As Lightning runs it (its precision context: autocast under "bf16-mixed"), with
+            # ``self.log`` silenced: a profiled call is not a training step to report.
+            with _silenced_logging(module), precision.train_step_context():
+                loss = module.training_step(batch, 0)
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
             return loss
@@ -248,12 +252,10 @@ class _SwapStrategyMixin:
 
         def fake_profile() -> Any:
             module = self.lightning_module
-            step_fn = self.profile_step_fn()
-            with _silenced_logging(module), self.precision_plugin.train_step_context():
-                return profile(
-                    module, batch, step_fn=step_fn, segments=list(session.segments), track=tensors_in(states), fake=True,
-                    scale=False, min_offload_bytes=self.swap_config.min_offload_bytes, device=self.root_device,
-                )
+            return profile(
+                module, batch, step_fn=self.profile_step_fn(), segments=list(session.segments), track=tensors_in(states),
+                fake=True, scale=False, min_offload_bytes=self.swap_config.min_offload_bytes, device=self.root_device,
+            )
 
         try:
             prof = self._plan_on_main(fake_profile)

@@ -121,3 +121,20 @@ def test_an_observed_step_out_of_memory_is_planned_in_fake_mode_and_run_again(wh
     assert module.calls == 3 + 2
     assert strategy.swap_session.profile.fake
     assert_same_state(module, plain)
+
+
+def test_the_batch_size_finder_works_with_item_in_training_step():
+    """The finder profiles with fake tensors where it can; ``.item()`` makes it measure for real."""
+    from lightning_swap import SwapBatchSizeFinder
+
+    budget = int(1.5 * _steady_peak())
+    L.seed_everything(0, verbose=False)
+    module = Busy("gpt", batch_size=16, samples=512)
+    finder = SwapBatchSizeFinder(mode="max", max_batch_size=64, max_trials=3)
+    trainer = L.Trainer(
+        strategy=CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0), accelerator="cpu", max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[finder],
+    )
+    trainer.fit(module)
+    assert finder.optimal_batch_size >= 16 and module.batch_size == finder.optimal_batch_size
+    assert all(s.peak_device_bytes <= budget for s in trainer.strategy.stats_history)

@@ -518,15 +518,49 @@ def profile(
     track = [t for t in tree_leaves(list(track)) if isinstance(t, torch.Tensor)]
     rates = _compute_rates(device) if fake or scale else (1.0, 1.0)
     start = time.perf_counter()
-    result = _build(model, names, batch, batch_size, step_fn, device, track, fake, min_offload_bytes, rates)
+
+    def build(b: Any, size: int, fake_mode: bool) -> ModelProfile:
+        return _build(model, names, b, size, step_fn, device, track, fake_mode, min_offload_bytes, rates)
+
+    result = _try_fake(lambda: build(batch, batch_size, True), lambda: build(batch, batch_size, False)) if fake else build(batch, batch_size, False)
     if scale:
         big = 2 * batch_size
-        ref = _build(model, names, _resize(batch, batch_size, big), big, step_fn, device, track, True, min_offload_bytes, rates)
-        if not fake:  # Note [Batch scaling]: the slope from fake points, anchored at the real one
-            ref = _anchor(result, ref, fake_here=_build(model, names, batch, batch_size, step_fn, device, track, True, min_offload_bytes, rates))
+        bigger = _resize(batch, batch_size, big)
+        fake_big = _try_fake(lambda: build(bigger, big, True), lambda: None)
+        if fake_big is None:  # Note [Fake mode is an optimisation]
+            ref = build(bigger, big, False)
+        elif result.fake:
+            ref = fake_big
+        else:  # Note [Batch scaling]: the slope from fake points, anchored at the real one
+            fake_here = _try_fake(lambda: build(batch, batch_size, True), lambda: None)
+            ref = _anchor(result, fake_big, fake_here=fake_here) if fake_here is not None else build(bigger, big, False)
         result = dataclasses.replace(result, reference=ref)
     log.debug("profiled %d segments at batch %d in %.2f s (fake=%s)", len(names), batch_size, time.perf_counter() - start, fake)
     return result
+
+
+def _fake_unsupported(exc: BaseException) -> bool:
+    """Whether a step could not run on fake tensors: it reads a value (``.item()``, a branch on
+    a tensor), makes a shape from data (``nonzero``), or uses an op fake tensors do not know."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {
+        "DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException",
+        "GuardOnDataDependentSymNode", "UnsupportedFakeTensorException", "MetadataMismatchError",
+    })
+
+
+def _try_fake(fake: Callable[[], Any], real: Callable[[], Any]) -> Any:
+    """Note [Fake mode is an optimisation]: fake tensors measure memory without arithmetic, but a
+    step that reads a value (``.item()``, common in training steps) cannot run on them. Then the
+    same measurement is made for real — at the batch sizes needed, with one debug line — rather
+    than failing."""
+    try:
+        return fake()
+    except Exception as exc:  # noqa: BLE001 - only what fake tensors cannot do falls back
+        if not _fake_unsupported(exc):
+            raise
+        log.debug("the step cannot run on fake tensors (%s: %s); measuring it for real", type(exc).__name__, exc)
+        return real()
 
 
 def _anchor(real: ModelProfile, fake_big: ModelProfile, *, fake_here: ModelProfile) -> ModelProfile:
