@@ -255,7 +255,12 @@ def _search(
             )
     finally:
         accelerator._swap_searching = False
-        session.reset()  # the next training forward plans for the batch train() uses
+        searched = session._profile
+        session.reset()
+        if session.auto is not None and searched is not None:
+            # The next training forward plans from the search's steady-state profile at its own
+            # batch size, instead of observing a step of that size without a plan.
+            session.auto.set_profile(searched, None, steady=True)
         _free_device_memory(accelerator)
 
 

@@ -79,6 +79,7 @@ class AutoPlanner:
         self._profile_shape: Optional[tuple] = None
         self._profile_batch = 0
         self._scalable = False  # the profile predicts other batch sizes (a batch-size search's)
+        self._adopt_shape = False
         self._planned_batch = 0
         self._observed_state = (0, 0)  # gradient bytes, optimizer state bytes
         self._signature: Optional[tuple[int, int]] = None
@@ -94,6 +95,10 @@ class AutoPlanner:
         if session.budget_bytes() is None:
             return "plan" if session.plan is None else "run"
         size = _infer_batch_size(batch)
+        if self._adopt_shape:  # a profile made elsewhere (a batch-size search): this batch's shape
+            self._adopt_shape = False
+            self._profile_shape, self._planned_batch = _shape_key(batch), size
+            return "plan"
         if self._profile_shape is None or _shape_key(batch) != self._profile_shape:
             return "observe"
         if size > self._profile_batch and not self._scalable:
@@ -142,14 +147,16 @@ class AutoPlanner:
             self.observing = None
 
     def set_profile(self, profile: ModelProfile, batch: Any, *, steady: bool = False) -> None:
-        """Use ``profile`` (of a step on a batch shaped like ``batch``) from now on: the next step
-        plans. ``steady``: it was measured in the steady state (a batch-size search warms up
-        first), so no shift is added; a profile measured at two batch sizes is used at any."""
+        """Use ``profile`` (of a step on a batch shaped like ``batch``; ``None``: like the next
+        step's) from now on: the next step plans. ``steady``: it was measured in the steady state
+        (a batch-size search warms up first), so no shift is added; a profile measured at two
+        batch sizes is used at any."""
         self.profile = profile
-        self._profile_shape = _shape_key(batch)
+        self._adopt_shape = batch is None
+        self._profile_shape = None if batch is None else _shape_key(batch)
         self._profile_batch = profile.batch_size
         self._scalable = profile.reference is not None
-        self._planned_batch = _infer_batch_size(batch)
+        self._planned_batch = profile.batch_size if batch is None else _infer_batch_size(batch)
         if steady:
             self._observed_state = (1 << 62, 1 << 62)
         self.session.plan = None

@@ -299,14 +299,15 @@ class SwapSession:
             scale=True,
         )
         try:
-            self.profile = profile(self.model, batch, **kwargs)
+            measured = profile(self.model, batch, **kwargs)
         except Exception as exc:  # noqa: BLE001
             if not is_out_of_memory(exc):
                 raise
             log.info("plain step does not fit on %s; profiling in fake mode", self.device)
             torch.cuda.empty_cache()
-            self.profile = profile(self.model, batch, fake=True, **kwargs)
-        return self.profile
+            measured = profile(self.model, batch, fake=True, **kwargs)
+        self._profile = measured
+        return measured
 
     def plan_for_batch(self, batch: Any, step_fn: Callable[[nn.Module, Any], Any], track: Iterable[Any] = ()) -> Plan:
         """The plan for this batch: the forced one, or for ``"auto"`` the planner's under the
