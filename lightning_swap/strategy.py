@@ -138,8 +138,9 @@ class _SwapStrategyMixin:
         module = self.lightning_module
         self._session = SwapSession(module, self.swap_config, self.root_device, unified=self.unified_memory)
         if not self.swap_config.is_auto:
-            # Every rank runs rank 0's plan (identity on one device).
-            self._log_plan(self._session.apply(self.broadcast(self._session.forced_plan(), src=0)))
+            # Every rank runs rank 0's plan (identity on one device); it is logged once its first
+            # step has measured its rows (Note [Measured rows]).
+            self._session.apply(self.broadcast(self._session.forced_plan(), src=0))
         else:
             # Lightning's closure runs forward, zero_grad, backward: without accumulation the last
             # step's gradients are gone before the backward (Note [Steady-state shift]).
@@ -370,6 +371,18 @@ class _SwapStrategyMixin:
             self._finish_report()
         session.end_step()
         session.step_done()
+        self._log_measured_plan(wait=False)
+
+    def _log_measured_plan(self, *, wait: bool) -> None:
+        """A plan without predictions is logged once its first step measured its rows."""
+        session = self._session
+        runtime = session.runtime if session is not None else None
+        if runtime is None or not runtime.measure_rows or self._logged_plan is not None:
+            return
+        measured = runtime.measured_plan(wait=wait)
+        if measured is not None:
+            session.plan = measured
+            self._log_plan(measured)
 
     def teardown(self) -> None:
         if self._recorder is not None:  # a step that never reached backward
@@ -378,6 +391,7 @@ class _SwapStrategyMixin:
         if self._session is not None:
             self._session.abort_step()
             self._session.records.resolve(wait=True)  # training is over: the host may wait now
+            self._log_measured_plan(wait=True)
             self._session.close()
         if self.unified_memory is not None:
             # New allocations go back to torch's allocator; managed ones stay valid

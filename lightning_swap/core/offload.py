@@ -37,7 +37,7 @@ import itertools
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -58,6 +58,8 @@ class OffloadCounters:
     prefetched_bytes: int = 0
     #: Host-measured copy time on CPU (synchronous copies); on CUDA see ``CopyStreams.exposed``.
     copy_ms: float = 0.0
+    #: Bytes offloaded, by segment index.
+    by_segment: dict = field(default_factory=dict)
 
 
 class _Entry:
@@ -235,6 +237,7 @@ class OffloadEngine:
             self.counters.copy_ms += (time.perf_counter() - start) * 1e3
         self.counters.offloaded_bytes += nbytes
         self.counters.offloaded_tensors += 1
+        self.counters.by_segment[segment] = self.counters.by_segment.get(segment, 0) + nbytes
         return entry
 
     def _fetch(self, entry: _Entry) -> tuple[torch.Tensor, Any]:

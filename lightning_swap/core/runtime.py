@@ -24,7 +24,7 @@ from torch import nn
 from .actions import Action
 from .meter import DeviceMemoryMeter
 from .offload import OffloadEngine
-from .plan import Plan
+from .plan import Plan, PlanRow
 from .recompute import RecomputeTimer, checkpointed
 from .streams import Timing, default_ops
 from .unified import UMMode
@@ -249,6 +249,70 @@ class StatsHistory:
         self._records.clear()
 
 
+class _RowMeasure:
+    """Note [Measured rows]: a plan without predictions (a forced policy: nothing was profiled)
+    gets rows measured in its first step, so that its table has numbers. Each segment's
+    forward is bracketed (module hooks, for that step only): the bytes it leaves alive on the
+    device (its saved activations that stay, and its output) are "kept", less what is still in
+    flight to the host; the engine counts what it offloads per segment; the recompute timer
+    gives each segment's recomputation time and the bytes it brought back."""
+
+    def __init__(self, runtime: "SwapRuntime") -> None:
+        self.runtime = runtime
+        self.kept: dict[str, int] = {}
+        self.offloaded: dict[str, int] = {}
+        self.recompute: dict[str, list] = {}
+        self.handles: list[Any] = []
+        self.open = False
+
+    def start(self) -> "_RowMeasure":
+        rt = self.runtime
+        rt.timer.segments, rt.timer.meter = {}, rt.meter
+        marks: dict[str, tuple[int, int]] = {}
+
+        def inflight() -> int:
+            return rt.engine.copies.inflight_bytes if rt.engine is not None else 0
+
+        for name in rt._names:
+            module = rt._modules[name]
+
+            def pre(m: nn.Module, args: Any, name: str = name) -> None:
+                if torch.is_grad_enabled():
+                    marks[name] = (rt.meter.current_bytes, inflight())
+
+            def post(m: nn.Module, args: Any, out: Any, name: str = name) -> None:
+                if name in marks:
+                    bytes0, flying0 = marks.pop(name)
+                    left = rt.meter.current_bytes - bytes0 - (inflight() - flying0)
+                    self.kept[name] = self.kept.get(name, 0) + max(0, left)
+
+            self.handles.append(module.register_forward_pre_hook(_ModuleHook(pre)))
+            self.handles.append(module.register_forward_hook(_ModuleHook(post)))
+        self.open = True
+        return self
+
+    def stop(self, counters: Any) -> None:
+        rt = self.runtime
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self.recompute, rt.timer.segments, rt.timer.meter = rt.timer.segments or {}, None, None
+        if counters is not None:
+            self.offloaded = {rt._names[i]: b for i, b in counters.by_segment.items() if 0 <= i < len(rt._names)}
+        self.open = False
+
+    def plan(self, *, wait: bool) -> Optional[Plan]:
+        rt = self.runtime
+        rows = []
+        for name, action in rt.plan.actions.items():
+            timing, recomputed = self.recompute.get(name, (None, 0))
+            ms = timing.resolve(wait=wait) if timing is not None else 0.0
+            if ms is None:
+                return None  # the device has not finished the step yet
+            rows.append(PlanRow(name, action, self.kept.get(name, 0), self.offloaded.get(name, 0), recomputed, ms))
+        return replace(rt.plan, rows=tuple(rows), measured=True)
+
+
 def _inert_hook(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -317,6 +381,12 @@ class SwapRuntime:
             if not isinstance(action, Action):
                 raise ValueError(f"`plan` action for {name!r} must be an Action; got {action!r}.")
         self._modules = {name: modules[name] for name in self.plan.actions}
+        self._names = list(self.plan.actions)
+        #: Note [Measured rows]: a plan without predicted rows (a forced policy) gets measured
+        #: ones from the first step: ``None`` until then, the rows being collected, then a Plan.
+        self.measure_rows = not self.plan.rows
+        self._row_measure: Optional[_RowMeasure] = None
+        self.measured_plan_result: Optional[Plan] = None
         self._saved_forward: dict[str, tuple[bool, Any]] = {}
         self._handles: list[Any] = []
         self.engine: Optional[OffloadEngine] = None
@@ -380,7 +450,7 @@ class SwapRuntime:
 
             return _SegmentForward(module, offloaded)
         outer = (lambda: engine.hooks(index)) if action is Action.RECOMPUTE_OFFLOAD else None
-        return _SegmentForward(module, checkpointed(module, forward, action, self.timer, outer=outer))
+        return _SegmentForward(module, checkpointed(module, forward, action, self.timer, outer=outer, name=self._names[index]))
 
     def _forward_trigger(self) -> Any:
         """A forward pre-hook on every segment: what is in flight is bounded in segments
@@ -480,6 +550,8 @@ class SwapRuntime:
             if self.engine is not None:
                 self.engine.begin_step([*params, *self.model.buffers(), *tracked])
         self._um_start = self.unified.stats() if self.unified is not None else None
+        if self.measure_rows and self._row_measure is None:
+            self._row_measure = _RowMeasure(self).start()
         self._step_timing = Timing(self.ops)
         self._step_start = self.ops.record(self.ops.compute_stream(), timing=True)
 
@@ -500,6 +572,8 @@ class SwapRuntime:
         if not self.meter._open:
             raise RuntimeError("end_step() called without begin_step()")
         counters, exposed = self.engine.end_step() if self.engine is not None else (None, None)
+        if self._row_measure is not None and self._row_measure.open:
+            self._row_measure.stop(counters)
         step = self._step_timing
         step.add(self._step_start, self.ops.record(self.ops.compute_stream(), timing=True))
         self.meter.__exit__(None, None, None)
@@ -529,3 +603,10 @@ class SwapRuntime:
     def last_stats(self) -> Optional[StepStats]:
         """The last step's statistics as known now (times may still be ``None`` on CUDA)."""
         return self.records.newest()
+
+    def measured_plan(self, *, wait: bool = False) -> Optional[Plan]:
+        """Note [Measured rows]: the plan with the rows measured in its first step (bytes kept,
+        offloaded and recomputed, milliseconds recomputing, per segment), once known."""
+        if self.measured_plan_result is None and self._row_measure is not None and not self._row_measure.open:
+            self.measured_plan_result = self._row_measure.plan(wait=wait)
+        return self.measured_plan_result
