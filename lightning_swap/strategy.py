@@ -305,13 +305,19 @@ class _SwapStrategyMixin:
 
     def _steady_plain_timeline(self) -> Timeline:
         """The observed first step had no gradients or optimizer state yet; the steady state has
-        them throughout its forward (Note [Steady-state shift]): the picture adds them."""
+        them (Note [Steady-state shift]): the picture adds them as the plan's model does, the
+        forward's shift up to the first backward mark and the backward's after it."""
         plain = self._plain_timeline
+        auto = self._session.auto
         states = _optimizer_states(self.optimizers)
-        shift = self._session.auto.steady_profile(states).static_bytes - self._session.auto.profile.static_bytes
+        steady = auto.steady_profile(states)
+        forward = steady.static_bytes - auto.profile.static_bytes
+        backward = steady.prefix_backward_peak_bytes - auto.profile.prefix_backward_peak_bytes
+        first_backward = next((x for x, label in plain.marks if label.startswith("B ")), len(plain.samples))
+        samples = tuple((x, b + (forward if x < first_backward else backward)) for x, b in plain.samples)
         return replace(
-            plain, samples=tuple((x, b + shift) for x, b in plain.samples), peak_bytes=plain.peak_bytes + shift,
-            label=f"plain (the observed first step + {format_bytes(shift)} of gradients and optimizer state)",
+            plain, samples=samples, peak_bytes=max(b for _, b in samples),
+            label=f"plain (the observed first step + the steady state's {format_bytes(forward)} of gradients and optimizer state)",
         )
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -340,7 +346,7 @@ class _SwapStrategyMixin:
             loss = loss["loss"] if isinstance(loss, dict) else loss
             return self.backward(loss, optimizer, *args, **kwargs)
         if session is not None:
-            if self._recorder is not None and not session.observing:
+            if self._recorder is not None:  # a timeline covers the forward and the backward
                 self._finish_report()
             session.backward_done()
         return out
@@ -367,8 +373,6 @@ class _SwapStrategyMixin:
         if session is None or not self._step_open:
             return
         self._step_open = False
-        if self._recorder is not None and session.observing:
-            self._finish_report()
         session.end_step()
         session.step_done()
         self._log_measured_plan(wait=False)
