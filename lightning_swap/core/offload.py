@@ -182,9 +182,13 @@ class OffloadEngine:
         return torch.autograd.graph.saved_tensors_hooks(self._packer(segment), self._unpack)
 
     def segment_started(self) -> None:
-        """A segment's forward starts (with autograd recording): bounds what is in flight."""
+        """A segment's forward starts (with autograd recording)."""
         self._backward = False
         self.copies.segment_started()
+
+    def segment_ended(self) -> None:
+        """A segment's forward ended: bounds what is in flight (Note [Stream protocol], rule 2)."""
+        self.copies.segment_ended()
 
     def _packer(self, segment: int) -> Callable[[torch.Tensor], Any]:
         def pack(t: torch.Tensor) -> Any:

@@ -429,8 +429,7 @@ class SwapRuntime:
                 for index, name in enumerate(self.plan.actions):
                     module = self._modules[name]
                     self._handles.append(module.register_forward_pre_hook(self._forward_trigger()))
-                    if self.prefetch_segments > 0:
-                        self._handles.append(module.register_forward_hook(self._backward_trigger(index)))
+                    self._handles.append(module.register_forward_hook(self._backward_trigger(index)))
             if self.unified is not None and self.unified.mode is UMMode.ALL:
                 self._install_parameter_prefetch()
         except BaseException:
@@ -464,13 +463,16 @@ class SwapRuntime:
         return _ModuleHook(hook)
 
     def _backward_trigger(self, index: int) -> Any:
-        """A forward hook marking, on the segment's outputs, when its backward starts
-        (Note [Prefetch schedule] in offload.py)."""
+        """A forward hook: the segment's copies to the host may stay in flight only so long
+        (Note [Stream protocol]), and its outputs mark when its backward starts (Note [Prefetch
+        schedule] in offload.py)."""
         engine = self.engine
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if torch.is_grad_enabled():
-                on_backward_start(output, lambda: engine.backward_started(index))
+                engine.segment_ended()
+                if engine.prefetch_segments > 0:
+                    on_backward_start(output, lambda: engine.backward_started(index))
 
         return _ModuleHook(hook)
 
