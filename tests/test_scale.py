@@ -135,11 +135,18 @@ def test_throughput_returns_plain_when_every_candidate_measures_slower(mlp_profi
     result = _throughput(prof, budget, trials)
     assert _is_plain(*trials.calls[0])  # plain runs first
     assert len(trials.calls) == 4 and not any(_is_plain(*c) for c in trials.calls[1:])  # plus 3 candidates, none plain again
+    assert all(batch > _BASE for batch, _ in trials.calls[1:])  # above the base batch first (three fit here)
     assert result.batch_size == _BASE and set(result.plan.actions.values()) == {Action.KEEP}
     assert result.chosen_trial is result.plain_trial and result.speedup == pytest.approx(1.0)
     text = result.render()
     assert "plain at batch 64: 100.0 samples/s measured; no candidate beat it" in text
     assert "0.90x" in text and "plain training at batch 64 is returned" in text
+
+
+def test_throughput_prefers_plain_on_a_tie(mlp_profile):
+    prof, budget = mlp_profile
+    result = _throughput(prof, budget, FakeTrials(lambda call, batch, plan: 100.0))
+    assert result.chosen_trial.plain and result.batch_size == _BASE
 
 
 def test_throughput_returns_a_faster_candidate_and_the_ratio(mlp_profile):

@@ -34,12 +34,11 @@ whole budget). Then the best ``candidates`` predictions are timed, those above t
 first: the cost model scales a step's time in proportion to the batch, so it ranks the
 all-``KEEP`` plan at a smaller batch about level with plain, while a real step has a fixed
 part (launches, the optimizer) that a smaller batch pays more often per sample (likely how
-the H100 came to time batch 4). The trial with the best measured samples/s that fitted is returned,
-plain on a tie. A trial that ran out of
-memory or measured over the budget is never returned. Hence the result's measured samples/s
-is at least plain's whenever plain fitted; :meth:`ScaleResult.render` states the comparison,
-or why there is none (no base batch, a forced policy, plain predicted or measured over the
-budget). Noise: every trial runs ``steps_per_trial`` steps, the first discarded as warm-up,
+the H100 came to time batch 4). The trial with the best measured samples/s that fitted is
+returned, plain on a tie; a trial that ran out of memory or measured over the budget never
+is. Hence the result's measured samples/s is at least plain's whenever plain fitted;
+:meth:`ScaleResult.render` states the comparison, or why there is none (no base batch, a
+forced policy, plain predicted or measured over the budget). Noise: every trial runs ``steps_per_trial`` steps, the first discarded as warm-up,
 and its time is the *median* of the rest: robust to one slow step (garbage collection, a
 neighbour's burst) without crediting a candidate for one lucky step as the minimum would
 (an offload plan's copy overlap varies from step to step; its best step is not what training
@@ -58,8 +57,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from .actions import Action
-from .errors import InfeasibleBudgetError, is_out_of_memory  # re-exported: its old home
 from .costmodel import simulate
+from .errors import InfeasibleBudgetError, is_out_of_memory  # re-exported: its old home
 from .plan import Plan, format_bytes
 from .profiler import ModelProfile, StepFn
 from .runtime import StepStats
@@ -204,7 +203,7 @@ class ScaleResult:
         elif chosen.plain:
             answer = f"batch {chosen.batch_size} (plain)"
         else:
-            answer = f"batch {chosen.batch_size} (plan {chosen.plan.summary() or '-'}): {chosen.samples_per_s:.1f} samples/s"
+            answer = f"batch {chosen.batch_size} (plan {chosen.plan.summary() or '-'}): {_rate(chosen)} samples/s"
         if plain is None:
             return f"plain not measured: {self.plain_note}; chosen {answer}"
         where = f"plain at batch {plain.batch_size}"
@@ -214,14 +213,15 @@ class ScaleResult:
             else:
                 why = plain.reason
             return f"{where} does not fit the budget ({why}); chosen {answer}"
-        measured = f"{where}: {plain.samples_per_s:.1f} samples/s measured"
+        measured = f"{where}: {_rate(plain)} samples/s measured"
         if chosen is not None and chosen.plain:
             others = [t for t in self.trials if not t.plain and not t.failed and t.samples_per_s is not None]
             if others:
                 best = max(others, key=lambda t: t.samples_per_s)
+                ratio = f", {best.samples_per_s / plain.samples_per_s:.2f}x" if plain.samples_per_s else ""
                 why = (
                     f"no candidate beat it (best: batch {best.batch_size}, plan {best.plan.summary() or '-'}, "
-                    f"{best.samples_per_s:.1f} samples/s, {best.samples_per_s / plain.samples_per_s:.2f}x)"
+                    f"{best.samples_per_s:.1f} samples/s{ratio})"
                 )
             else:
                 why = "no other candidate fitted" if any(not t.plain for t in self.trials) else "no other candidate was timed"
@@ -257,6 +257,10 @@ class ScaleResult:
         if self.mode == "throughput":
             lines.append(self.comparison())
         return "\n".join(lines)
+
+
+def _rate(trial: Trial) -> str:
+    return "-" if trial.samples_per_s is None else f"{trial.samples_per_s:.1f}"
 
 
 RunTrial = Callable[[int, Plan], TrialMeasurement]
