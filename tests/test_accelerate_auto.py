@@ -168,6 +168,20 @@ def test_find_batch_size_at_least_doubles_the_plain_batch_within_the_budget(fres
     accelerator.free_memory()
 
 
+def test_find_batch_size_throughput_is_at_least_plain_at_the_profile_batch(fresh_state):
+    accelerator, model, optimizer = _prepared(SwapPlugin(budget_bytes=1 << 30, min_offload_bytes=0))
+    _train_more_mlp(accelerator, model, optimizer, [32])  # steady state: momentum exists
+    search = dict(accelerator=accelerator, model=model, optimizer=optimizer, make_batch=_MLP_DATA, step_fn=_mlp_step)
+    train = find_batch_size(lambda batch_size: batch_size, **search, mode="throughput", max_batch_size=256, profile_batch_size=48, steps_per_trial=3)
+    found = train()
+    result = train.result
+    plain = result.plain_trial  # profile_batch_size is the base batch: plain training there is the reference
+    assert result.base_batch_size == 48 and plain is not None and plain.batch_size == 48 and not plain.failed
+    assert found == result.batch_size and result.chosen_trial.samples_per_s >= plain.samples_per_s
+    assert f"plain at batch 48: {plain.samples_per_s:.1f} samples/s measured" in result.render()
+    accelerator.free_memory()
+
+
 def _train_more_mlp(accelerator, model, optimizer, batches):
     peaks = []
     for batch in batches:
