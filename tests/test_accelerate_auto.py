@@ -5,6 +5,7 @@ covered by tests/test_accelerate.py."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -68,7 +69,8 @@ def test_auto_fits_a_simulated_budget_and_equals_plain(fresh_state):
     assert _clean(auto)
 
 
-def test_auto_without_a_budget_on_cpu_keeps_everything(fresh_state):
+def test_auto_without_a_budget_on_cpu_keeps_everything(fresh_state, caplog):
+    caplog.set_level(logging.WARNING, logger="lightning_swap")
     accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin())  # switched on, no options
     torch.manual_seed(0)
     model = accelerator.prepare(CNN())
@@ -86,6 +88,14 @@ def test_auto_without_a_budget_on_cpu_keeps_everything(fresh_state):
     assert accelerator.swap_step_stats is None  # no optimizer step: the step is still open...
     accelerator.end_training()
     assert accelerator.swap_step_stats is not None  # ...until training ends
+    accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin())
+    model = accelerator.prepare(CNN())
+    for _ in range(3):
+        accelerator.backward(F.cross_entropy(model(x), y))
+    accelerator.end_training()
+    warnings = [r for r in caplog.records if "no memory budget" in r.getMessage()]
+    assert len(warnings) == 2, [r.getMessage() for r in caplog.records]  # once per accelerator
+    assert warnings[0].levelno == logging.WARNING and "ACCELERATE_CPU_SWAP_BUDGET_BYTES" in warnings[0].getMessage()
 
 
 def test_auto_replans_for_a_new_batch_shape(fresh_state):

@@ -5,6 +5,8 @@ advice of ``InfeasibleBudgetError`` works as given."""
 
 from __future__ import annotations
 
+import logging
+
 import lightning as L
 import pytest
 import torch
@@ -138,3 +140,14 @@ def test_the_batch_size_finder_works_with_item_in_training_step():
     trainer.fit(module)
     assert finder.optimal_batch_size >= 16 and module.batch_size == finder.optimal_batch_size
     assert all(s.peak_device_bytes <= budget for s in trainer.strategy.stats_history)
+
+
+def test_auto_without_a_budget_on_cpu_says_so_once_and_how_to_set_one(caplog):
+    caplog.set_level(logging.WARNING, logger="lightning_swap")
+    plain, _ = _fit_busy("auto", steps=3)
+    ours, trainer = _fit_busy(CPUSwapStrategy(), steps=3)
+    assert set(trainer.strategy.plan.actions.values()) == {Action.KEEP}
+    assert ours.losses == plain.losses
+    warnings = [r for r in caplog.records if "no memory budget" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING, [r.getMessage() for r in caplog.records]
+    assert "budget_bytes='8GiB'" in warnings[0].getMessage()

@@ -87,7 +87,6 @@ class AutoPlanner:
         self._check_pending = False
         #: Bytes the measured peaks exceeded the predictions by, learned from the checks.
         self.correction_bytes = 0
-        self._logged_no_budget = False
 
     # -- what the next step does ---------------------------------------------------------
     def kind(self, batch: Any, states: Any) -> str:
@@ -176,13 +175,7 @@ class AutoPlanner:
         session = self.session
         budget = session.budget_bytes()
         if budget is None:
-            if not self._logged_no_budget:
-                self._logged_no_budget = True
-                log.info(
-                    "lightning-swap: policy='auto' has no memory budget on %s, so every segment is kept; "
-                    "set budget_bytes (e.g. budget_bytes='8GiB', the simulated device capacity) to plan.",
-                    session.device.type,
-                )
+            session.warn_no_budget()
             return Plan(actions={name: Action.KEEP for name in session.segments})
         current = session.plan
         grown = _grad_bytes(session.model) + _tensor_bytes(states) > self._planned_state

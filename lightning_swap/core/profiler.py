@@ -254,12 +254,15 @@ def _compute_rates(device: torch.device) -> tuple[float, float]:
     n = 256
     a = torch.full((n, n), 0.5, device=device)  # not randn: profiling must not move the RNG
     a @ a
-    start = time.perf_counter()
-    for _ in range(4):
-        a @ a
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    flops_per_ms = 4 * 2 * n**3 / max((time.perf_counter() - start) * 1e3, 1e-6)
+    best = float("inf")
+    for _ in range(5):  # the fastest of a few: a shared machine's other load is not the device's rate
+        start = time.perf_counter()
+        for _ in range(4):
+            a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    flops_per_ms = 4 * 2 * n**3 / max(best * 1e3, 1e-6)
     _BANDWIDTH[key] = (flops_per_ms, measure_bandwidth(device)[0])
     return _BANDWIDTH[key]
 

@@ -184,6 +184,7 @@ class SwapSession:
         self._planned_for: Optional[tuple] = None
         self._planned_state: Optional[int] = None
         self._pinned = False
+        self._warned_no_budget = False
         #: ``policy="auto"``'s decisions (Note [Auto: observe, plan, check]); ``None`` for a forced policy.
         self.auto = AutoPlanner(self) if config.is_auto else None
 
@@ -309,6 +310,20 @@ class SwapSession:
         self._profile = measured
         return measured
 
+    def warn_no_budget(self) -> None:
+        """Say once, as a warning (the user sees it without configuring logging), that
+        ``policy="auto"`` has nothing to plan against and how to give it a budget."""
+        if self._warned_no_budget:
+            return
+        self._warned_no_budget = True
+        log.warning(
+            "lightning-swap: policy='auto' has no memory budget on %s (only CUDA reports one by itself), "
+            "so there is nothing to plan against and every segment is kept. Set budget_bytes to plan: "
+            "CPUSwapStrategy(budget_bytes='8GiB'), SwapPlugin(budget_bytes='8GiB') or "
+            "ACCELERATE_CPU_SWAP_BUDGET_BYTES=8GiB (on CPU it is the simulated device capacity).",
+            self.device.type,
+        )
+
     def plan_for_batch(self, batch: Any, step_fn: Callable[[nn.Module, Any], Any], track: Iterable[Any] = ()) -> Plan:
         """The plan for this batch: the forced one, or for ``"auto"`` the planner's under the
         budget (all segments kept when no budget is known: CPU without ``budget_bytes``).
@@ -322,7 +337,7 @@ class SwapSession:
             return self.forced_plan()
         budget = self.budget_bytes()
         if budget is None:
-            log.info("policy='auto' without budget_bytes on %s: every segment kept", self.device.type)
+            self.warn_no_budget()
             return Plan(actions={name: Action.KEEP for name in self.segments})
         key = _batch_key(batch)
         previous = self._planned_for
