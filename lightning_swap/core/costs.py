@@ -126,16 +126,18 @@ def measure_action_costs(
                 continue
             base = sum(keep)
 
-            def extra(action: Action) -> Optional[float]:
+            def extra(action: Action, floor: float = 0.0) -> Optional[float]:
                 timed = best[action]
-                return None if timed is None else max(0.0, sum(timed) - base)
+                return None if timed is None else max(floor, sum(timed) - base)
 
             try:
                 working = measure_released_working(module, call, device)
             except Exception as exc:  # noqa: BLE001
                 log.debug("measuring %s's forward without saving failed: %s", name, exc)
                 working = -1
-            out[name] = ActionCosts(keep[0], keep[1], extra(Action.RECOMPUTE), extra(Action.SELECTIVE), working)
+            # Recomputing reruns the whole forward: it adds at least the kept forward's time. A smaller
+            # difference is the noise of a shared machine, and would make recomputation look free.
+            out[name] = ActionCosts(keep[0], keep[1], extra(Action.RECOMPUTE, floor=keep[0]), extra(Action.SELECTIVE), working)
     finally:
         rng.__exit__(None, None, None)
         with torch.no_grad():
