@@ -176,7 +176,7 @@ class _SwapStrategyMixin:
             record = self._report_due()
             if record:
                 self._plain_timeline = self._session.record_plain_timeline(batch, self.profile_step_fn(), states)
-            self._session.begin_step(track)
+            self._session.begin_step(track, measure=record)  # the timeline needs the meter
             if record:
                 plan = self._session.plan
                 self._recorder = TimelineRecorder(

@@ -329,13 +329,16 @@ class SwapSession:
             log.info("lightning-swap plan (%s):\n%s", plan.summary(), plan.render())
         return plan
 
-    def begin_step(self, track: Iterable[Any] = ()) -> None:
+    def begin_step(self, track: Iterable[Any] = (), *, measure: bool = False) -> None:
+        """Open the step window. ``measure=True`` measures device memory even for a compiled model
+        on CPU (running that step eagerly: Note [No dispatch mode under compile] in runtime.py);
+        a pinned plan's steps (the batch-size finder's trials) are always measured."""
         if self.runtime is None:
             if self.config.is_auto:
                 raise RuntimeError("policy='auto': call plan_for_batch() and apply() before the first step")
             self.apply(self.forced_plan())
         assert self.runtime is not None
-        self.runtime.begin_step(tensors_in(list(track)))
+        self.runtime.begin_step(tensors_in(list(track)), measure=measure or self._pinned)
 
     def end_step(self) -> Optional[StepStats]:
         if self.runtime is None or not self.runtime.measuring:
