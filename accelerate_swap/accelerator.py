@@ -7,35 +7,29 @@ and applies the plan; a forward pre-hook on that model opens each step's window 
 ``backward`` closes it.
 
 Note [Accelerate step window]: the core measures one training step between
-``begin_step`` (before the forward) and ``end_step`` (after the backward). An Accelerate
-loop has no step hook, so the window opens in a forward pre-hook on the unwrapped model,
-only when autograd is recording and the model is in training mode (an evaluation forward
-never opens it), and closes in :meth:`SwapAccelerator.backward` after the real backward.
-The batch (the forward's arguments) and every prepared optimizer's state are tracked as
-alive before the step, as the Lightning strategy does. A loop that calls ``loss.backward()``
-itself leaves the window open; the next training forward restarts it, so only that step's
-statistics are lost. A failed backward (for instance out of memory) also leaves it open,
-for the same reason: closing it would report a step that did not happen.
+``begin_step`` (before the forward) and ``end_step`` (after the optimizer step). An Accelerate
+loop has no step hook, so the window opens in a forward pre-hook on the unwrapped model, only
+when autograd is recording and the model is in training mode (an evaluation forward never
+opens it), and closes after the step of any prepared optimizer (a step post-hook on the
+user's optimizer) that follows :meth:`SwapAccelerator.backward`, or, when none follows
+(gradient accumulation), at the next forward. The batch (the forward's arguments) and every
+prepared optimizer's state are tracked as alive before the step, as the Lightning strategy
+does. A loop that calls ``loss.backward()`` itself leaves the window open; the next training
+forward restarts it, so only that step's statistics are lost. A failed backward (for instance
+out of memory) also leaves it open, for the same reason: closing it would report a step that
+did not happen.
 
 Note [Auto policy in Accelerate]: a forced policy needs no batch, so its plan is made in
-``prepare``. ``policy="auto"`` needs a profiled step, and an Accelerate loop has no step hook:
-the plan is made in the forward pre-hook of the first training forward, before the window
-opens. Every process is then in the same forward, so the broadcast in
-:meth:`SwapAccelerator._plan_on_main` pairs up. The main process profiles the unwrapped model
-on that forward's own arguments (through its ``forward``, so under Accelerate's autocast) and
-reduces its output to a scalar: its ``loss`` when it carries one (Hugging Face models given
-labels), else the sum of its floating-point tensors. The user's loss is code outside the model,
-so the prediction covers the model, and the loss adds its own on top (for cross-entropy about
-one logits-sized tensor): keep ``budget_bytes`` a little under the capacity when the logits
-are large. As in the Lightning strategy, the plan is made again when a batch of another
-shape arrives (a new batch size only rescales the profile) and once gradients and optimizer
-state first appear (Note [Re-plan when the optimizer state appears]); with several processes
-the decision is OR-reduced first, so that all of them enter the broadcast or none does. The
-profile restores buffers, gradients and the RNG state, so the weights equal a plain run's, and
-the hook's planning is suspended while it runs (the profiled forward passes the hook again).
-Under DDP the profile runs inside DDP's forward on the unwrapped model; DDP's reducer only
-acts on gradients between its forward and the following backward, so the profile's backward
-communicates nothing.
+``prepare``. ``policy="auto"`` plans from the training steps themselves, as the Lightning
+strategy does (Note [Auto: observe, plan, check] in ``lightning_swap/core/auto.py``): the
+forward pre-hook asks the session what the step does; the first training step runs with every
+segment kept and is observed on the main process, from its forward to the next training
+forward (the user's loss, ``accelerator.backward`` and the optimizer step included: the real
+step, not a stand-in for it); the next step plans from that profile for the steady state, and
+the one after checks the plan against its measured peak. The decisions depend only on what
+every process sees alike, so all of them enter the plan's broadcast in
+:meth:`SwapAccelerator._plan_on_main` together, and nothing is reduced across processes per
+step. Nothing runs the model or the user's code an extra time.
 
 Note [Accelerate leaves no trace]: the runtime is applied to ``unwrap_model(model)``, never
 to the DDP wrapper, so segment names are the user's and ``state_dict`` keys do not change.
@@ -78,8 +72,8 @@ class AcceleratedSwapSession(SwapSession):
     """A :class:`SwapSession` that also owns the forward pre-hook opening each step's window
     (Note [Accelerate step window]); :meth:`close` removes both.
 
-    ``before_step(batch)``, when given, runs in that hook before the window opens, with the
-    forward's ``(args, kwargs)``: it (re-)plans (Note [Auto policy in Accelerate]).
+    ``states()`` gives the prepared optimizers' states; ``plan_on_main(solve)`` runs ``solve``
+    on the main process and hands every process its result (Note [Auto policy in Accelerate]).
     """
 
     def __init__(
@@ -88,15 +82,23 @@ class AcceleratedSwapSession(SwapSession):
         config: SwapConfig,
         device: torch.device | str,
         *,
-        extra_tracked: Callable[[], Iterable[Any]] = tuple,
-        before_step: Optional[Callable[[Any], None]] = None,
+        states: Callable[[], list] = list,
+        is_main: bool = True,
+        plan_on_main: Optional[Callable[[Callable[[], Plan]], Plan]] = None,
         unified: Optional[UnifiedMemory] = None,
     ) -> None:
         super().__init__(model, config, device, unified=unified)
-        self._extra_tracked = extra_tracked
-        self._before_step = before_step
+        self._states = states
+        self._is_main = is_main
+        self._plan_on_main = plan_on_main or (lambda solve: solve())
         self._planning_suspended = False
         self._pre_hook: Optional[RemovableHandle] = None
+        self._optimizer_hooks: dict[int, RemovableHandle] = {}
+        #: A step's backward is over; the step ends after the optimizer step (a post-hook on each
+        #: prepared optimizer) or, without one (accumulation), at the next forward.
+        self.step_pending = False
+        #: Called with each finished step's statistics (``None`` for an observed step's).
+        self.on_step_end: Callable[[Optional[StepStats]], None] = lambda stats: None
 
     @property
     def hooked(self) -> bool:
@@ -108,30 +110,53 @@ class AcceleratedSwapSession(SwapSession):
 
     @contextmanager
     def planning_suspended(self) -> Iterator[None]:
-        """No planning from the hook inside (profiled forwards, the batch-size search); windows
-        still open whenever a runtime is installed."""
+        """No planning from the hook inside (the batch-size search); windows still open whenever
+        a runtime is installed."""
         previous, self._planning_suspended = self._planning_suspended, True
         try:
             yield
         finally:
             self._planning_suspended = previous
 
+    def hook_optimizer(self, optimizer: Any) -> None:
+        """End each step after ``optimizer``'s step (the user's torch optimizer, inside
+        Accelerate's wrapper)."""
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if id(inner) not in self._optimizer_hooks and hasattr(inner, "register_step_post_hook"):
+            self._optimizer_hooks[id(inner)] = inner.register_step_post_hook(lambda *_: self.finish_pending_step())
+
+    def finish_pending_step(self) -> None:
+        """The step is over: its window closes (the optimizer step inside it), an observed step
+        becomes the profile."""
+        if self.step_pending:
+            self.step_pending = False
+            stats = self.end_step()
+            self.step_done()
+            self.on_step_end(stats)
+
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.finish_pending_step()
         if not (module.training and torch.is_grad_enabled()):
             return None
-        if self._before_step is not None and not self._planning_suspended:
-            with self.planning_suspended():
-                self._before_step((args, kwargs))
-        if self.runtime is not None:
-            self.begin_step([args, kwargs, *self._extra_tracked()])
+        states = self._states()
+        track = [args, kwargs, states]
+        if self.auto is not None and not self._planning_suspended:
+            self.before_step((args, kwargs), track, states, is_main=self._is_main, plan_on_main=self._plan_on_main)
+        elif self.runtime is not None:
+            self.begin_step(track)
         return None
 
     def close(self) -> None:
         """Remove the hook and the runtime. (:meth:`remove`, which the core calls to swap one
         plan for another or to profile, removes the runtime only.)"""
+        self.abort_step()
+        self.step_pending = False
         if self._pre_hook is not None:
             self._pre_hook.remove()
             self._pre_hook = None
+        for handle in self._optimizer_hooks.values():
+            handle.remove()
+        self._optimizer_hooks.clear()
         self.remove()
 
 
@@ -154,12 +179,6 @@ def model_output_loss(output: Any) -> torch.Tensor:
             f"tensor that requires grad; got {type(output).__name__}."
         )
     return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
-
-
-def _model_step(model: nn.Module, batch: Any) -> torch.Tensor:
-    """The profiled step: the forward on the hooked forward's ``(args, kwargs)``, reduced."""
-    args, kwargs = batch
-    return model_output_loss(model(*args, **kwargs))
 
 
 class SwapAccelerator(Accelerator):
@@ -266,35 +285,22 @@ class SwapAccelerator(Accelerator):
             module,
             self.swap_plugin.to_config(),
             self.device,
-            extra_tracked=lambda: _optimizer_states(self._optimizers),
-            before_step=self._before_training_forward,
+            states=lambda: _optimizer_states(self._optimizers),
+            is_main=self.is_main_process,
+            plan_on_main=lambda solve: self._plan_on_main(self._swap_session, solve),
             unified=self.swap_unified_memory,
         )
+        session.on_step_end = self._after_swap_step
         try:
             if not session.config.is_auto:  # Note [Auto policy in Accelerate]
                 session.apply(self._plan_on_main(session, session.forced_plan))
             session.install_hook()
+            for optimizer in self._optimizers:
+                session.hook_optimizer(optimizer)
         except BaseException:
             session.close()
             raise
         self._swap_session = session
-
-    def _before_training_forward(self, batch: Any) -> None:
-        """(Re-)plan before a training step when the session asks for it
-        (Note [Auto policy in Accelerate]); called from the session's forward pre-hook."""
-        session = self._swap_session
-        if session is None:
-            return
-        states = _optimizer_states(self._optimizers)
-        replan = session.needs_plan(batch) or (not session.pinned and session.state_changed(states))
-        if session.config.is_auto and self.num_processes > 1:
-            flag = torch.tensor([1 if replan else 0], device=self.device)
-            replan = bool(self.reduce(flag, reduction="sum").item() > 0)
-        if not replan:
-            return
-        plan = self._plan_on_main(session, lambda: session.plan_for_batch(batch, _model_step, states))
-        session.apply(plan)
-        session.mark_planned(batch, states)
 
     def _plan_on_main(self, session: AcceleratedSwapSession, solve: Callable[[], Plan]) -> Plan:
         """``solve()`` on the main process, broadcast, so every process applies the same plan.
@@ -329,11 +335,31 @@ class SwapAccelerator(Accelerator):
     # -- steps --------------------------------------------------------------------------
     @override
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        super().backward(loss, **kwargs)
         session = self.swap_session
+        if session is not None:
+            session.backward_begins()
+        try:
+            super().backward(loss, **kwargs)
+        except BaseException:
+            if session is not None:
+                session.abort_step()
+            raise
         if session is None:
             return
-        stats = session.end_step()  # Note [Accelerate step window]
+        session.backward_done()  # Note [Accelerate step window]: the step ends after the optimizer's
+        session.step_pending = True
+
+    @override
+    def prepare_optimizer(self, optimizer: Any, device_placement: Optional[bool] = None) -> Any:
+        prepared = super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if self._swap_session is not None:
+            self._swap_session.hook_optimizer(prepared)
+        return prepared
+
+    def _after_swap_step(self, stats: Optional[StepStats]) -> None:
+        session = self._swap_session
+        if stats is None and session is not None:
+            stats = session.records.newest()  # an observed step's own record
         if stats is None or self._swap_searching:
             return
         self.swap_step_stats = stats
@@ -347,6 +373,7 @@ class SwapAccelerator(Accelerator):
     # -- teardown -----------------------------------------------------------------------
     def _close_swap(self) -> None:
         if self._swap_session is not None:
+            self._swap_session.finish_pending_step()
             if self.swap_step_stats is not None:  # training is over: the host may wait now
                 self.swap_step_stats = self._swap_session.stats(wait=True)
             self._swap_session.close()

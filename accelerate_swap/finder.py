@@ -99,7 +99,10 @@ def find_batch_size(
             as for :class:`~lightning_swap.SwapBatchSizeFinder`; ``max_trials`` also bounds the
             calls of ``train`` after out-of-memory errors.
         profile_batch_size: the batch the step is warmed up and profiled at (default 8,
-            clipped to ``[min_batch_size, max_batch_size]``).
+            clipped to ``[min_batch_size, max_batch_size]``); pass the batch you train with.
+            In ``mode="throughput"`` it is also the base batch: plain training at it is
+            measured, and the batch found runs at least as many samples/s
+            (``wrapper.result.render()`` states the comparison).
     """
     config = ScaleConfig(
         mode=mode,
@@ -252,10 +255,16 @@ def _search(
                 config=config,
                 track=lambda: [getattr(o, "optimizer", o).state for o in accelerator._optimizers],
                 collectives=_collectives(accelerator),
+                base_batch_size=profile_batch_size,
             )
     finally:
         accelerator._swap_searching = False
-        session.reset()  # the next training forward plans for the batch train() uses
+        searched = session._profile
+        session.reset()
+        if session.auto is not None and searched is not None:
+            # The next training forward plans from the search's steady-state profile at its own
+            # batch size, instead of observing a step of that size without a plan.
+            session.auto.set_profile(searched, None, steady=True)
         _free_device_memory(accelerator)
 
 

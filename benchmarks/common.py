@@ -335,23 +335,42 @@ def fitted_max_batch(bench: Bench, method: str, budget_bytes: int, *, cap: int, 
 def planned_max_batch(
     bench: Bench, prof: Any, name: str, budget_bytes: int, *, mode: str, actions: Optional[tuple[Action, ...]], cap: int, repeats: int, candidates: int = 2
 ) -> tuple[MaxBatch, Optional[ScaleResult]]:
-    """Ours: the planner's search (predictions, then real trial steps) under the budget."""
+    """Ours: the planner's search (predictions, then real trial steps) under the budget; the
+    base batch is the model's, where ``mode="throughput"`` measures plain training first.
+
+    A plan that keeps every segment is measured as "plain" (the same runtime with every
+    segment kept, so the same program): the throughput search's plain trial and the plain row
+    share one measurement, and "at least plain's samples/s" holds in the table as in the search.
+    """
+
+    def measure(batch_size: int, plan: Plan) -> Measurement:
+        if set(plan.actions.values()) == {Action.KEEP}:
+            return bench.measure("plain", batch_size, repeats=repeats)
+        return bench.measure(name, batch_size, plan=plan, repeats=repeats)
 
     def run_trial(batch_size: int, plan: Plan) -> TrialMeasurement:
-        m = bench.measure(name, batch_size, plan=plan, repeats=repeats)
+        m = measure(batch_size, plan)
         return TrialMeasurement(peak_bytes=m.peak_bytes, step_ms=m.step_ms)
 
     config = ScaleConfig(mode=mode, margin=0.0, max_batch_size=cap, max_trials=4, candidates=candidates, steps_per_trial=1 + repeats)
     from lightning_swap.core.scale import BatchSearchError
 
     try:
-        result = search_batch_size(prof, budget_bytes, run_trial, config, actions=actions)
+        result = search_batch_size(prof, budget_bytes, run_trial, config, actions=actions, base_batch_size=bench.spec.base_batch)
     except BatchSearchError as err:
         return MaxBatch(name, None, f"no batch fits ({len(err.trials)} trial(s))"), None
-    m = bench.measure(name, result.batch_size, plan=result.plan, repeats=repeats)
+    m = measure(result.batch_size, result.plan)
     how = f"planner + {len(result.trials)} trial(s), {result.failed_trials} failed"
     if mode == "max" and result.batch_size == cap:
         how += " (cap)"
+    if mode == "throughput":
+        plain = result.plain_trial
+        if result.speedup is not None:
+            how += f", {result.speedup:.2f}x plain's samples/s at batch {plain.batch_size}"
+        elif plain is not None:
+            how += f", plain at batch {plain.batch_size} {plain.reason}"
+        else:
+            how += ", plain not measured"
     return MaxBatch(name, m, how), result
 
 

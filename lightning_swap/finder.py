@@ -42,6 +42,12 @@ class SwapBatchSizeFinder(BatchSizeFinder):
     """Find the largest (``mode="max"``) or fastest (``mode="throughput"``) batch size that
     trains within the memory budget with a plan, in a few trial runs.
 
+    In ``mode="throughput"`` one trial is plain training at the model's current ``batch_size``
+    (clipped to the searched range) when it is predicted to fit, and the answer's measured
+    samples/s is at least plain's; ``result.render()`` says by how much, or why plain was not
+    the reference (Note [A throughput search that can only win] in ``core/scale.py``). Trials
+    are short: ``steps_per_trial`` of 4 or more gives a steadier median step time.
+
     Args:
         mode: ``"max"`` or ``"throughput"``.
         margin: fraction of the budget held back, in [0, 1).
@@ -192,6 +198,9 @@ def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:
             garbage_collection_cuda()
         return session.records.since(mark, wait=True)  # between trials the host may wait
 
+    # The user's batch, clipped to the searched range: profiled there, and in mode="throughput"
+    # the batch plain training is measured at, the reference the answer must match or beat.
+    base_batch = min(max(start_batch, config.min_batch_size), config.max_batch_size)
     try:
         result = search_for_loop(
             session,
@@ -199,10 +208,11 @@ def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:
             run_steps,
             strategy.profile_step_fn(),
             make_batch=make_batch,
-            profile_batch_size=min(max(start_batch, config.min_batch_size), config.max_batch_size),
+            profile_batch_size=base_batch,
             config=config,
             track=lambda: [o.state for o in strategy.optimizers],
             collectives=_collectives(strategy),
+            base_batch_size=base_batch,
         )
         lightning_setattr(trainer.lightning_module, finder._batch_arg_name, result.batch_size)
         rank_zero_info(f"SwapBatchSizeFinder:\n{result.render()}")
@@ -213,5 +223,10 @@ def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:
         trainer._checkpoint_connector.restore(ckpt_path)
         strategy.barrier("SwapBatchSizeFinder.restore")  # every rank has read it before rank 0 deletes it
         strategy.remove_checkpoint(ckpt_path)
-        session.reset()  # the next training step plans for the batch found
+        searched = session._profile
+        session.reset()
+        if session.auto is not None and searched is not None and "result" in locals():
+            # Training plans from the search's steady-state profile at the batch found: it never
+            # runs a step of that size without a plan (Note [Auto: observe, plan, check]).
+            session.auto.set_profile(searched, make_batch(result.batch_size), steady=True)
     return result

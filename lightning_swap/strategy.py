@@ -9,6 +9,9 @@ must subclass that package's own ``Strategy``).
 from __future__ import annotations
 
 import logging
+import gc
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,7 +19,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .core.actions import PolicyLike
-from .core.plan import Plan
+from .core.errors import is_out_of_memory
+from .core.plan import Plan, format_bytes
+from .core.runtime import tensors_in
 from .core.runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats
 from .core.segments import SegmentSpec
 from .core.session import SwapConfig, SwapSession
@@ -72,6 +77,9 @@ class _SwapStrategyMixin:
         self._device_given = device_given
         self._session: Optional[SwapSession] = None
         self._stats_callback = None
+        self._logged_plan: Optional[Plan] = None
+        self._step_open = False
+        self._step_call: Any = None
 
     # -- what users read ----------------------------------------------------------------
     @property
@@ -130,74 +138,168 @@ class _SwapStrategyMixin:
         module = self.lightning_module
         self._session = SwapSession(module, self.swap_config, self.root_device, unified=self.unified_memory)
         if not self.swap_config.is_auto:
-            # Every rank runs rank 0's plan (identity on one device).
-            self._log_plan(self._session.apply(self.broadcast(self._session.forced_plan(), src=0)))
+            # Every rank runs rank 0's plan (identity on one device); it is logged once its first
+            # step has measured its rows (Note [Measured rows]).
+            self._session.apply(self.broadcast(self._session.forced_plan(), src=0))
+        else:
+            # Lightning's closure runs forward, zero_grad, backward: without accumulation the last
+            # step's gradients are gone before the backward (Note [Steady-state shift]).
+            self._session.auto.grads_freed_before_backward = bool(
+                module.automatic_optimization and getattr(trainer, "accumulate_grad_batches", 1) == 1
+            )
         if self.log_stats and self._stats_callback_class is not None:
             self._stats_callback = self._stats_callback_class(self)
             trainer.callbacks.append(self._stats_callback)
 
-    def replan(self, batch: Any, track: Any = ()) -> Plan:
-        """Plan for ``batch`` on rank 0 (profiling one plain step for ``"auto"``), broadcast it
-        and apply it on every rank."""
-        session = self._session
-        plan = session.plan_for_batch(batch, self.profile_step_fn(), track) if self.is_global_zero else None
-        plan = self.broadcast(plan, src=0)
-        session.apply(plan)
-        session.mark_planned(batch, _optimizer_states(self.optimizers))
-        self._log_plan(plan)
-        return plan
+    def _plan_on_main(self, solve: Any) -> Plan:
+        """``solve()`` on rank 0, its plan (or its error) handed to every rank."""
+        payload: Any = None
+        if self.is_global_zero:
+            try:
+                payload = ("plan", solve())
+            except Exception as err:  # re-raised on every rank below
+                payload = ("error", err)
+        kind, body = self.broadcast(payload, src=0)
+        if kind == "error":
+            raise body
+        return body
 
     def profile_step_fn(self) -> Any:
-        """One training step as the profiler runs it, in Lightning's closure order: forward,
-        zero_grad (last step's gradients are freed), backward. The profiler restores gradients."""
+        """One training step as the batch-size finder's profiler runs it, in Lightning's closure
+        order: forward, zero_grad (last step's gradients are freed), backward. The profiler
+        restores gradients. (``policy="auto"`` itself never calls it: Note [Observe, do not re-run].)"""
         module = self.lightning_module
         optimizers = list(self.optimizers)
+        precision = self.precision_plugin
 
         def step_fn(model: Any, batch: Any) -> Any:
-            loss = module.training_step(batch, 0)
+            # As Lightning runs it (its precision context: autocast under "bf16-mixed"), with
+            # ``self.log`` silenced: a profiled call is not a training step to report.
+            with _silenced_logging(module), precision.train_step_context():
+                loss = module.training_step(batch, 0)
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
             return loss
 
         return step_fn
 
-    def _log_plan(self, plan: Plan) -> None:
-        rank_zero_info(f"lightning-swap plan ({plan.summary()}):\n{plan.render()}")
+    def _log_plan(self, plan: Plan, why: str = "") -> None:
+        """The plan as one block: through the progress bar when one is drawing (as
+        ``LightningModule.print`` does, so the bar is not broken), else ``rank_zero_info``."""
+        if plan is self._logged_plan:
+            return
+        previous, self._logged_plan = self._logged_plan, plan
+        if previous is not None and dict(previous.actions) == dict(plan.actions) and not why:
+            return
+        text = f"lightning-swap plan ({plan.summary()}){': ' + why if why else ''}\n{plan.render()}"
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        bar = getattr(trainer, "progress_bar_callback", None) if trainer is not None else None
+        if bar is not None and bar.is_enabled and trainer.training:
+            if self.is_global_zero:
+                bar.print(text)
+        else:
+            rank_zero_info(text)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._session is not None:
-            track = [args, kwargs]
-            for optimizer in self.optimizers:
-                track.append(optimizer.state)
-            batch = args[0] if args else kwargs.get("batch")
-            states = _optimizer_states(self.optimizers)
-            if self._session.needs_plan(batch) or (not self._session._pinned and self._session.state_changed(states)):
-                self.replan(batch, states)
-            record = self._report_due()
-            if record:
-                self._plain_timeline = self._session.record_plain_timeline(batch, self.profile_step_fn(), states)
-            self._session.begin_step(track, measure=record)  # the timeline needs the meter
-            if record:
-                plan = self._session.plan
-                self._recorder = TimelineRecorder(
-                    self.lightning_module, self._session.segments, self._session.runtime.meter, f"planned ({plan.summary()})"
-                ).__enter__()
-        return super().training_step(*args, **kwargs)
+        session = self._session
+        if session is None:
+            return super().training_step(*args, **kwargs)
+        batch = args[0] if args else kwargs.get("batch")
+        states = _optimizer_states(self.optimizers)
+        track = [args, kwargs, states]
+        # The planned timeline needs the meter open (Note [No dispatch mode under compile]).
+        timeline_wanted = self.report and self.report_path is None and self._plain_timeline is not None and session.auto is not None
+        kind = session.before_step(
+            batch, track, states, is_main=self.is_global_zero, plan_on_main=self._plan_on_main, measure=timeline_wanted
+        )
+        if kind == "observe" and self.report and self._plain_timeline is None and session.observing:
+            self._recorder = TimelineRecorder(
+                self.lightning_module, session.segments, session.auto.observing.meter, "plain (the observed first step)"
+            ).__enter__()
+        elif kind == "plan":
+            self._log_plan(session.plan)
+        if self._report_due():
+            plan = session.plan
+            self._recorder = TimelineRecorder(
+                self.lightning_module, session.segments, session.runtime.meter, f"planned ({plan.summary()})"
+            ).__enter__()
+        self._step_open = True
+        self._step_call = (args, kwargs, _rng_state(self.root_device) if kind == "observe" else None)
+        try:
+            return super().training_step(*args, **kwargs)
+        except BaseException as exc:
+            self._step_open = False
+            session.abort_step()
+            if kind == "observe" and is_out_of_memory(exc):
+                self._plan_after_out_of_memory(exc)
+                return self.training_step(*args, **kwargs)
+            raise
+
+    def _plan_after_out_of_memory(self, exc: BaseException) -> None:
+        """Note [The observed step does not fit]: the first step runs without a plan so that it
+        can be observed; when even that is out of memory, the step is profiled in fake mode
+        (the user's ``training_step`` runs once more, on fake tensors, with ``self.log`` silenced
+        and the RNG, buffers and gradients restored), planned, and run again from the RNG state
+        it started with. The user's side effects of the failed attempt and of the fake one (a
+        counter, a metric update) cannot be undone: that is the one case where ``training_step``
+        runs more often than in plain training, and a warning says so."""
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        from .core.profiler import profile
+
+        args, kwargs, rng = self._step_call
+        session = self._session
+        batch = args[0] if args else kwargs.get("batch")
+        states = _optimizer_states(self.optimizers)
+        gc.collect()
+        if self.root_device.type == "cuda":
+            torch.cuda.empty_cache()
+
+        def fake_profile() -> Any:
+            module = self.lightning_module
+            return profile(
+                module, batch, step_fn=self.profile_step_fn(), segments=list(session.segments), track=tensors_in(states),
+                fake=True, scale=False, min_offload_bytes=self.swap_config.min_offload_bytes, device=self.root_device,
+            )
+
+        try:
+            prof = self._plan_on_main(fake_profile)
+        except Exception as err:
+            raise RuntimeError(
+                "lightning-swap: the first training step, which policy='auto' runs without a plan to observe it, "
+                f"is out of memory on {self.root_device}, and profiling it on fake tensors failed too ({type(err).__name__}: "
+                f"{err}). Choose a policy for it instead, e.g. CPUSwapStrategy(policy='recompute_offload'), or a smaller batch."
+            ) from exc
+        rank_zero_warn(
+            "lightning-swap: the first training step is out of memory without a plan; it was profiled on fake tensors "
+            "(training_step ran once more, with self.log silenced) and runs again under the plan. Side effects of "
+            "the failed attempt (counters, metric updates) were not undone."
+        )
+        session.auto.set_profile(prof, batch)
+        _set_rng_state(self.root_device, rng)
 
     def _report_due(self) -> bool:
-        """Record once, in the steady state: after the first optimizer step made its state."""
+        """The planned timeline is recorded once, in the steady state: the plan's check passed."""
+        session = self._session
         return (
             self.report
             and self.report_path is None
             and self._recorder is None
-            and not self._session._pinned
-            and any(len(o.state) for o in self.optimizers)
+            and self._plain_timeline is not None
+            and not session.pinned
+            and session.runtime is not None
+            and session.runtime.measuring
+            and session.auto is not None
+            and not session.auto._check_pending
         )
 
     def _finish_report(self) -> None:
         recorder, self._recorder = self._recorder, None
         recorder.__exit__(None, None, None)
-        timelines = [t for t in (self._plain_timeline, recorder.timeline) if t is not None]
+        if self._plain_timeline is None:  # the observed plain step: drawn shifted to the steady state
+            self._plain_timeline = recorder.timeline
+            return
+        timelines = [self._steady_plain_timeline(), recorder.timeline]
         trainer = self.lightning_module.trainer
         path = Path(trainer.log_dir or trainer.default_root_dir) / "swap_memory_timeline.png"
         if self.is_global_zero:
@@ -205,20 +307,99 @@ class _SwapStrategyMixin:
             rank_zero_info(f"lightning-swap memory timeline written to {path}")
         self.report_path = path
 
+    def _steady_plain_timeline(self) -> Timeline:
+        """The observed first step had no gradients or optimizer state yet; the steady state has
+        them (Note [Steady-state shift]): the picture adds them as the plan's model does, the
+        forward's shift up to the first backward mark and the backward's after it."""
+        plain = self._plain_timeline
+        auto = self._session.auto
+        states = _optimizer_states(self.optimizers)
+        steady = auto.steady_profile(states)
+        forward = steady.static_bytes - auto.profile.static_bytes
+        backward = steady.prefix_backward_peak_bytes - auto.profile.prefix_backward_peak_bytes
+        first_backward = next((x for x, label in plain.marks if label.startswith("B ")), len(plain.samples))
+        samples = tuple((x, b + (forward if x < first_backward else backward)) for x, b in plain.samples)
+        return replace(
+            plain, samples=samples, peak_bytes=max(b for _, b in samples),
+            label=f"plain (the observed first step + the steady state's {format_bytes(forward)} of gradients and optimizer state)",
+        )
+
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        out = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self._recorder is not None:
-            self._finish_report()
-        if self._session is not None:
-            self._session.end_step()
+        session = self._session
+        observing = session is not None and session.observing
+        # An observed step's backward may be redone (Note [The observed step does not fit]); only
+        # when it starts without gradients can a failed attempt's partial ones be discarded.
+        fresh = observing and all(p.grad is None for p in self.lightning_module.parameters())
+        if session is not None:
+            session.backward_begins()
+        try:
+            out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        except BaseException as exc:
+            if session is None:
+                raise
+            session.abort_step()
+            if not (observing and fresh and is_out_of_memory(exc)):
+                raise
+            # Note [The observed step does not fit], in the backward: plan, then forward again.
+            del closure_loss
+            for p in self.lightning_module.parameters():
+                p.grad = None  # what the failed backward accumulated
+            self._plan_after_out_of_memory(exc)
+            args_, kwargs_, _ = self._step_call
+            loss = self.training_step(*args_, **kwargs_)
+            loss = loss["loss"] if isinstance(loss, dict) else loss
+            return self.backward(loss, optimizer, *args, **kwargs)
+        if session is not None:
+            if self._recorder is not None:  # a timeline covers the forward and the backward
+                self._finish_report()
+            session.backward_done()
         return out
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().optimizer_step(*args, **kwargs)
+        self._end_swap_step()  # the closure (forward, backward) and the optimizer step are over
+        return out
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._end_swap_step()  # a step without an optimizer step (accumulation) ends here
+        super().on_train_batch_start(batch, batch_idx)
+
+    def on_train_end(self) -> None:
+        self._end_swap_step()
+        super().on_train_end()
+
+    def _end_swap_step(self) -> None:
+        """The whole training step is over (its optimizer step included, when it had one): the
+        window closes, and an observed step becomes the profile the next step plans from.
+        Strategy hooks, not callbacks, call it: Lightning's batch-size finder runs its trial
+        steps with the callbacks removed."""
+        session = self._session
+        if session is None or not self._step_open:
+            return
+        self._step_open = False
+        session.end_step()
+        session.step_done()
+        self._log_measured_plan(wait=False)
+
+    def _log_measured_plan(self, *, wait: bool) -> None:
+        """A plan without predictions is logged once its first step measured its rows."""
+        session = self._session
+        runtime = session.runtime if session is not None else None
+        if runtime is None or not runtime.measure_rows or self._logged_plan is not None:
+            return
+        measured = runtime.measured_plan(wait=wait)
+        if measured is not None:
+            session.plan = measured
+            self._log_plan(measured)
 
     def teardown(self) -> None:
         if self._recorder is not None:  # a step that never reached backward
             self._recorder.__exit__(None, None, None)
             self._recorder = None
         if self._session is not None:
+            self._session.abort_step()
             self._session.records.resolve(wait=True)  # training is over: the host may wait now
+            self._log_measured_plan(wait=True)
             self._session.close()
         if self.unified_memory is not None:
             # New allocations go back to torch's allocator; managed ones stay valid
@@ -237,9 +418,31 @@ def _optimizer_states(optimizers: Any) -> list:
     return [optimizer.state for optimizer in optimizers]
 
 
+def _rng_state(device: torch.device) -> tuple:
+    return torch.random.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(device: torch.device, state: Optional[tuple]) -> None:
+    if state is not None:
+        torch.random.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+
+
+@contextmanager
+def _silenced_logging(module: Any):
+    """``self.log`` / ``self.log_dict`` do nothing inside (a fake-tensor profile of the step)."""
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    module.log, module.log_dict = noop, noop
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
+
+
 def _stats_callback_for(callback_base: type) -> type:
     class _SwapStatsLogger(callback_base):
-        """Sends the newest complete ``step_stats`` to the loggers as ``swap/...`` plain floats,
+        """(``log_stats``) Sends the newest complete ``step_stats`` to the loggers as ``swap/...`` plain floats,
         at Lightning's ``log_every_n_steps``: no per-step device tensor, nothing that waits for
         the device (Note [Stream protocol])."""
 

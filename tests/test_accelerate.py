@@ -146,8 +146,9 @@ def test_launch_each_policy_equals_plain(launched, run):
 
 @pytest.mark.slow
 def test_launch_auto_fits_the_budget_and_equals_plain(launched):
-    """policy="auto": planned on the main process in the first forward, broadcast; re-planned
-    once optimizer state exists; every process runs the same plan within the budget."""
+    """policy="auto": the first step observed on the main process (every segment kept), the
+    second planned for the steady state there and broadcast; every process runs the same plan
+    within the budget from then on (Note [Auto policy in Accelerate])."""
     n, reports, state = launched
     plans = [report["auto"]["final_plan"] for report in reports]
     assert all(p == plans[0] for p in plans)  # the main process's plan, everywhere
@@ -156,11 +157,11 @@ def test_launch_auto_fits_the_budget_and_equals_plain(launched):
         r = report["auto"]
         assert r["plan"] is None  # nothing planned in prepare
         assert r["budget"] == reports[0]["auto"]["budget"]
-        peaks = [s["swap/peak_device_bytes"] for s in r["stats"]]
-        # Under DDP the first step (profiled inside DDP's first forward) measures ~0.4 MB more
-        # than on one process and exceeds the budget; open: see the Accelerate auto report.
-        # From the second step (re-planned with optimizer state) every process is within it.
-        assert all(p <= r["budget"] for p in (peaks if n == 1 else peaks[1:]))
+        # the observed step: the main process's record of it (plain, over the budget); the
+        # others ran it plainly, unmeasured
+        first = r["stats"][0]
+        assert (first is not None and first["swap/peak_device_bytes"] > r["budget"]) if rank == 0 else first is None
+        assert all(s["swap/peak_device_bytes"] <= r["budget"] for s in r["stats"][1:])
         assert r["final_predicted_peak"] <= r["budget"]
         assert _different(state("auto", rank), state("plain", rank)) == []
         assert r["after"] == report["plain"]["after"]

@@ -35,7 +35,8 @@ def _train(accelerator, batches, *, build=CNN, data=_images, loss_fn=F.cross_ent
         accelerator.backward(loss_fn(model(x), y))
         optimizer.step()
         optimizer.zero_grad()
-        peaks.append(accelerator.swap_step_stats.peak_device_bytes)
+        stats = accelerator.swap_step_stats
+        peaks.append(stats.peak_device_bytes if stats is not None else None)
         plans.append(accelerator.swap_plan)
         profiles.append(accelerator.swap_session.profile)
     if with_profiles:
@@ -45,18 +46,23 @@ def _train(accelerator, batches, *, build=CNN, data=_images, loss_fn=F.cross_ent
 
 # -- policy="auto" ------------------------------------------------------------------------
 def test_auto_fits_a_simulated_budget_and_equals_plain(fresh_state):
-    plain, peaks, _ = _train(SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(policy="keep", min_offload_bytes=0)), [8] * 3)
+    plain, peaks, _ = _train(SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(policy="keep", min_offload_bytes=0)), [8] * 4)
     budget = int(0.6 * max(peaks))  # the steady-state plain peak, less 40%
     accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=budget, min_offload_bytes=0))
-    auto, peaks, plans = _train(accelerator, [8] * 3)
-    assert max(peaks) <= budget
-    first, steady = plans[0], plans[-1]
+    auto, peaks, plans = _train(accelerator, [8] * 4)
+    # Note [Auto policy in Accelerate]: the first step is observed (no plan; its statistics are
+    # the observation's); the second plans for the steady state; the third checks that plan
+    # against the second's measured peak and keeps it.
+    assert plans[0] is None and peaks[0] > budget  # the observed step: every segment kept
+    steady = plans[1]
+    assert plans[2] is steady and plans[3] is steady
     assert set(steady.actions.values()) != {Action.KEEP}
     assert steady.predicted_peak_bytes <= budget and steady.batch_size == 8
-    # Note [Re-plan when the optimizer state appears]: planned again at step 2, not after
-    assert steady is not first and plans[1] is steady
-    # the prediction covers the model; the user's loss (on 8 x 10 logits) adds a little
-    assert abs(steady.predicted_peak_bytes - peaks[-1]) <= 0.10 * peaks[-1]
+    assert max(peaks[1:]) <= budget
+    # the observed step was the real one, the user's loss included: the prediction is close, and
+    # errs on the safe side (this CNN's offloaded backward: ~6% over on CPU)
+    error = (steady.predicted_peak_bytes - peaks[-1]) / peaks[-1]
+    assert -0.02 <= error <= 0.10, (steady.predicted_peak_bytes, peaks)
     assert_same_state(auto, plain)  # torch.equal on every weight and buffer
     accelerator.free_memory()
     assert _clean(auto)
@@ -77,18 +83,21 @@ def test_auto_without_a_budget_on_cpu_keeps_everything(fresh_state):
     accelerator.backward(F.cross_entropy(model(x), y))
     assert set(accelerator.swap_plan.actions.values()) == {Action.KEEP}
     assert accelerator.swap_session.profile is None  # nothing to plan for: no profile was run
-    assert accelerator.swap_step_stats is not None
+    assert accelerator.swap_step_stats is None  # no optimizer step: the step is still open...
     accelerator.end_training()
+    assert accelerator.swap_step_stats is not None  # ...until training ends
 
 
 def test_auto_replans_for_a_new_batch_shape(fresh_state):
+    """A smaller batch keeps the plan (it fits); a batch of another shape is observed again."""
     accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=1 << 40, min_offload_bytes=0))
     small = _images(6)[0][:, :, :12, :12].contiguous(), _images(6)[1]
-    _, _, plans, profiles = _train(accelerator, [8, 8, 5, small], with_profiles=True)
-    assert [p.batch_size for p in plans] == [8, 8, 5, 6]
-    assert plans[2] is not plans[1] and plans[3] is not plans[2]
-    assert profiles[2] is profiles[1]  # only the batch size changed: the profile is rescaled
-    assert profiles[3] is not profiles[2] and profiles[3].batch_size == 6  # a new image size: profiled again
+    _, _, plans, profiles = _train(accelerator, [8, 8, 5, small, small], with_profiles=True)
+    assert plans[0] is None and plans[1] is not None and plans[2] is plans[1] and plans[3] is None
+    assert plans[4] is not None and plans[4] is not plans[1]
+    assert profiles[1] is profiles[2] and profiles[1].batch_size == 8
+    # a new image size: observed again (the observation ends with the step's optimizer step)
+    assert profiles[3] is profiles[4] and profiles[3] is not profiles[2] and profiles[3].batch_size == 6
     accelerator.free_memory()
 
 
@@ -156,6 +165,20 @@ def test_find_batch_size_at_least_doubles_the_plain_batch_within_the_budget(fres
     assert max(seen["peaks"]) <= budget  # training at the found batch fits the budget
     assert set(accelerator.swap_plan.actions.values()) != {Action.KEEP}
     assert accelerator.swap_plan.batch_size == found
+    accelerator.free_memory()
+
+
+def test_find_batch_size_throughput_is_at_least_plain_at_the_profile_batch(fresh_state):
+    accelerator, model, optimizer = _prepared(SwapPlugin(budget_bytes=1 << 30, min_offload_bytes=0))
+    _train_more_mlp(accelerator, model, optimizer, [32])  # steady state: momentum exists
+    search = dict(accelerator=accelerator, model=model, optimizer=optimizer, make_batch=_MLP_DATA, step_fn=_mlp_step)
+    train = find_batch_size(lambda batch_size: batch_size, **search, mode="throughput", max_batch_size=256, profile_batch_size=48, steps_per_trial=3)
+    found = train()
+    result = train.result
+    plain = result.plain_trial  # profile_batch_size is the base batch: plain training there is the reference
+    assert result.base_batch_size == 48 and plain is not None and plain.batch_size == 48 and not plain.failed
+    assert found == result.batch_size and result.chosen_trial.samples_per_s >= plain.samples_per_s
+    assert f"plain at batch 48: {plain.samples_per_s:.1f} samples/s measured" in result.render()
     accelerator.free_memory()
 
 

@@ -131,7 +131,7 @@ def test_engine_benchmark_needs_a_gpu_and_its_harness_runs_on_cpu():
     out = proc.stdout
     for model in ("gpt2", "resnet50"):
         assert f"== {model}" in out
-    for method in ("plain", "torch checkpoint", "save_on_cpu", "keep", "offload", "recompute", "selective", "recompute_offload", "auto@99%"):
+    for method in ("plain", "torch checkpoint", "save_on_cpu", "keep", "offload", "recompute", "selective", "recompute_offload", "auto@100%"):
         assert f"\n   {method} " in out, method
     assert "Error" not in out, out
     assert "keep / plain:" in out and "recompute / torch checkpoint:" in out

@@ -177,3 +177,27 @@ def test_profiling_leaves_rng_weights_and_gradients_as_they_were():
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
     assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
     assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+
+
+def test_a_step_that_reads_a_value_is_profiled_for_real_when_fake_tensors_cannot_run_it(caplog) -> None:
+    """Note [Fake mode is an optimisation]: ``.item()`` in the step breaks fake tensors; the
+    profile (and its batch scaling) is measured for real instead, with one debug line."""
+    import logging
+
+    torch.manual_seed(0)
+    model = tiny_gpt(layers=2)
+    x, y = _tokens(8)
+    seen = []
+
+    def step(m, b):
+        loss = lm_loss(m(b[0]), b[1])
+        seen.append(loss.item())
+        return loss
+
+    with caplog.at_level(logging.DEBUG, logger="lightning_swap.core.profiler"):
+        prof = profile(model, (x, y), step_fn=step, device="cpu", scale=True)
+        fake = profile(model, (x, y), step_fn=step, device="cpu", scale=False, fake=True)
+    assert not prof.fake and not prof.reference.fake and prof.reference.batch_size == 16
+    assert not fake.fake  # asked for fake, measured for real
+    assert prof.at_batch(32).peak_bytes > prof.peak_bytes
+    assert sum("cannot run on fake tensors" in r.message for r in caplog.records) >= 2

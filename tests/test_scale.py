@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_swap import Action, CPUSwapStrategy, SwapBatchSizeFinder, SwapRuntime
 from lightning_swap.core import profile
+from lightning_swap.core.costmodel import simulate
 from lightning_swap.core.scale import ScaleConfig, TrialMeasurement, search_batch_size
 
 from .lit import LitModel
@@ -86,6 +87,116 @@ def test_throughput_mode_times_the_best_predictions():
     assert 1 <= len(result.trials) <= 3 == loop.trials or len(result.trials) == loop.trials
     best = max((t for t in result.trials if not t.failed), key=lambda t: t.samples_per_s)
     assert result.batch_size == best.batch_size
+    assert result.plain_trial is None and "plain not measured: the search was not told the base batch" in result.render()
+
+
+# -- mode="throughput" against plain: Note [A throughput search that can only win] -------------
+_BASE = 64
+
+
+def _is_plain(batch, plan):
+    return batch == _BASE and set(plan.actions.values()) == {Action.KEEP}
+
+
+class FakeTrials:
+    """A ``run_trial`` that runs nothing: the peak is the plan's prediction (or ``over`` bytes
+    for the calls listed in ``over_budget``), the step time gives ``rate(call, batch, plan)``
+    samples/s. ``calls`` records (batch, plan) in order."""
+
+    def __init__(self, rate, *, over_budget=(), over=0, oom=()):
+        self.rate, self.over_budget, self.over, self.oom = rate, set(over_budget), over, set(oom)
+        self.calls = []
+
+    def __call__(self, batch, plan):
+        call = len(self.calls)
+        self.calls.append((batch, plan))
+        if call in self.oom:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        peak = self.over if call in self.over_budget else plan.predicted_peak_bytes
+        return TrialMeasurement(peak_bytes=peak, step_ms=batch / self.rate(call, batch, plan) * 1e3)
+
+
+@pytest.fixture(scope="module")
+def mlp_profile():
+    """The MLP profiled at the base batch, and a budget 1.5x plain's predicted peak there."""
+    prof = Loop("mlp").profile(_BASE)
+    plain_peak = simulate(prof, {n: Action.KEEP for n in prof.names}).peak_bytes
+    return prof, int(plain_peak * 1.5)
+
+
+def _throughput(prof, budget, run_trial, **kwargs):
+    config = ScaleConfig(mode="throughput", max_batch_size=1024, candidates=3)
+    return search_batch_size(prof, budget, run_trial, config, base_batch_size=_BASE, **kwargs)
+
+
+def test_throughput_returns_plain_when_every_candidate_measures_slower(mlp_profile):
+    prof, budget = mlp_profile
+    trials = FakeTrials(lambda call, batch, plan: 100.0 if _is_plain(batch, plan) else 90.0)
+    result = _throughput(prof, budget, trials)
+    assert _is_plain(*trials.calls[0])  # plain runs first
+    assert len(trials.calls) == 4 and not any(_is_plain(*c) for c in trials.calls[1:])  # plus 3 candidates, none plain again
+    assert all(batch > _BASE for batch, _ in trials.calls[1:])  # above the base batch first (three fit here)
+    assert result.batch_size == _BASE and set(result.plan.actions.values()) == {Action.KEEP}
+    assert result.chosen_trial is result.plain_trial and result.speedup == pytest.approx(1.0)
+    text = result.render()
+    assert "plain at batch 64: 100.0 samples/s measured; no candidate beat it" in text
+    assert "0.90x" in text and "plain training at batch 64 is returned" in text
+
+
+def test_throughput_prefers_plain_on_a_tie(mlp_profile):
+    prof, budget = mlp_profile
+    result = _throughput(prof, budget, FakeTrials(lambda call, batch, plan: 100.0))
+    assert result.chosen_trial.plain and result.batch_size == _BASE
+
+
+def test_throughput_returns_a_faster_candidate_and_the_ratio(mlp_profile):
+    prof, budget = mlp_profile
+    trials = FakeTrials(lambda call, batch, plan: 150.0 if call == 2 else 100.0 if _is_plain(batch, plan) else 80.0)
+    result = _throughput(prof, budget, trials)
+    batch, plan = trials.calls[2]
+    assert (result.batch_size, result.plan) == (batch, plan)
+    assert result.chosen_trial.samples_per_s == pytest.approx(150.0)
+    assert result.plain_trial.samples_per_s == pytest.approx(100.0) and result.speedup == pytest.approx(1.5)
+    line = result.render().splitlines()[-1]
+    assert line == f"plain at batch 64: 100.0 samples/s measured; chosen batch {batch} (plan {plan.summary()}): 150.0 samples/s, 1.50x"
+
+
+def test_throughput_never_returns_a_measurement_over_the_budget(mlp_profile):
+    prof, budget = mlp_profile
+    # The fastest candidate measures over the budget; so does, in the second search, plain.
+    trials = FakeTrials(lambda call, batch, plan: {1: 500.0, 2: 120.0}.get(call, 100.0), over_budget={1}, over=budget + 1)
+    result = _throughput(prof, budget, trials)
+    assert result.trials[1].failed and result.trials[1].reason == "over budget"
+    assert (result.batch_size, result.plan) == trials.calls[2] and result.speedup == pytest.approx(1.2)
+
+    trials = FakeTrials(lambda call, batch, plan: 1000.0 if call == 0 else 100.0 + call, over_budget={0}, over=budget + 1)
+    result = _throughput(prof, budget, trials)
+    assert result.plain_trial.failed and not result.chosen_trial.plain and result.speedup is None
+    assert (result.batch_size, result.plan) == trials.calls[3]  # the fastest of those that fit
+    assert "plain at batch 64 does not fit the budget (measured peak" in result.render()
+
+    trials = FakeTrials(lambda call, batch, plan: 100.0, oom={0})
+    result = _throughput(prof, budget, trials)
+    assert "plain at batch 64 does not fit the budget (out of memory)" in result.render()
+
+
+def test_throughput_says_why_plain_is_not_the_reference(mlp_profile):
+    prof, budget = mlp_profile
+    rate = lambda call, batch, plan: 100.0  # noqa: E731
+    forced = _throughput(prof, budget, FakeTrials(rate), actions=(Action.RECOMPUTE,))
+    assert forced.plain_trial is None
+    assert "plain not measured: the policy allows only recompute" in forced.render()
+    keep = {n: Action.KEEP for n in prof.names}
+    tight = simulate(prof, keep).peak_bytes - 1  # plain predicted one byte over: not run
+    trials = FakeTrials(rate)
+    result = _throughput(prof, tight, trials)
+    assert result.plain_trial is None and not any(_is_plain(*c) for c in trials.calls)
+    assert "plain not measured: plain at batch 64 is predicted to need" in result.render()
+    only = search_batch_size(prof, budget, FakeTrials(rate), ScaleConfig(mode="throughput", max_trials=1), base_batch_size=_BASE)
+    assert len(only.trials) == 1 and only.chosen_trial.plain
+    assert "no other candidate was timed" in only.render()
+    with pytest.raises(ValueError, match="`base_batch_size`"):
+        search_batch_size(prof, budget, FakeTrials(rate), ScaleConfig(mode="throughput", max_batch_size=32), base_batch_size=_BASE)
 
 
 def test_failed_trials_lower_the_estimate():
@@ -171,6 +282,26 @@ def test_finder_callback_doubles_the_batch_within_the_budget(name, tmp_path):
     assert finder.result.failed_trials == 0 and len(finder.result.trials) <= 3
     assert trainer.strategy.step_stats.peak_device_bytes <= budget  # training at the found batch fits
     assert not list(tmp_path.glob(".scale_batch_size_*.ckpt"))
+
+
+def test_finder_throughput_is_at_least_plain_at_the_base_batch(tmp_path):
+    batch = _BATCH["mlp"]
+    budget = int(1.5 * _plain_peak("mlp", batch))
+    L.seed_everything(0, verbose=False)
+    module = LitModel("mlp", batch_size=batch, samples=4096)
+    finder = SwapBatchSizeFinder(mode="throughput", max_batch_size=1024, steps_per_trial=3)
+    trainer = _trainer(CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0), finder, default_root_dir=tmp_path)
+    trainer.fit(module)
+    result = finder.result
+    plain, chosen = result.plain_trial, result.chosen_trial
+    assert result.base_batch_size == batch  # the model's batch_size attribute
+    assert plain is not None and not plain.failed and plain.batch_size == batch
+    assert set(plain.plan.actions.values()) == {Action.KEEP}
+    assert chosen is not None and not chosen.failed and chosen.measured_peak_bytes <= budget
+    assert chosen.samples_per_s >= plain.samples_per_s and result.speedup >= 1.0  # measured in this run
+    assert f"plain at batch {batch}: {plain.samples_per_s:.1f} samples/s measured" in result.render()
+    assert finder.optimal_batch_size == module.batch_size == result.batch_size
+    assert trainer.strategy.step_stats.peak_device_bytes <= budget
 
 
 class OOMAbove(LitModel):

@@ -162,3 +162,20 @@ def test_plan_renders_a_table() -> None:
     for name, action in plan.actions.items():
         assert any(line.startswith(name) and action.value in line for line in text.splitlines())
     assert "predicted peak" in text and "budget" in text
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("seed", range(16))
+def test_never_slower_than_the_fastest_uniform_plan_that_fits(seed: int, device_type: str) -> None:
+    """Note [Never slower than a uniform plan], on a table of random chains and budgets, with the
+    DP's fronts thinned hard (``max_states=2``) so that the search alone could miss them."""
+    prof = random_chain(100 + seed, 6 + seed % 10, device_type=device_type)
+    low = min_budget_bytes(prof)
+    for fraction in (0.0, 0.25, 0.5, 0.75, 1.0):
+        budget = int(low + fraction * (prof.peak_bytes - low)) + 1
+        plan = solve(prof, budget_bytes=budget, max_states=2)
+        assert plan.predicted_peak_bytes <= budget
+        for action in Action:
+            uniform = simulate(prof, [action] * len(prof.segments))
+            if uniform.peak_bytes <= budget:
+                assert plan.predicted_step_ms <= uniform.step_ms + 1e-9, (action, plan.summary())

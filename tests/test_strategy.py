@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lightning_swap
-from lightning_swap import Action, CPUSwapStrategy
+from lightning_swap import Action, CPUSwapStrategy, Plan
 
 from .helpers import POLICIES, assert_same_state
 from .lit import LitModel, fit
@@ -82,9 +82,11 @@ def test_strategy_removes_itself_after_fit():
 
 
 def test_memory_drops_under_the_trainer():
+    """The step's window ends after its optimizer step; the test CNN's activations, not its
+    weights and momentum (as ResNet-18's at this size would), decide its peak."""
     peaks = {}
     for policy in ("keep", "offload", "recompute", "recompute_offload"):
-        _, trainer = fit("resnet18", CPUSwapStrategy(policy=policy, min_offload_bytes=0), steps=1, batch_size=16)
+        _, trainer = fit("cnn", CPUSwapStrategy(policy=policy, min_offload_bytes=0), steps=1, batch_size=16)
         peaks[policy] = trainer.strategy.step_stats.peak_device_bytes
     assert peaks["offload"] < peaks["keep"]
     assert peaks["recompute"] < peaks["keep"]
@@ -151,3 +153,22 @@ def test_cuda_device_is_chosen_before_the_accelerator_sets_it_up():
     strategy.setup_environment()
     assert seen == [torch.device("cuda", 1)] and strategy.root_device == torch.device("cuda", 1)
     assert strategy.unified_memory is None  # um="off"
+
+
+def test_a_forced_plan_renders_numbers_measured_in_its_first_step():
+    """Note [Measured rows]: a forced policy has nothing predicted; its table gets its bytes and
+    times from its first step instead of columns of dashes."""
+    policy = {"model.blocks.0": "offload", "model.blocks.1": "recompute", "model.blocks.2": "selective"}
+    module, trainer = fit("cnn", CPUSwapStrategy(policy=policy, min_offload_bytes=0), steps=2)
+    plan = trainer.strategy.plan
+    assert plan.measured and len(plan.rows) == 4
+    rows = {r.segment: r for r in plan.rows}
+    assert rows["model.blocks.0"].offloaded_bytes > 0
+    assert rows["model.blocks.1"].recomputed_bytes > 0 and rows["model.blocks.1"].added_ms > 0
+    assert rows["model.blocks.2"].added_ms > 0
+    assert rows["model.blocks.3"].kept_bytes > rows["model.blocks.0"].kept_bytes  # kept keeps more
+    assert all(r.offloaded_bytes == 0 for r in plan.rows if r.action is not Action.OFFLOAD)
+    text = plan.render()
+    assert " - " not in text and "measured in the plan's first step" in text
+    fresh = Plan(actions={"a": Action.KEEP, "b": Action.OFFLOAD})
+    assert "not measured yet" in fresh.render() and fresh.render().splitlines()[0].split() == ["segment", "action"]

@@ -188,7 +188,8 @@ def test_plugin_from_env_takes_12gib_and_plans_with_it(fresh_state, monkeypatch)
     torch.manual_seed(0)
     model = accelerator.prepare(CNN())
     x, y = MODELS["cnn"][1](4)
-    accelerator.backward(F.cross_entropy(model(x), y))
+    for _ in range(2):  # the first step is observed, the second planned (Note [Auto: observe, plan, check])
+        accelerator.backward(F.cross_entropy(model(x), y))
     assert accelerator.swap_session.budget_bytes() == 12 * GiB
     assert accelerator.swap_plan.budget_bytes == 12 * GiB
     accelerator.end_training()

@@ -43,7 +43,7 @@ from .actions import Action
 from .plan import PlanRow
 from .profiler import ModelProfile, SegmentProfile
 
-__all__ = ["Prediction", "SegmentCosts", "segment_costs", "simulate"]
+__all__ = ["Prediction", "SegmentCosts", "backward_need", "segment_costs", "simulate"]
 
 
 def held_in(s: SegmentProfile, a: Action) -> bool:
@@ -78,6 +78,26 @@ def internal_kept(s: SegmentProfile, a: Action) -> int:
     return 0
 
 
+def forward_own(s: SegmentProfile, a: Action, *, overlap: bool) -> int:
+    """Bytes of segment ``s`` alive at its own forward's peak beyond the window's base.
+
+    Note [A forward that does not keep]: kept, a segment's forward ends holding everything it
+    saves. Recomputed, or offloaded by copies done when issued (CPU), its saved tensors are not
+    held for backward, yet its forward still holds what its own code references — a block's
+    ``q, k, v`` stay alive in its frame to its end — which no trace of ops can see; so it is
+    measured, by running the segment with nothing saved (:mod:`.costs`). With ``W`` that
+    working set, ``S`` the saved bytes and ``w`` the kept forward's working bytes, the window's
+    peak is its start level plus ``W``, i.e. the base plus ``S - w + W``; plus what the action
+    keeps. Not measured (a fake profile): as kept, which never under-predicts. Offloaded with
+    copies beside compute (CUDA), the sources stay until their copies are waited for (Note
+    [Stream protocol], rule 2): all of it, as kept.
+    """
+    if a is Action.KEEP or (a is Action.OFFLOAD and overlap) or s.released_forward_working_bytes < 0:
+        return s.internal_saved_bytes
+    own = s.internal_saved_bytes - s.forward_working_bytes + s.released_forward_working_bytes
+    return max(0, own) + internal_kept(s, a)
+
+
 def copied_bytes(s: SegmentProfile, a: Action) -> int:
     """Bytes this segment sends to the host and back (no cross-segment de-duplication)."""
     if a is Action.OFFLOAD:
@@ -88,10 +108,12 @@ def copied_bytes(s: SegmentProfile, a: Action) -> int:
 
 
 def recompute_ms(s: SegmentProfile, a: Action) -> float:
+    """What recomputing ``s`` under ``a`` adds: measured on the device when the profile timed the
+    action (:mod:`.costs`), else its forward (``SELECTIVE``: less the time in heavy ops)."""
     if a in (Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD):
-        return s.forward_ms
+        return s.recompute_ms if s.recompute_ms is not None else s.forward_ms
     if a is Action.SELECTIVE:
-        return max(s.forward_ms - s.heavy_forward_ms, 0.0)
+        return s.selective_ms if s.selective_ms is not None else max(s.forward_ms - s.heavy_forward_ms, 0.0)
     return 0.0
 
 
@@ -128,6 +150,18 @@ def backward_own(prev: Optional[SegmentProfile], p: Optional[Action], s: Segment
     return own
 
 
+def backward_need(base: int, prev: Optional[SegmentProfile], p: Optional[Action], s: SegmentProfile, a: Action, *, on_demand: bool) -> int:
+    """Bytes of segment ``s``'s backward window beyond what earlier segments keep: its own bytes
+    on top of the plan-independent ``base``; for a recomputed segment also the recomputation's
+    forward, whose transient working set (cuDNN / cuBLAS workspaces included) runs before the
+    backward's: the window's base without the backward's working bytes, plus the segment's
+    input and its forward's working bytes."""
+    need = base + backward_own(prev, p, s, a, on_demand=on_demand)
+    if a.recomputes:
+        need = max(need, base - s.backward_working_bytes + s.input_bytes + s.forward_working_bytes)
+    return need
+
+
 @dataclass(frozen=True, kw_only=True)
 class SegmentCosts:
     """The plan-independent part of each window, derived from the all-``KEEP`` measurement."""
@@ -135,7 +169,7 @@ class SegmentCosts:
     forward_base_bytes: tuple[int, ...]
     backward_base_bytes: tuple[int, ...]
     tail_base_bytes: int
-    fixed_peak_bytes: int  # windows no action changes (before the first segment, after its backward)
+    fixed_peak_bytes: int  # windows no action changes (before the first segment, after its backward, the optimizer step)
     base_ms: float  # the plain step
 
 
@@ -154,7 +188,9 @@ def segment_costs(profile: ModelProfile) -> SegmentCosts:
         forward_base_bytes=tuple(fwd),
         backward_base_bytes=tuple(bwd),
         tail_base_bytes=profile.tail_peak_bytes - kept,
-        fixed_peak_bytes=max(profile.prefix_forward_peak_bytes, profile.prefix_backward_peak_bytes, profile.static_bytes),
+        fixed_peak_bytes=max(
+            profile.prefix_forward_peak_bytes, profile.prefix_backward_peak_bytes, profile.static_bytes, profile.optimizer_peak_bytes
+        ),
         base_ms=profile.step_ms,
     )
 
@@ -202,7 +238,7 @@ def simulate(profile: ModelProfile, actions: Mapping[str, Action] | Sequence[Act
     for i, (s, a) in enumerate(zip(segs, acts)):
         prev, p = (segs[i - 1], acts[i - 1]) if i else (None, None)
         in_flight = copies[i - 1] if (overlap and i and d2h_done is not None) else 0
-        fwd_peaks.append(costs.forward_base_bytes[i] + kept + internal_kept(s, a) + in_flight)
+        fwd_peaks.append(costs.forward_base_bytes[i] + kept + forward_own(s, a, overlap=overlap) + in_flight)
         clock += s.forward_ms
         if d2h_done is not None:  # wait for the previous segment's copy to the host
             wait = max(0.0, d2h_done - clock)
@@ -246,7 +282,7 @@ def simulate(profile: ModelProfile, actions: Mapping[str, Action] | Sequence[Act
         if overlap and i and copies[i - 1]:  # one segment of prefetch, issued as this backward starts
             h2d_done = clock + copies[i - 1] / h2d_rate
             prefetched = copies[i - 1]
-        bwd_peaks.append(costs.backward_base_bytes[i] + kept_before[i] + backward_own(prev, p, s, a, on_demand=not overlap) + prefetched)
+        bwd_peaks.append(kept_before[i] + backward_need(costs.backward_base_bytes[i], prev, p, s, a, on_demand=not overlap) + prefetched)
         clock += s.backward_ms + recompute_ms(s, a)
     bwd_peaks.reverse()
     peak = max(costs.fixed_peak_bytes, tail_peak, *fwd_peaks, *bwd_peaks) if n else costs.fixed_peak_bytes

@@ -37,7 +37,7 @@ import itertools
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -58,6 +58,8 @@ class OffloadCounters:
     prefetched_bytes: int = 0
     #: Host-measured copy time on CPU (synchronous copies); on CUDA see ``CopyStreams.exposed``.
     copy_ms: float = 0.0
+    #: Bytes offloaded, by segment index.
+    by_segment: dict = field(default_factory=dict)
 
 
 class _Entry:
@@ -180,9 +182,13 @@ class OffloadEngine:
         return torch.autograd.graph.saved_tensors_hooks(self._packer(segment), self._unpack)
 
     def segment_started(self) -> None:
-        """A segment's forward starts (with autograd recording): bounds what is in flight."""
+        """A segment's forward starts (with autograd recording)."""
         self._backward = False
         self.copies.segment_started()
+
+    def segment_ended(self) -> None:
+        """A segment's forward ended: bounds what is in flight (Note [Stream protocol], rule 2)."""
+        self.copies.segment_ended()
 
     def _packer(self, segment: int) -> Callable[[torch.Tensor], Any]:
         def pack(t: torch.Tensor) -> Any:
@@ -235,6 +241,7 @@ class OffloadEngine:
             self.counters.copy_ms += (time.perf_counter() - start) * 1e3
         self.counters.offloaded_bytes += nbytes
         self.counters.offloaded_tensors += 1
+        self.counters.by_segment[segment] = self.counters.by_segment.get(segment, 0) + nbytes
         return entry
 
     def _fetch(self, entry: _Entry) -> tuple[torch.Tensor, Any]:

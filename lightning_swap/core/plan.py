@@ -50,6 +50,8 @@ class Plan:
     budget_bytes: Optional[int] = None
     batch_size: Optional[int] = None
     rows: tuple[PlanRow, ...] = field(default=())
+    #: ``rows`` were measured in the plan's first step (Note [Measured rows]), not predicted.
+    measured: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", MappingProxyType(dict(self.actions)))
@@ -73,25 +75,28 @@ class Plan:
         return " ".join(f"{a.value}={n}" for a, n in self.counts().items() if n)
 
     def render(self) -> str:
-        """The plan as a text table (segment, action, bytes kept/offloaded/recomputed, ms added)."""
-        rows = self.rows or tuple(PlanRow(name, action) for name, action in self.actions.items())
-        header = ("segment", "action", "kept", "offloaded", "recomputed", "+ms")
-        body = [
-            (
-                r.segment,
-                r.action.value,
-                format_bytes(r.kept_bytes) if self.rows else "-",
-                format_bytes(r.offloaded_bytes) if self.rows else "-",
-                format_bytes(r.recomputed_bytes) if self.rows else "-",
-                f"{r.added_ms:.2f}" if self.rows else "-",
-            )
-            for r in rows
-        ]
+        """The plan as a text table: segment, action, and — predicted by the planner, or measured
+        in the plan's first step (Note [Measured rows]) — bytes kept, offloaded and recomputed and
+        milliseconds added; before either exists, a line saying so instead of empty columns."""
+        if self.rows:
+            header = ("segment", "action", "kept", "offloaded", "recomputed", "+ms")
+            body = [
+                (r.segment, r.action.value, format_bytes(r.kept_bytes), format_bytes(r.offloaded_bytes),
+                 format_bytes(r.recomputed_bytes), f"{r.added_ms:.2f}")
+                for r in self.rows
+            ]
+        else:
+            header = ("segment", "action")
+            body = [(name, action.value) for name, action in self.actions.items()]
         widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
-        lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
         lines.append("  ".join("-" * w for w in widths))
-        lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in body]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in body]
         tail = []
+        if not self.rows:
+            tail.append("bytes and times not measured yet (they are, in the plan's first step)")
+        elif self.measured:
+            tail.append("bytes and +ms (recomputation) measured in the plan's first step")
         if self.predicted_peak_bytes is not None:
             tail.append(f"predicted peak {format_bytes(self.predicted_peak_bytes)}")
         if self.budget_bytes is not None:

@@ -34,8 +34,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from .meter import host_allocation, mark_host
 from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
-from .segments import SegmentSpec, find_segments
+from .segments import SegmentSpec, find_segments, resolve_modules
 from .trace import StepTrace, run_timing, run_trace
+from .costs import measure_released_working
 
 __all__ = ["ModelProfile", "SegmentProfile", "measure_bandwidth", "profile"]
 
@@ -73,6 +74,10 @@ class SegmentProfile:
     backward_peak_bytes: int  # peak bytes alive during the backward (all segments kept)
     #: the same, estimated for this segment offloaded and fetched on demand (no prefetch)
     offload_backward_peak_bytes: int
+    #: the forward's peak above its start with its saved tensors not held for backward
+    #: (recomputed, or offloaded by synchronous copies), measured by running the segment so
+    #: (:mod:`.costs`); -1: not measured (Note [A forward that does not keep] in ``costmodel.py``)
+    released_forward_working_bytes: int = -1
     input_saved: bool
     input_small: bool
     input_from_previous: bool
@@ -81,12 +86,18 @@ class SegmentProfile:
     output_small: bool
     output_heavy: bool
     output_held_elsewhere: bool
+    #: What ``RECOMPUTE`` and ``SELECTIVE`` add to a step, measured on the device by running the
+    #: segment under them (:mod:`.costs`); ``None``: estimated from the forward's time.
+    recompute_ms: Optional[float] = None
+    selective_ms: Optional[float] = None
 
 
 _SCALED_INT_FIELDS = tuple(
-    f.name for f in dataclasses.fields(SegmentProfile) if f.type in ("int", int) and f.name.endswith("_bytes")
+    f.name for f in dataclasses.fields(SegmentProfile)
+    if f.type in ("int", int) and f.name.endswith("_bytes") and f.name != "released_forward_working_bytes"
 )
 _SCALED_MS_FIELDS = ("forward_ms", "backward_ms", "heavy_forward_ms")
+_MEASURED_MS_FIELDS = ("recompute_ms", "selective_ms")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +128,9 @@ class ModelProfile:
     h2d_bytes_per_ms: float
     #: The same model measured at another batch size (Note [Batch scaling]); ``None``: no scaling.
     reference: Optional["ModelProfile"] = None
+    #: Peak bytes of the optimizer step (after the backward), when the profiled step included
+    #: it (a real step observed by the adapters): foreach AdamW's parameter-sized temporaries.
+    optimizer_peak_bytes: int = 0
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -126,6 +140,34 @@ class ModelProfile:
     def copies_overlap(self) -> bool:
         """Copies run on their own engines (CUDA); on CPU they are synchronous memcpys."""
         return self.device_type == "cuda"
+
+    def with_state(self, *, forward_bytes: int, backward_bytes: int) -> "ModelProfile":
+        """This profile with more bytes alive than when it was measured.
+
+        Note [Steady-state shift]: the first step, which is the one profiled, has no gradients
+        and no optimizer state; every later one has the optimizer state alive throughout, and
+        the last step's gradients alive during the forward (and during the backward too, unless
+        the loop frees them in between, as Lightning's closure does with ``zero_grad``).
+        ``forward_bytes`` is added to every window up to the backward (the prefix's forward,
+        the segments' forwards, the tail), ``backward_bytes`` to the backward windows. The
+        optimizer step's own window was measured with its state and is left alone.
+        """
+        f, b = int(forward_bytes), int(backward_bytes)
+        if f == 0 and b == 0:
+            return self
+        segments = tuple(
+            dataclasses.replace(
+                seg, forward_peak_bytes=seg.forward_peak_bytes + f, backward_peak_bytes=seg.backward_peak_bytes + b,
+                offload_backward_peak_bytes=seg.offload_backward_peak_bytes + b,
+            )
+            for seg in self.segments
+        )
+        reference = self.reference.with_state(forward_bytes=f, backward_bytes=b) if self.reference is not None else None
+        return dataclasses.replace(
+            self, segments=segments, static_bytes=self.static_bytes + f, prefix_forward_peak_bytes=self.prefix_forward_peak_bytes + f,
+            prefix_backward_peak_bytes=self.prefix_backward_peak_bytes + b, tail_peak_bytes=self.tail_peak_bytes + max(f, b),
+            peak_bytes=self.peak_bytes + max(f, b), reference=reference,
+        )
 
     def at_batch(self, batch_size: int) -> "ModelProfile":
         """This profile at another batch size (Note [Batch scaling])."""
@@ -149,6 +191,9 @@ class ModelProfile:
         for s, r in zip(self.segments, ref.segments):
             changes: dict[str, Any] = {f: line(getattr(s, f), getattr(r, f)) for f in _SCALED_INT_FIELDS}
             changes.update({f: getattr(s, f) * ratio for f in _SCALED_MS_FIELDS})
+            changes.update({f: getattr(s, f) * ratio for f in _MEASURED_MS_FIELDS if getattr(s, f) is not None})
+            if s.released_forward_working_bytes >= 0:  # a working set grows with the batch
+                changes["released_forward_working_bytes"] = round(s.released_forward_working_bytes * ratio)
             segments.append(dataclasses.replace(s, **changes))
         top = {
             f: line(getattr(self, f), getattr(ref, f))
@@ -346,7 +391,7 @@ def _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_of
         static += [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
         return run_trace(
             model, names, lambda: _loss_of(step_fn(model, batch)), device=device, static=static, params=params,
-            fake=False, min_offload_bytes=min_offload_bytes,
+            fake=False, min_offload_bytes=min_offload_bytes, capture_inputs=True,
         )
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
@@ -370,10 +415,15 @@ def _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_of
 
 
 def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_offload_bytes, rates) -> ModelProfile:
+    measured: dict[int, tuple[None, None, int]] = {}
     with _Snapshot(model, device):
         trace = _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_offload_bytes)
         if not fake:
             fwd, bwd, step_ms = run_timing(model, names, lambda: _loss_of(step_fn(model, batch)), device)
+            modules = resolve_modules(model, names)  # canonical names, compiled or not
+            for i, call in trace.inputs.items():  # Note [A forward that does not keep]
+                measured[i] = (None, None, measure_released_working(modules[names[i]], call, device))
+            trace.inputs = {}
     n = len(names)
     if fake:
         fwd = {i: trace.est_all_ms.get(i, 0.0) for i in range(n)}
@@ -383,9 +433,26 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
         heavy = {i: trace.est_heavy_ms.get(i, 0.0) for i in range(n)}
     else:
         heavy = {i: fwd[i] * trace.heavy_op_ms.get(i, 0.0) / max(trace.all_op_ms.get(i, 0.0), 1e-9) for i in range(n)}
+    return assemble(trace, model, names, batch_size=batch_size, device=device, fake=fake, min_offload_bytes=min_offload_bytes,
+                    fwd=fwd, bwd=bwd, heavy=heavy, step_ms=step_ms, measured=measured)
+
+
+def assemble(
+    trace: StepTrace, model: nn.Module, names: list[str], *, batch_size: int, device: torch.device, fake: bool, min_offload_bytes: int,
+    fwd: dict[int, float], bwd: dict[int, float], heavy: dict[int, float], step_ms: float,
+    measured: Optional[dict[int, tuple[Optional[float], Optional[float], int]]] = None,
+) -> ModelProfile:
+    """A :class:`ModelProfile` from a step's trace and its times (``measured``: per segment
+    index the recompute and selective costs and the released forward's working bytes, timed and
+    measured by :mod:`.costs`)."""
+    measured = measured or {}
     order = [names.index(name) for name in trace.order]
     segments = tuple(
-        _segment_from_trace(trace, i, names, order, fwd_ms=fwd[i], bwd_ms=bwd[i], heavy_ms=heavy[i], min_offload_bytes=min_offload_bytes)
+        dataclasses.replace(
+            _segment_from_trace(trace, i, names, order, fwd_ms=fwd[i], bwd_ms=bwd[i], heavy_ms=heavy[i], min_offload_bytes=min_offload_bytes),
+            recompute_ms=measured.get(i, (None, None, -1))[0], selective_ms=measured.get(i, (None, None, -1))[1],
+            released_forward_working_bytes=measured.get(i, (None, None, -1))[2],
+        )
         for i in order
     )
     seg_ms = sum(fwd.values()) + sum(bwd.values())
@@ -409,6 +476,7 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
         step_ms=step_ms,
         d2h_bytes_per_ms=d2h,
         h2d_bytes_per_ms=h2d,
+        optimizer_peak_bytes=trace.window_peak.get("optimizer", 0),
     )
 
 
@@ -450,15 +518,49 @@ def profile(
     track = [t for t in tree_leaves(list(track)) if isinstance(t, torch.Tensor)]
     rates = _compute_rates(device) if fake or scale else (1.0, 1.0)
     start = time.perf_counter()
-    result = _build(model, names, batch, batch_size, step_fn, device, track, fake, min_offload_bytes, rates)
+
+    def build(b: Any, size: int, fake_mode: bool) -> ModelProfile:
+        return _build(model, names, b, size, step_fn, device, track, fake_mode, min_offload_bytes, rates)
+
+    result = _try_fake(lambda: build(batch, batch_size, True), lambda: build(batch, batch_size, False)) if fake else build(batch, batch_size, False)
     if scale:
         big = 2 * batch_size
-        ref = _build(model, names, _resize(batch, batch_size, big), big, step_fn, device, track, True, min_offload_bytes, rates)
-        if not fake:  # Note [Batch scaling]: the slope from fake points, anchored at the real one
-            ref = _anchor(result, ref, fake_here=_build(model, names, batch, batch_size, step_fn, device, track, True, min_offload_bytes, rates))
+        bigger = _resize(batch, batch_size, big)
+        fake_big = _try_fake(lambda: build(bigger, big, True), lambda: None)
+        if fake_big is None:  # Note [Fake mode is an optimisation]
+            ref = build(bigger, big, False)
+        elif result.fake:
+            ref = fake_big
+        else:  # Note [Batch scaling]: the slope from fake points, anchored at the real one
+            fake_here = _try_fake(lambda: build(batch, batch_size, True), lambda: None)
+            ref = _anchor(result, fake_big, fake_here=fake_here) if fake_here is not None else build(bigger, big, False)
         result = dataclasses.replace(result, reference=ref)
     log.debug("profiled %d segments at batch %d in %.2f s (fake=%s)", len(names), batch_size, time.perf_counter() - start, fake)
     return result
+
+
+def _fake_unsupported(exc: BaseException) -> bool:
+    """Whether a step could not run on fake tensors: it reads a value (``.item()``, a branch on
+    a tensor), makes a shape from data (``nonzero``), or uses an op fake tensors do not know."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {
+        "DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException",
+        "GuardOnDataDependentSymNode", "UnsupportedFakeTensorException", "MetadataMismatchError",
+    })
+
+
+def _try_fake(fake: Callable[[], Any], real: Callable[[], Any]) -> Any:
+    """Note [Fake mode is an optimisation]: fake tensors measure memory without arithmetic, but a
+    step that reads a value (``.item()``, common in training steps) cannot run on them. Then the
+    same measurement is made for real — at the batch sizes needed, with one debug line — rather
+    than failing."""
+    try:
+        return fake()
+    except Exception as exc:  # noqa: BLE001 - only what fake tensors cannot do falls back
+        if not _fake_unsupported(exc):
+            raise
+        log.debug("the step cannot run on fake tensors (%s: %s); measuring it for real", type(exc).__name__, exc)
+        return real()
 
 
 def _anchor(real: ModelProfile, fake_big: ModelProfile, *, fake_here: ModelProfile) -> ModelProfile:

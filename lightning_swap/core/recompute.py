@@ -78,14 +78,32 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 
 class RecomputeTimer:
     """Accumulates the time spent recomputing: timing events on the compute stream, read later
-    (Note [Stream protocol] in ``streams.py``); wall clock on CPU."""
+    (Note [Stream protocol] in ``streams.py``); wall clock on CPU. With ``segments`` set (a
+    step whose segments are measured one by one), also each segment's own time and the bytes
+    its recomputation brought back (the meter's bytes alive after it, less before it)."""
 
     def __init__(self, ops: StreamOps) -> None:
         self.ops = ops
         self.timing = Timing(ops)
+        #: name -> [Timing, recomputed bytes], while a step's segments are measured; else None.
+        self.segments: Optional[dict[str, list]] = None
+        self.meter: Any = None
 
-    def measure(self) -> contextlib.AbstractContextManager:
-        return self.timing.measure(self.ops.compute_stream())
+    @contextlib.contextmanager
+    def measure(self, name: str = ""):
+        segments = self.segments
+        if segments is None:
+            with self.timing.measure(self.ops.compute_stream()):
+                yield
+            return
+        own = segments.setdefault(name, [Timing(self.ops), 0])
+        before = self.meter.current_bytes if self.meter is not None else 0
+        try:
+            with self.timing.measure(self.ops.compute_stream()), own[0].measure(self.ops.compute_stream()):
+                yield
+        finally:  # checkpoint stops a recomputation early by raising through here
+            if self.meter is not None:
+                own[1] += max(0, self.meter.current_bytes - before)
 
     def take(self) -> Timing:
         """This step's timing (resolved later); the next step starts a new one."""
@@ -171,6 +189,7 @@ def checkpointed(
     action: Action,
     timer: RecomputeTimer,
     outer: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
+    name: str = "",
 ) -> Callable[..., Any]:
     """``forward`` wrapped so the segment is recomputed in backward.
 
@@ -188,7 +207,7 @@ def checkpointed(
         else:
             fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
         # Entered lazily: checkpoint enters the first now and the second only in backward.
-        return _Chain(fwd, guard.watch_forward), _Chain(timer.measure, guard.preserve, rec)
+        return _Chain(fwd, guard.watch_forward), _Chain(lambda: timer.measure(name), guard.preserve, rec)
 
     @functools.wraps(forward, updated=())  # not a compiled forward's Dynamo attributes (compiled.py)
     def run(*args: Any, **kwargs: Any) -> Any:

@@ -42,7 +42,7 @@ from .actions import Action
 from .compiled import compile_context, dynamo_disable, fullgraph, is_compiled
 from .meter import DeviceMemoryMeter
 from .offload import OffloadEngine
-from .plan import Plan
+from .plan import Plan, PlanRow
 from .recompute import RecomputeTimer, checkpointed
 from .segments import resolve_modules, unwrap_compiled
 from .streams import Timing, default_ops
@@ -119,8 +119,9 @@ def check_min_offload_bytes(value: Any) -> int:
 
 @dataclass(frozen=True)
 class StepStats:
-    """What the runtime did during one training step (from ``begin_step`` to ``end_step``:
-    forward, loss and backward; the optimizer step is outside).
+    """What the runtime did during one training step, from ``begin_step`` to ``end_step``: the
+    forward, the loss and the backward, and the optimizer step where the adapter can see it end
+    (the Lightning strategy does; Accelerate's loop ends the window at ``backward``).
 
     Byte counts and tensor counts are known when the step ends. The three times are measured on
     the device without making the host wait (Note [Stream protocol] in ``streams.py``): on CUDA
@@ -283,6 +284,70 @@ class StatsHistory:
         self._records.clear()
 
 
+class _RowMeasure:
+    """Note [Measured rows]: a plan without predictions (a forced policy: nothing was profiled)
+    gets rows measured in its first step, so that its table has numbers. Each segment's
+    forward is bracketed (module hooks, for that step only): the bytes it leaves alive on the
+    device (its saved activations that stay, and its output) are "kept", less what is still in
+    flight to the host; the engine counts what it offloads per segment; the recompute timer
+    gives each segment's recomputation time and the bytes it brought back."""
+
+    def __init__(self, runtime: "SwapRuntime") -> None:
+        self.runtime = runtime
+        self.kept: dict[str, int] = {}
+        self.offloaded: dict[str, int] = {}
+        self.recompute: dict[str, list] = {}
+        self.handles: list[Any] = []
+        self.open = False
+
+    def start(self) -> "_RowMeasure":
+        rt = self.runtime
+        rt.timer.segments, rt.timer.meter = {}, rt.meter
+        marks: dict[str, tuple[int, int]] = {}
+
+        def inflight() -> int:
+            return rt.engine.copies.inflight_bytes if rt.engine is not None else 0
+
+        for name in rt._names:
+            module = rt._modules[name]
+
+            def pre(m: nn.Module, args: Any, name: str = name) -> None:
+                if torch.is_grad_enabled():
+                    marks[name] = (rt.meter.current_bytes, inflight())
+
+            def post(m: nn.Module, args: Any, out: Any, name: str = name) -> None:
+                if name in marks:
+                    bytes0, flying0 = marks.pop(name)
+                    left = rt.meter.current_bytes - bytes0 - (inflight() - flying0)
+                    self.kept[name] = self.kept.get(name, 0) + max(0, left)
+
+            self.handles.append(module.register_forward_pre_hook(_ModuleHook(pre)))
+            self.handles.append(module.register_forward_hook(_ModuleHook(post)))
+        self.open = True
+        return self
+
+    def stop(self, counters: Any) -> None:
+        rt = self.runtime
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self.recompute, rt.timer.segments, rt.timer.meter = rt.timer.segments or {}, None, None
+        if counters is not None:
+            self.offloaded = {rt._names[i]: b for i, b in counters.by_segment.items() if 0 <= i < len(rt._names)}
+        self.open = False
+
+    def plan(self, *, wait: bool) -> Optional[Plan]:
+        rt = self.runtime
+        rows = []
+        for name, action in rt.plan.actions.items():
+            timing, recomputed = self.recompute.get(name, (None, 0))
+            ms = timing.resolve(wait=wait) if timing is not None else 0.0
+            if ms is None:
+                return None  # the device has not finished the step yet
+            rows.append(PlanRow(name, action, self.kept.get(name, 0), self.offloaded.get(name, 0), recomputed, ms))
+        return replace(rt.plan, rows=tuple(rows), measured=True)
+
+
 def _inert_hook(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -349,6 +414,12 @@ class SwapRuntime:
                 raise ValueError(f"`plan` action for {name!r} must be an Action; got {action!r}.")
         # Canonical names, compiled or not (Note [Canonical segment names] in segments.py).
         self._modules = resolve_modules(model, list(self.plan.actions), field="plan")
+        self._names = list(self.plan.actions)
+        #: Note [Measured rows]: a plan without predicted rows (a forced policy) gets measured
+        #: ones from the first step: ``None`` until then, the rows being collected, then a Plan.
+        self.measure_rows = not self.plan.rows
+        self._row_measure: Optional[_RowMeasure] = None
+        self.measured_plan_result: Optional[Plan] = None
         self._saved_forward: dict[str, tuple[bool, Any]] = {}
         #: Segment name -> (compiled module's name, its Dynamo context) as installed.
         self._contexts: dict[str, Optional[tuple[str, Any]]] = {}
@@ -396,8 +467,7 @@ class SwapRuntime:
                 for index, name in enumerate(self.plan.actions):
                     module = self._modules[name]
                     self._handles.append(module.register_forward_pre_hook(self._forward_trigger()))
-                    if self.prefetch_segments > 0:
-                        self._handles.append(module.register_forward_hook(self._backward_trigger(index)))
+                    self._handles.append(module.register_forward_hook(self._backward_trigger(index)))
             if self.unified is not None and self.unified.mode is UMMode.ALL:
                 self._install_parameter_prefetch()
         except BaseException:
@@ -523,7 +593,7 @@ class SwapRuntime:
 
             return _SegmentForward(module, offloaded)
         outer = (lambda: engine.hooks(index)) if action is Action.RECOMPUTE_OFFLOAD else None
-        return _SegmentForward(module, checkpointed(module, forward, action, self.timer, outer=outer))
+        return _SegmentForward(module, checkpointed(module, forward, action, self.timer, outer=outer, name=self._names[index]))
 
     def _forward_trigger(self) -> Any:
         """A forward pre-hook on every segment: what is in flight is bounded in segments
@@ -537,13 +607,16 @@ class SwapRuntime:
         return _ModuleHook(hook)
 
     def _backward_trigger(self, index: int) -> Any:
-        """A forward hook marking, on the segment's outputs, when its backward starts
-        (Note [Prefetch schedule] in offload.py)."""
+        """A forward hook: the segment's copies to the host may stay in flight only so long
+        (Note [Stream protocol]), and its outputs mark when its backward starts (Note [Prefetch
+        schedule] in offload.py)."""
         engine = self.engine
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if torch.is_grad_enabled():
-                on_backward_start(output, lambda: engine.backward_started(index))
+                engine.segment_ended()
+                if engine.prefetch_segments > 0:
+                    on_backward_start(output, lambda: engine.backward_started(index))
 
         return _ModuleHook(hook)
 
@@ -620,7 +693,9 @@ class SwapRuntime:
             self.meter.__exit__(None, None, None)
         if self.installed:
             self._refresh_compiled()
-        self._metered = self.meter.is_cuda or measure or not self._compiled
+        # The first step of a plan without rows measures them with the meter (Note [Measured rows]).
+        rows = self.measure_rows and self._row_measure is None
+        self._metered = self.meter.is_cuda or measure or rows or not self._compiled
         if not self._metered and not self._logged_unmetered:
             self._logged_unmetered = True
             log.info(
@@ -628,7 +703,7 @@ class SwapRuntime:
                 "(the CPU meter is a TorchDispatchMode, which makes torch.compile run eagerly); "
                 "peak_device_bytes is None"
             )
-        elif measure and self._compiled and not self.meter.is_cuda:
+        elif self._metered and self._compiled and not self.meter.is_cuda:
             log.info("lightning-swap: measuring this step's device memory on CPU; the compiled model runs eagerly for it")
         self._step_open = True
         if self._metered:
@@ -642,6 +717,8 @@ class SwapRuntime:
             if self.engine is not None:
                 self.engine.begin_step([*params, *self.model.buffers(), *tracked])
         self._um_start = self.unified.stats() if self.unified is not None else None
+        if self.measure_rows and self._row_measure is None:
+            self._row_measure = _RowMeasure(self).start()
         self._step_timing = Timing(self.ops)
         self._step_start = self.ops.record(self.ops.compute_stream(), timing=True)
 
@@ -656,12 +733,20 @@ class SwapRuntime:
             um_refused_allocations=now.refused_allocations - start.refused_allocations,
         )
 
+    def abort_step(self) -> None:
+        """Close the window of a step that failed, with no statistics."""
+        if self.meter._open:
+            self.meter.__exit__(None, None, None)
+        self._step_open = False
+
     def end_step(self) -> StepStats:
         """Close the window and return the step's statistics, without waiting for the device:
         on CUDA the times are ``None`` until :meth:`stats` finds the step finished."""
         if not self._step_open:
             raise RuntimeError("end_step() called without begin_step()")
         counters, exposed = self.engine.end_step() if self.engine is not None else (None, None)
+        if self._row_measure is not None and self._row_measure.open:
+            self._row_measure.stop(counters)
         step = self._step_timing
         step.add(self._step_start, self.ops.record(self.ops.compute_stream(), timing=True))
         if self.meter._open:
@@ -693,3 +778,10 @@ class SwapRuntime:
     def last_stats(self) -> Optional[StepStats]:
         """The last step's statistics as known now (times may still be ``None`` on CUDA)."""
         return self.records.newest()
+
+    def measured_plan(self, *, wait: bool = False) -> Optional[Plan]:
+        """Note [Measured rows]: the plan with the rows measured in its first step (bytes kept,
+        offloaded and recomputed, milliseconds recomputing, per segment), once known."""
+        if self.measured_plan_result is None and self._row_measure is not None and not self._row_measure.open:
+            self.measured_plan_result = self._row_measure.plan(wait=wait)
+        return self.measured_plan_result

@@ -8,8 +8,9 @@ at every batch size (Note [Batch scaling] in ``profiler.py``), so the search is 
 over *predictions* — no model runs — and real steps only confirm the answer:
 
 - ``mode="max"``: the largest batch with a feasible plan under ``budget·(1-margin)``;
-- ``mode="throughput"``: the batch whose plan has the best predicted samples/s; the best
-  ``candidates`` predictions are timed and the fastest measured wins.
+- ``mode="throughput"``: the batch whose plan has the best *measured* samples/s among plain
+  training at the base batch and the ``candidates`` best predictions (Note [A throughput
+  search that can only win]).
 
 Note [Recovering from a failed trial]: a trial fails when it raises an out-of-memory error
 (``torch.OutOfMemoryError`` by type first, the message second) or when its measured peak
@@ -20,6 +21,28 @@ the first trial that fits ends it. An out-of-memory error measures nothing, so f
 the search bisects between the largest batch that fit and the smallest that failed, each
 probe the largest feasible batch below the midpoint, until they meet or ``max_trials`` runs
 out. The caller restores model and optimizer state after every trial.
+
+Note [A throughput search that can only win]: predictions of step time are off by several
+percent (more on a GPU), enough to rank a smaller batch above the user's own: an H100 chose
+batch 4 at 46.2 samples/s where plain training at batch 8 fitted and ran 49.5. So the answer is
+decided by measurement against the one alternative the user already has. When the search
+knows the base batch (the batch the user configured) and the policy may keep every segment,
+the first trial is *plain*: the all-``KEEP`` plan at the base batch (the runtime with every
+segment kept is plain training), run when its predicted peak fits the budget itself (not the
+budget less the margin: the measurement decides, and the session plans at a batch with the
+whole budget). Then the best ``candidates`` predictions are timed, those above the base batch
+first: the cost model scales a step's time in proportion to the batch, so it ranks the
+all-``KEEP`` plan at a smaller batch about level with plain, while a real step has a fixed
+part (launches, the optimizer) that a smaller batch pays more often per sample (likely how
+the H100 came to time batch 4). The trial with the best measured samples/s that fitted is
+returned, plain on a tie; a trial that ran out of memory or measured over the budget never
+is. Hence the result's measured samples/s is at least plain's whenever plain fitted;
+:meth:`ScaleResult.render` states the comparison, or why there is none (no base batch, a
+forced policy, plain predicted or measured over the budget). Noise: every trial runs ``steps_per_trial`` steps, the first discarded as warm-up,
+and its time is the *median* of the rest: robust to one slow step (garbage collection, a
+neighbour's burst) without crediting a candidate for one lucky step as the minimum would
+(an offload plan's copy overlap varies from step to step; its best step is not what training
+sustains). With ``steps_per_trial=2`` that is one step; use 4 or more for a steadier answer.
 """
 
 from __future__ import annotations
@@ -27,12 +50,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from .actions import Action
+from .costmodel import simulate
 from .errors import InfeasibleBudgetError, is_out_of_memory  # re-exported: its old home
 from .plan import Plan, format_bytes
 from .profiler import ModelProfile, StepFn
@@ -104,7 +129,9 @@ class ScaleConfig:
 
 @dataclass(frozen=True)
 class TrialMeasurement:
-    """What a trial run measured: the peak over its steps and the mean step time (warm)."""
+    """What a trial run measured: the peak over its steps and the step time of its warm steps
+    (the median of the steps after the first in :func:`search_for_loop`: Note [A throughput
+    search that can only win])."""
 
     peak_bytes: int
     step_ms: float
@@ -118,6 +145,8 @@ class Trial:
     measured_step_ms: Optional[float]
     failed: bool
     reason: str = ""
+    #: Whether this is plain training at the base batch, the reference of ``mode="throughput"``.
+    plain: bool = False
 
     @property
     def samples_per_s(self) -> Optional[float]:
@@ -134,20 +163,82 @@ class ScaleResult:
     budget_bytes: int
     trials: tuple[Trial, ...]
     search_s: float
+    #: The batch the user configured (the search's reference), if the search was told it.
+    base_batch_size: Optional[int] = None
+    #: ``mode="throughput"``: why plain training at the base batch was not run ("" if it was).
+    plain_note: str = ""
 
     @property
     def failed_trials(self) -> int:
         return sum(t.failed for t in self.trials)
 
+    @property
+    def plain_trial(self) -> Optional[Trial]:
+        """The trial of plain training at the base batch (``mode="throughput"``), if it ran."""
+        return next((t for t in self.trials if t.plain), None)
+
+    @property
+    def chosen_trial(self) -> Optional[Trial]:
+        """The trial whose batch and plan were returned (``None`` if none matches: under DDP
+        another process may have agreed on a smaller batch)."""
+        return next((t for t in self.trials if not t.failed and t.batch_size == self.batch_size and t.plan == self.plan), None)
+
+    @property
+    def speedup(self) -> Optional[float]:
+        """Measured samples/s of the answer over plain's at the base batch (``None`` unless
+        both were measured and plain fitted); >= 1 by Note [A throughput search that can only win]."""
+        plain, chosen = self.plain_trial, self.chosen_trial
+        if plain is None or chosen is None or plain.samples_per_s is None or chosen.samples_per_s is None:
+            return None
+        return chosen.samples_per_s / plain.samples_per_s
+
+    def comparison(self) -> str:
+        """``mode="throughput"``: one line comparing the answer with plain training at the base
+        batch, or saying why there is no comparison ("" in ``mode="max"``)."""
+        if self.mode != "throughput":
+            return ""
+        chosen, plain = self.chosen_trial, self.plain_trial
+        if chosen is None:
+            answer = f"batch {self.batch_size} ({self.plan.summary() or '-'}): agreed with the other processes, not measured here"
+        elif chosen.plain:
+            answer = f"batch {chosen.batch_size} (plain)"
+        else:
+            answer = f"batch {chosen.batch_size} (plan {chosen.plan.summary() or '-'}): {_rate(chosen)} samples/s"
+        if plain is None:
+            return f"plain not measured: {self.plain_note}; chosen {answer}"
+        where = f"plain at batch {plain.batch_size}"
+        if plain.failed:
+            if plain.measured_peak_bytes is not None:
+                why = f"measured peak {format_bytes(plain.measured_peak_bytes)} > budget {format_bytes(self.budget_bytes)}"
+            else:
+                why = plain.reason
+            return f"{where} does not fit the budget ({why}); chosen {answer}"
+        measured = f"{where}: {_rate(plain)} samples/s measured"
+        if chosen is not None and chosen.plain:
+            others = [t for t in self.trials if not t.plain and not t.failed and t.samples_per_s is not None]
+            if others:
+                best = max(others, key=lambda t: t.samples_per_s)
+                ratio = f", {best.samples_per_s / plain.samples_per_s:.2f}x" if plain.samples_per_s else ""
+                why = (
+                    f"no candidate beat it (best: batch {best.batch_size}, plan {best.plan.summary() or '-'}, "
+                    f"{best.samples_per_s:.1f} samples/s{ratio})"
+                )
+            else:
+                why = "no other candidate fitted" if any(not t.plain for t in self.trials) else "no other candidate was timed"
+            return f"{measured}; {why}: plain training at batch {plain.batch_size} is returned"
+        speedup = f", {self.speedup:.2f}x" if self.speedup is not None else ""
+        return f"{measured}; chosen {answer}{speedup}"
+
     def render(self) -> str:
-        """The candidates tried: batch, plan summary, predicted/measured peak and step, samples/s."""
+        """The candidates tried: batch, plan summary, predicted/measured peak and step, samples/s;
+        in ``mode="throughput"`` a last line comparing the answer with plain (:meth:`comparison`)."""
         header = ("batch", "plan", "pred peak", "meas peak", "pred ms", "meas ms", "samples/s", "result")
         rows = []
         for t in self.trials:
             rows.append(
                 (
                     str(t.batch_size),
-                    t.plan.summary() or "-",
+                    f"plain ({t.plan.summary()})" if t.plain else (t.plan.summary() or "-"),
                     format_bytes(t.plan.predicted_peak_bytes),
                     format_bytes(t.measured_peak_bytes),
                     f"{t.plan.predicted_step_ms:.1f}" if t.plan.predicted_step_ms is not None else "-",
@@ -163,7 +254,13 @@ class ScaleResult:
             f"mode={self.mode}, budget {format_bytes(self.budget_bytes)}: batch {self.batch_size} "
             f"after {len(self.trials)} trial run(s), {self.failed_trials} failed, {self.search_s:.1f} s"
         )
+        if self.mode == "throughput":
+            lines.append(self.comparison())
         return "\n".join(lines)
+
+
+def _rate(trial: Trial) -> str:
+    return "-" if trial.samples_per_s is None else f"{trial.samples_per_s:.1f}"
 
 
 RunTrial = Callable[[int, Plan], TrialMeasurement]
@@ -205,16 +302,45 @@ def _largest_feasible(plan_at: Callable[[int, int], Optional[Plan]], budget_byte
     return good
 
 
-def _attempt(run_trial: RunTrial, batch: int, plan: Plan, budget_bytes: int) -> Trial:
+def _attempt(run_trial: RunTrial, batch: int, plan: Plan, budget_bytes: int, *, plain: bool = False) -> Trial:
     try:
         m = run_trial(batch, plan)
     except Exception as exc:  # noqa: BLE001 - only out-of-memory is recoverable
         if not is_out_of_memory(exc):
             raise
-        return Trial(batch, plan, None, None, True, "out of memory")
+        return Trial(batch, plan, None, None, True, "out of memory", plain)
     if m.peak_bytes > budget_bytes:
-        return Trial(batch, plan, m.peak_bytes, m.step_ms, True, "over budget")
-    return Trial(batch, plan, m.peak_bytes, m.step_ms, False)
+        return Trial(batch, plan, m.peak_bytes, m.step_ms, True, "over budget", plain)
+    return Trial(batch, plan, m.peak_bytes, m.step_ms, False, "", plain)
+
+
+def _plain_plan(
+    profile: ModelProfile, base_batch_size: Optional[int], budget_bytes: int, actions: Optional[tuple[Action, ...]]
+) -> tuple[Optional[Plan], str]:
+    """Plain training at the base batch as a plan (every segment ``KEEP``), with the cost
+    model's prediction, or ``None`` and why it is not a candidate
+    (Note [A throughput search that can only win])."""
+    if base_batch_size is None:
+        return None, "the search was not told the base batch (base_batch_size)"
+    if actions is not None and Action.KEEP not in actions:
+        allowed = ", ".join(a.value for a in actions)
+        return None, f"the policy allows only {allowed}, so plain training is not a plan it may return"
+    keep = {name: Action.KEEP for name in profile.names}
+    prediction = simulate(profile.at_batch(base_batch_size), keep)
+    if prediction.peak_bytes > budget_bytes:
+        return None, (
+            f"plain at batch {base_batch_size} is predicted to need {format_bytes(prediction.peak_bytes)}, "
+            f"over the budget {format_bytes(budget_bytes)}"
+        )
+    plan = Plan(
+        actions=keep,
+        predicted_peak_bytes=prediction.peak_bytes,
+        predicted_step_ms=prediction.step_ms,
+        budget_bytes=budget_bytes,
+        batch_size=base_batch_size,
+        rows=prediction.rows,
+    )
+    return plan, ""
 
 
 def _shrink(effective: int, trial: Trial) -> int:
@@ -231,6 +357,7 @@ def search_batch_size(
     config: ScaleConfig = ScaleConfig(),
     *,
     actions: Optional[tuple[Action, ...]] = None,
+    base_batch_size: Optional[int] = None,
 ) -> ScaleResult:
     """Search the batch size (see the module docstring).
 
@@ -238,8 +365,22 @@ def search_batch_size(
     applies the plan, runs ``config.steps_per_trial`` real steps at that batch, and returns a
     :class:`TrialMeasurement` (or raises out-of-memory); the caller restores model and
     optimizer state. ``actions`` restricts the planner (a forced single-action policy).
+
+    ``base_batch_size``: the batch the user configured, in ``[min_batch_size,
+    max_batch_size]``. In ``mode="throughput"`` plain training at it is measured and the answer
+    is never slower (Note [A throughput search that can only win]); without it the answer is the
+    fastest measured candidate, with no reference. ``mode="max"`` only records it.
     """
     budget_bytes = parse_bytes(budget_bytes, field="budget_bytes")
+    if base_batch_size is not None and (
+        isinstance(base_batch_size, bool)
+        or not isinstance(base_batch_size, int)
+        or not config.min_batch_size <= base_batch_size <= config.max_batch_size
+    ):
+        raise ValueError(
+            f"`base_batch_size` must be None or an int in [min_batch_size, max_batch_size] = "
+            f"[{config.min_batch_size}, {config.max_batch_size}]; got {base_batch_size!r}."
+        )
     start = time.perf_counter()
     effective = int(budget_bytes * (1 - config.margin))
     trials: list[Trial] = []
@@ -272,11 +413,19 @@ def search_batch_size(
             else:
                 effective = _shrink(effective, trial)
         if best is not None:
-            return ScaleResult(best.batch_size, best.plan, config.mode, budget_bytes, tuple(trials), time.perf_counter() - start)
-    else:
+            return ScaleResult(
+                best.batch_size, best.plan, config.mode, budget_bytes, tuple(trials), time.perf_counter() - start, base_batch_size
+            )
+    else:  # Note [A throughput search that can only win]
+        plain, plain_note = _plain_plan(profile, base_batch_size, budget_bytes, actions)
+        if plain is not None:
+            trials.append(_attempt(run_trial, base_batch_size, plain, budget_bytes, plain=True))
+            log.info("throughput search: plain at batch %d: %s", base_batch_size, trials[-1].reason or "fits")
         top = _largest_feasible(plan_at, effective, config.min_batch_size, hi)
         if top is not None:
             sizes = {top, config.min_batch_size}
+            if base_batch_size is not None and base_batch_size <= top:
+                sizes.add(base_batch_size)
             b = config.min_batch_size
             while b < top:
                 sizes.add(b)
@@ -284,16 +433,25 @@ def search_batch_size(
             scored = []
             for b in sorted(sizes):
                 plan = plan_at(b, effective)
-                if plan is not None and plan.predicted_step_ms:
-                    scored.append((b / plan.predicted_step_ms, b, plan))
-            scored.sort(key=lambda s: (-s[0], -s[1]))
-            for _, b, plan in scored[: min(config.candidates, config.max_trials)]:
-                trial = _attempt(run_trial, b, plan, budget_bytes)
-                trials.append(trial)
-            ok = [t for t in trials if not t.failed]
-            if ok:
-                best = max(ok, key=lambda t: (t.samples_per_s or 0.0, t.batch_size))
-                return ScaleResult(best.batch_size, best.plan, config.mode, budget_bytes, tuple(trials), time.perf_counter() - start)
+                if plan is None or not plan.predicted_step_ms:
+                    continue
+                if plain is not None and b == base_batch_size and plan.actions == plain.actions:
+                    continue  # plain itself, measured already: a second run would only add noise
+                scored.append((b / plan.predicted_step_ms, b, plan))
+            # With plain measured, batches above the base are timed first (the Note says why).
+            above = plain is not None and base_batch_size is not None
+            scored.sort(key=lambda s: (above and s[1] <= base_batch_size, -s[0], -s[1]))
+            for _, b, plan in scored[: max(0, min(config.candidates, config.max_trials - len(trials)))]:
+                trials.append(_attempt(run_trial, b, plan, budget_bytes))
+        ok = [t for t in trials if not t.failed]
+        if ok:  # the best measured samples/s; plain on a tie, then the larger batch
+            best = max(ok, key=lambda t: (t.samples_per_s or 0.0, t.plain, t.batch_size))
+            result = ScaleResult(
+                best.batch_size, best.plan, config.mode, budget_bytes, tuple(trials), time.perf_counter() - start,
+                base_batch_size, plain_note,
+            )
+            log.info("throughput search: %s", result.comparison())
+            return result
     need = ""
     try:
         solve(profile, budget_bytes=effective, batch_size=config.min_batch_size, actions=actions)
@@ -363,8 +521,13 @@ def search_for_loop(
     config: ScaleConfig = ScaleConfig(),
     track: Callable[[], Any] = tuple,
     collectives: Collectives = Collectives(),
+    base_batch_size: Optional[int] = None,
 ) -> ScaleResult:
     """The batch-size search around any training loop, the loop being ``run_steps``.
+
+    ``base_batch_size`` (default ``profile_batch_size``) is the batch the user configured: in
+    ``mode="throughput"`` plain training at it is the reference the answer must match or beat
+    (Note [A throughput search that can only win]).
 
     1. Warm-up (Note [Profile in the steady state]): one step at ``profile_batch_size`` under
        the leanest plan (every segment ``RECOMPUTE_OFFLOAD``), so that gradients and optimizer
@@ -374,8 +537,10 @@ def search_for_loop(
        the largest batch that profile predicts (Note [Profile near the answer]), and
        broadcasts the profile.
     3. :func:`search_batch_size`, each trial applying its plan pinned and running
-       ``config.steps_per_trial`` steps; peaks and step times are reduced by max over the
-       processes, so all see the same measurement and take the same path.
+       ``config.steps_per_trial`` steps; a trial's peak is the max over its steps, its step
+       time the median of the steps after the first (the first includes warm-up); peaks and step
+       times are reduced by max over the processes, so all see the same measurement and take
+       the same path.
     4. Every process agrees on the smallest answer.
 
     Note [Profile near the answer]: a profile's bytes are lines in the batch size fitted
@@ -408,6 +573,7 @@ def search_for_loop(
         batch = make_batch(top_size)
         prof = session.measure(batch, step_fn, track()) if collectives.is_main else None
     prof = collectives.broadcast(prof)
+    session.profile = prof  # every process: the adapter may plan training from it afterwards
 
     def run_trial(batch_size: int, plan: Plan) -> TrialMeasurement:
         session.apply(plan, pinned=True)
@@ -425,10 +591,12 @@ def search_for_loop(
         if not peaks:  # a pinned plan's steps are measured (SwapSession.begin_step): a caller's bug
             raise RuntimeError("the trial's steps were not measured (peak_device_bytes is None); open them with measure=True.")
         peak = collectives.reduce_max(float(max(peaks)))
-        step_ms = collectives.reduce_max(sum(s.step_ms for s in warm) / len(warm))
+        # The median, not the mean: Note [A throughput search that can only win].
+        step_ms = collectives.reduce_max(statistics.median([s.step_ms for s in warm]))
         return TrialMeasurement(peak_bytes=int(peak), step_ms=float(step_ms))
 
-    result = search_batch_size(prof, budget_bytes, run_trial, config, actions=actions)
+    base = profile_batch_size if base_batch_size is None else base_batch_size
+    result = search_batch_size(prof, budget_bytes, run_trial, config, actions=actions, base_batch_size=base)
     agreed = int(collectives.reduce_min(result.batch_size))
     if agreed != result.batch_size:  # another process found less: its batch wins
         result = dataclasses.replace(result, batch_size=agreed)

@@ -17,11 +17,13 @@ from torch import nn
 
 from .actions import AUTO, Action, PolicyLike, allowed_actions, resolve_policy
 from .errors import is_out_of_memory
+from .auto import AutoPlanner
 from .plan import Plan
+from .streams import SyncOps, Timing
 from .runtime import (
-    DEFAULT_MIN_OFFLOAD_BYTES, StatsHistory, StepStats, SwapRuntime, _normalize_device, check_inflight_segments, tensors_in,
+    DEFAULT_MIN_OFFLOAD_BYTES, StatsHistory, StepStats, SwapRuntime, _StepRecord, _normalize_device, check_inflight_segments, tensors_in,
 )
-from .segments import SegmentSpec, find_segments
+from .segments import SegmentSpec, find_segments, resolve_modules
 from .unified import UMMode, UnifiedMemory, install_unified_memory
 from .units import ByteSize, parse_bytes
 
@@ -56,6 +58,17 @@ def _state_bytes(model: nn.Module, track: Any) -> int:
     return grads + sum(t.untyped_storage().nbytes() for t in tensors_in(track))
 
 log = logging.getLogger(__name__)
+
+
+def _observed_record(profile: Any) -> _StepRecord:
+    """The observed step as a step of the history: its peak and time, nothing moved."""
+    step = Timing(SyncOps())
+    step.add_ms(profile.step_ms)
+    stats = StepStats(
+        peak_device_bytes=profile.peak_bytes, offloaded_bytes=0, fetched_bytes=0, prefetched_bytes=0, offloaded_tensors=0,
+        deduplicated_tensors=0, host_pool_bytes=0, recompute_ms=None, exposed_transfer_ms=None, step_ms=None,
+    )
+    return _StepRecord(stats, step, Timing(SyncOps()), None, 0.0)
 
 
 def _check_budget(value: Any, field_name: str = "budget_bytes") -> Optional[int]:
@@ -167,10 +180,79 @@ class SwapSession:
         self.last_stats: Optional[StepStats] = None
         #: Every measured step of this session, across plans (device times filled in lazily).
         self.records = StatsHistory()
-        self.profile = None  # the ModelProfile behind an auto plan
+        self._profile = None
         self._planned_for: Optional[tuple] = None
         self._planned_state: Optional[int] = None
         self._pinned = False
+        #: ``policy="auto"``'s decisions (Note [Auto: observe, plan, check]); ``None`` for a forced policy.
+        self.auto = AutoPlanner(self) if config.is_auto else None
+
+    @property
+    def profile(self):
+        """The :class:`~lightning_swap.core.profiler.ModelProfile` behind the plan (``None``
+        before one was made): the observed step's for ``"auto"``, else the last :meth:`measure`."""
+        if self.auto is not None and self.auto.profile is not None:
+            return self.auto.profile
+        return self._profile
+
+    @profile.setter
+    def profile(self, value) -> None:
+        self._profile = value
+
+    @property
+    def modules(self) -> dict[str, nn.Module]:
+        """The segments' modules by name."""
+        return resolve_modules(self.model, self.segments)  # canonical names, compiled or not
+
+    @property
+    def observing(self) -> bool:
+        """Whether this step is being observed for ``"auto"``'s profile (Note [Observe, do not re-run])."""
+        return self.auto is not None and self.auto.observing is not None
+
+    # -- one training step, as the adapters drive it ----------------------------------------
+    def before_step(
+        self, batch: Any, track: Any, states: Any, *, is_main: bool = True,
+        plan_on_main: Callable[[Callable[[], Plan]], Plan] = lambda solve: solve(), measure: bool = False,
+    ) -> str:
+        """Before a training step's forward: observe it, (re-)plan, or open the installed plan's
+        window. ``track``: what is alive besides the model (the batch, ``states``);
+        ``states``: the optimizer states; ``plan_on_main(solve)`` runs ``solve`` on the main
+        process and hands every process its result (or raises its error everywhere); ``measure``:
+        as :meth:`begin_step`'s. Returns what the step does: ``"observe"``, ``"plan"`` or ``"run"``."""
+        kind = "run"
+        if self.auto is not None and not self._pinned:
+            kind = self.auto.kind(batch, states)
+            if kind == "observe":  # the other processes run the same step plainly
+                self.auto.begin_observe(batch, track, states, is_main=is_main)
+                return kind
+            if kind == "plan":
+                plan = plan_on_main(lambda: self.auto.plan(states))
+                if plan is not self.plan:
+                    self.apply(plan)
+                self.auto.applied(plan, states)
+        self.begin_step(track, measure=measure)
+        return kind
+
+    def backward_begins(self) -> None:
+        """The loss exists and its backward is about to run."""
+        if self.observing:
+            self.auto.observing.backward_begins()
+
+    def step_done(self) -> None:
+        """The whole step (optimizer step included) is over: an observed step becomes the profile."""
+        if self.observing:
+            try:
+                profile = self.auto.finish_observe()
+            finally:
+                self.auto.abort_observe()
+            self.records.add(_observed_record(profile))
+
+    def abort_step(self) -> None:
+        """The step failed (out of memory, an exception): nothing observed is kept."""
+        if self.auto is not None:
+            self.auto.abort_observe()
+        if self.runtime is not None and self.runtime.measuring:
+            self.runtime.abort_step()
 
     @property
     def pinned(self) -> bool:
@@ -219,14 +301,15 @@ class SwapSession:
             scale=True,
         )
         try:
-            self.profile = profile(self.model, batch, **kwargs)
+            measured = profile(self.model, batch, **kwargs)
         except Exception as exc:  # noqa: BLE001
             if not is_out_of_memory(exc):
                 raise
             log.info("plain step does not fit on %s; profiling in fake mode", self.device)
             torch.cuda.empty_cache()
-            self.profile = profile(self.model, batch, fake=True, **kwargs)
-        return self.profile
+            measured = profile(self.model, batch, fake=True, **kwargs)
+        self._profile = measured
+        return measured
 
     def plan_for_batch(self, batch: Any, step_fn: Callable[[nn.Module, Any], Any], track: Iterable[Any] = ()) -> Plan:
         """The plan for this batch: the forced one, or for ``"auto"`` the planner's under the
@@ -305,6 +388,9 @@ class SwapSession:
         self.remove()
         self.records.clear()
         self.plan = None
+        if self.auto is not None:
+            self.auto.abort_observe()
+            self.auto = AutoPlanner(self, grads_freed_before_backward=self.auto.grads_freed_before_backward)
         self._planned_for = None
         self._planned_state = None
         self._pinned = False
@@ -335,12 +421,25 @@ class SwapSession:
         a pinned plan's steps (the batch-size finder's trials) are always measured."""
         if self.runtime is None:
             if self.config.is_auto:
-                raise RuntimeError("policy='auto': call plan_for_batch() and apply() before the first step")
+                raise RuntimeError("policy='auto': call before_step() (or plan_for_batch() and apply()) before the first step")
             self.apply(self.forced_plan())
         assert self.runtime is not None
-        self.runtime.begin_step(tensors_in(list(track)), measure=measure or self._pinned)
+        # The budget check reads the plan's first step's peak (AutoPlanner.plan): it is measured.
+        checked = self.auto is not None and self.auto._check_pending
+        self.runtime.begin_step(tensors_in(list(track)), measure=measure or self._pinned or checked)
+
+    def backward_done(self) -> None:
+        """The loss's backward is over (what follows, the optimizer step, is its own window in
+        an observed step)."""
+        if self.observing and not self.auto.observing.backward_over:
+            self.auto.observing.backward_done()
 
     def end_step(self) -> Optional[StepStats]:
+        """The step is over (adapters call it after the optimizer step when they can, else
+        after the backward): its statistics (``None`` when no window was open)."""
+        if self.observing:
+            self.backward_done()
+            return None
         if self.runtime is None or not self.runtime.measuring:
             return None
         self.last_stats = self.runtime.end_step()

@@ -28,7 +28,7 @@ import numpy as np
 
 from .actions import Action
 from .costmodel import (
-    SegmentCosts, backward_own, boundary_kept, copied_bytes, internal_kept, recompute_ms, segment_costs, simulate,
+    SegmentCosts, backward_need, boundary_kept, copied_bytes, forward_own, internal_kept, recompute_ms, segment_costs, simulate,
 )
 from .errors import InfeasibleBudgetError
 from .plan import Plan
@@ -83,8 +83,8 @@ class _Chain:
                     continue
                 in_flight = copies[i - 1][pi] if (overlap and p is not None) else 0
                 for ai, a in enumerate(acts):
-                    self.fwd_need[i, pi, ai] = costs.forward_base_bytes[i] + internal_kept(s, a) + in_flight
-                    self.bwd_need[i, pi, ai] = costs.backward_base_bytes[i] + backward_own(prev, p, s, a, on_demand=not overlap) + in_flight
+                    self.fwd_need[i, pi, ai] = costs.forward_base_bytes[i] + forward_own(s, a, overlap=overlap) + in_flight
+                    self.bwd_need[i, pi, ai] = backward_need(costs.backward_base_bytes[i], prev, p, s, a, on_demand=not overlap) + in_flight
                     self.add_kept[i, pi, ai] = internal_kept(s, a) + boundary_kept(prev, p, s, a)
                     ms = recompute_ms(s, a)
                     vol = copies[i][ai]
@@ -212,6 +212,18 @@ def solve(
         )
     picks = [acts[a] for a in result[0]] if result is not None else []
     prediction = simulate(profile, picks, costs)
+    # Note [Never slower than a uniform plan]: the plans a user writes by hand (every segment
+    # kept, checkpointed, selective, offloaded...) are candidates too. The DP is exact below
+    # ``max_states`` and they are in its search space, but thinning may lose one; comparing
+    # costs n simulations and makes "auto is at least as fast as the fastest uniform plan that
+    # fits", in prediction, a guarantee rather than a property of the search.
+    for action in acts:
+        uniform = [action] * len(profile.segments)
+        if uniform == picks or not uniform:
+            continue
+        candidate = simulate(profile, uniform, costs)
+        if candidate.peak_bytes <= budget_bytes and candidate.step_ms < prediction.step_ms - 1e-9:
+            picks, prediction = uniform, candidate
     if prediction.peak_bytes > budget_bytes:  # the DP and the simulator disagree: a bug
         raise AssertionError(f"planner chose a plan predicted at {prediction.peak_bytes} bytes over the budget {budget_bytes}")
     plan = Plan(

@@ -11,8 +11,9 @@ checked on CPU by an adversarial double of this module (``tests/stream_double.py
    on the compute stream now (the bytes were produced there); before an h2d copy the h2d stream
    waits on the event of the d2h copy that filled the host buffer.
 2. Device memory read by a d2h copy goes back to the allocator without the host ever waiting:
-   the source is held in a stash for at most ``inflight_segments`` segments' forwards; then the
-   *compute* stream waits on the copy's event and the reference is dropped. The block belongs to
+   the source is held in a stash until ``inflight_segments`` later segments' forwards have ended
+   (the copy overlaps them); then the *compute* stream waits on the copy's event and the
+   reference is dropped. The block belongs to
    the compute stream's pool, so any later reuse is ordered after that wait (no
    ``record_stream``: under ``um="all"`` the allocator never reclaims blocks freed after one,
    and without it memory is freed at a point the host, the meter and the planner all agree on).
@@ -248,9 +249,14 @@ class CopyStreams:
 
     # -- forward: device to host ---------------------------------------------------------
     def segment_started(self) -> None:
-        """A segment's forward starts: sources older than ``inflight_segments`` segments retire."""
+        """A segment's forward starts: what it offloads is tagged with a new ordinal."""
         self._ordinal += 1
-        self.retire(before=self._ordinal - self.inflight_segments)
+
+    def segment_ended(self) -> None:
+        """A segment's forward ended: the sources of all but the last ``inflight_segments``
+        segments retire (rule 2), so that the forward of the next one overlaps their copies and
+        no more than that many segments' copies are ever in flight, the tail's included."""
+        self.retire(before=self._ordinal - self.inflight_segments + 1)
 
     def to_host(self, src: torch.Tensor, host: torch.Tensor, *, after: tuple = (), then: Optional[Callable[[Any], None]] = None) -> Any:
         """Queue ``host.copy_(src)``; returns its event. ``after``: events of earlier copies that

@@ -38,7 +38,7 @@ from .meter import DeviceMemoryMeter
 from .recompute import compute_heavy_ops
 from .segments import resolve_modules
 
-__all__ = ["StepTrace", "run_trace", "run_timing"]
+__all__ = ["CapturedCall", "StepTrace", "StepTracer", "run_trace", "run_timing"]
 
 PREFIX = -1  # region before the first segment
 
@@ -98,6 +98,63 @@ class StepTrace:
     est_all_ms: dict[Any, float] = field(default_factory=lambda: defaultdict(float))
     static_bytes: int = 0
     peak_bytes: int = 0
+    #: Milliseconds from the step's start to each segment boundary (``StepTracer`` with ``ops``).
+    marks: dict[Any, float] = field(default_factory=dict)
+    #: What each segment was called with (``StepTracer(capture_inputs=True)``).
+    inputs: dict[int, "CapturedCall"] = field(default_factory=dict)
+
+
+#: Tensors up to this size are kept by value for re-running a segment; larger ones by shape only.
+_CAPTURE_BY_VALUE_BYTES = 1 << 20
+
+
+class CapturedCall:
+    """How a segment was called, enough to call it again for timing: non-tensor arguments as
+    they were, small tensors (masks, positions, indices) copied, large ones as shape and dtype
+    (re-made at random: their values do not change how long a block takes, and keeping them
+    would change the memory the trace measures)."""
+
+    __slots__ = ("args", "kwargs", "autocast")
+
+    def __init__(self, args: tuple, kwargs: dict, autocast: Optional[tuple]) -> None:
+        self.args = args
+        self.kwargs = kwargs
+        self.autocast = autocast
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict) -> "CapturedCall":
+        from torch.utils._pytree import tree_map
+
+        from .meter import host_allocation
+
+        def keep(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.numel() * t.element_size() <= _CAPTURE_BY_VALUE_BYTES or not t.is_floating_point():
+                with torch.no_grad(), host_allocation():
+                    return ("value", t.detach().clone(), t.requires_grad)
+            return ("shape", tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+        first = _first_tensor(args) if args else _first_tensor(kwargs)
+        autocast = None
+        if first is not None and torch.is_autocast_enabled(first.device.type):
+            autocast = (first.device.type, torch.get_autocast_dtype(first.device.type))
+        return cls(tree_map(keep, args), tree_map(keep, kwargs), autocast)
+
+    def make(self) -> tuple[tuple, dict]:
+        """Fresh arguments: tensors that required grad require it again."""
+        from torch.utils._pytree import tree_map
+
+        def fresh(v: Any) -> Any:
+            if isinstance(v, tuple) and v and v[0] == "value":
+                return v[1].clone().requires_grad_(v[2]) if v[2] else v[1].clone()
+            if isinstance(v, tuple) and v and v[0] == "shape":
+                _, shape, dtype, device, rg = v
+                return torch.randn(shape, dtype=dtype, device=device).requires_grad_(rg)
+            return v
+
+        is_leaf = lambda v: isinstance(v, tuple) and bool(v) and v[0] in ("value", "shape")  # noqa: E731
+        return tree_map(fresh, self.args, is_leaf=is_leaf), tree_map(fresh, self.kwargs, is_leaf=is_leaf)
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -168,6 +225,24 @@ class _Recorder:
         self.phase_is_forward = True
         self.handles: list[Any] = []
         self._exec: list[int] = []  # segment indices in execution order
+        #: Timing events at segment boundaries (``StepTracer`` with ``ops``); ``None``: none.
+        self.ops: Any = None
+        self.marks: dict[Any, Any] = {}
+        self.capture_inputs = False
+        self.inputs: dict[int, "CapturedCall"] = {}
+        self._bwd_ops: dict[int, list[tuple[int, set]]] = {}
+
+    def mark(self, key: Any) -> None:
+        if self.ops is not None:
+            self.marks[key] = self.ops.record(self.ops.compute_stream(), timing=True)
+
+    def resolve_marks(self) -> dict[Any, float]:
+        """Milliseconds from the step's start to each mark (one wait for the last event)."""
+        ops, marks = self.ops, self.marks
+        if "end" in marks:
+            ops.synchronize(marks["end"])  # the profiling step's one wait: its times are needed now
+        start = marks["start"]
+        return {k: ops.elapsed_ms(start, e) for k, e in marks.items()}
 
     # -- windows ------------------------------------------------------------------------
     def switch(self, window: Any) -> None:
@@ -179,10 +254,13 @@ class _Recorder:
 
     # -- forward hooks ------------------------------------------------------------------
     def pre(self, i: int):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             if i in self._exec:
                 raise ValueError(f"`segments`: segment {self.names[i]!r} ran twice in one step; segments must run once.")
             self._exec.append(i)
+            self.mark(("fs", i))
+            if self.capture_inputs:
+                self.inputs[i] = CapturedCall.of(args, kwargs)
             self.switch(("fwd", i))
             self.trace.fwd_start_bytes[i] = self.meter.current_bytes
             self.region = i
@@ -196,6 +274,7 @@ class _Recorder:
 
     def post(self, i: int):
         def hook(module, args, output):
+            self.mark(("fe", i))
             y = _first_tensor(output)
             if y is not None and (s := _storage(y)) is not None:
                 self.trace.output_key[i] = (self.keys.key(s), s.nbytes())
@@ -211,6 +290,7 @@ class _Recorder:
     def _on_bwd_start(self, i: int):
         def hook(grad):
             self.phase_is_forward = False
+            self.mark(("bs", i))
             self.switch(("bwd", i))
             self.trace.bwd_start_bytes[i] = self.meter.current_bytes
             self.region = ("bwd", i)
@@ -219,6 +299,7 @@ class _Recorder:
 
     def _on_bwd_end(self, i: int):
         def hook(grad):
+            self.mark(("be", i))
             if i == self._exec[0]:
                 self.switch("prefix_bwd")
                 self.region = "prefix_bwd"
@@ -232,26 +313,35 @@ class _Recorder:
         self.trace.grad_bytes[region if isinstance(region, int) else "outside"] += p.grad.untyped_storage().nbytes()
 
     def offload_candidate(self, i: int, args: Any, kwargs: Any) -> None:
-        """Note [Offloaded backward fetches on demand]: with an offloaded segment and no
-        prefetch, a saved tensor is on the device only while the op using it runs. So the
-        bytes alive now, less this segment's offloadable saved storages this op does not use,
-        estimate the offloaded segment's backward at this moment. Boundary storages (input,
-        output) are left in: a neighbour may hold them."""
+        """One op of segment ``i``'s backward: the bytes alive now and the storages it reads,
+        for :meth:`offload_peaks`."""
         needed = set()
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None:
                 needed.add(self.keys.key(s))
-        boundary = {self.trace.input_key.get(i, (None,))[0], self.trace.output_key.get(i, (None,))[0]}
-        drop = 0
-        for key, nbytes in self.trace.saved.get(i, {}).items():
-            if key in needed or key in boundary or nbytes < self.min_offload_bytes:
-                continue
-            ref = self.keys.by_key.get(key)
-            if ref is not None and ref() is not None:
-                drop += nbytes
-        level = self.meter.current_bytes - drop
-        if level > self.trace.offload_bwd_peak.get(i, 0):
-            self.trace.offload_bwd_peak[i] = level
+        self._bwd_ops.setdefault(i, []).append((self.meter.current_bytes, needed))
+
+    def offload_peaks(self) -> None:
+        """Note [Offloaded backward fetches on demand]: with an offloaded segment and no
+        prefetch, a saved storage comes back when the first op of the backward reads it and
+        stays until the last one has (Note [One storage, one copy]); in plain training it was
+        there all along, and after its last use it is freed in both. So at each op the bytes alive
+        in plain training, less this segment's offloadable saved storages that no op has read
+        yet, estimate the offloaded segment's backward. Boundary storages (input, output) are
+        left in: a neighbour may hold them."""
+        for i, ops in self._bwd_ops.items():
+            boundary = {self.trace.input_key.get(i, (None,))[0], self.trace.output_key.get(i, (None,))[0]}
+            pending = {
+                key: nbytes for key, nbytes in self.trace.saved.get(i, {}).items()
+                if key not in boundary and nbytes >= self.min_offload_bytes
+            }
+            waiting = sum(pending.values())
+            for level, needed in ops:
+                for key in needed & pending.keys():
+                    waiting -= pending.pop(key)
+                estimate = level - waiting
+                if estimate > self.trace.offload_bwd_peak.get(i, 0):
+                    self.trace.offload_bwd_peak[i] = estimate
 
     # -- saved tensors ------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -264,7 +354,7 @@ class _Recorder:
         for name in self.names:
             module = self.modules[name]
             i = self.index[name]
-            self.handles.append(module.register_forward_pre_hook(self.pre(i)))
+            self.handles.append(module.register_forward_pre_hook(self.pre(i), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self.post(i)))
         for p in params:
             if p.requires_grad and p.grad is None:
@@ -285,6 +375,113 @@ class _FakeMeter(DeviceMemoryMeter):
         return False
 
 
+class StepTracer:
+    """One training step measured while the caller runs it (forward, loss, backward and, if the
+    caller says when, the optimizer step): the profile of the step that runs anyway, without
+    calling the user's code an extra time.
+
+    ``begin()`` before the forward; ``backward_begins()`` once the loss exists, before its
+    backward (the pack hooks are popped there: they are a stack the caller's code shares);
+    ``backward_done()`` after it; ``finish()`` at the end of the step returns the
+    :class:`StepTrace`; ``abort()`` cleans up instead. Segment times come from timing events
+    at the segment boundaries (``ops``, read in ``finish``: the one wait of a profiling step).
+    ``capture_inputs`` keeps what each segment was called with (small tensors by value, the
+    rest by shape) so its actions can be timed afterwards (:mod:`.costs`).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        names: list[str],
+        *,
+        device: torch.device,
+        static: list[torch.Tensor],
+        params: list[torch.Tensor],
+        fake: bool = False,
+        min_offload_bytes: int = 1,
+        flops_per_ms: float = 1e9,
+        bytes_per_ms: float = 1e7,
+        ops: Any = None,
+        capture_inputs: bool = False,
+    ) -> None:
+        self.names = names
+        self.meter = _FakeMeter(device) if fake else DeviceMemoryMeter(device)
+        self._static = static
+        param_storages = {id(_storage(t)) for t in static if _storage(t) is not None}
+        self.rec = _Recorder(model, names, self.meter, param_storages, fake)
+        self.rec.min_offload_bytes = max(min_offload_bytes, 1)
+        self.rec.ops = ops
+        self.rec.capture_inputs = capture_inputs
+        self._params = params
+        self._op_mode = _OpRecorder(self.rec, flops_per_ms=flops_per_ms, bytes_per_ms=bytes_per_ms)
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.rec.pack, lambda t: t)
+        self._entered: list[str] = []
+
+    def begin(self) -> "StepTracer":
+        rec = self.rec
+        rec.install(self._params)
+        try:
+            self.meter.__enter__()
+            self._entered.append("meter")
+            self.meter.track(self._static)
+            # Hold no reference: the step may free some of these (``zero_grad`` frees the last
+            # step's gradients), as Note [The snapshot must not keep gradients alive] explains.
+            self._static.clear()
+            rec.trace.static_bytes = self.meter.current_bytes
+            self.meter.reset_peak()
+            rec.mark("start")
+            self._op_mode.__enter__()
+            self._entered.append("ops")
+            self._saved_hooks.__enter__()
+            self._entered.append("saved")
+        except BaseException:
+            self.abort()
+            raise
+        return self
+
+    def backward_begins(self) -> None:
+        if "saved" in self._entered:
+            self._entered.remove("saved")
+            self._saved_hooks.__exit__(None, None, None)
+        self.rec.phase_is_forward = False
+        self.rec.region = "tail_bwd"
+
+    def backward_done(self) -> None:
+        """The step's backward is over: what follows (the optimizer step) is its own window."""
+        self.rec.mark("end")
+        self.rec.switch("optimizer")
+
+    def finish(self) -> StepTrace:
+        rec = self.rec
+        if "end" not in rec.marks:
+            rec.mark("end")
+        rec.switch("end")
+        self._close()
+        rec.offload_peaks()
+        trace = rec.trace
+        missing = [self.names[i] for i in range(len(self.names)) if i not in rec._exec]
+        if missing:
+            raise ValueError(f"`segments` {missing} did not run in the profiled step.")
+        trace.order = [self.names[i] for i in rec._exec]
+        trace.inputs = rec.inputs
+        if rec.ops is not None:
+            trace.marks = rec.resolve_marks()
+        return trace
+
+    def abort(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if "saved" in self._entered:
+            self._saved_hooks.__exit__(None, None, None)
+        if "ops" in self._entered:
+            self._op_mode.__exit__(None, None, None)
+        if "meter" in self._entered:
+            self.meter.__exit__(None, None, None)
+        self._entered.clear()
+        self.rec.remove()
+
+
 def run_trace(
     model: nn.Module,
     names: list[str],
@@ -297,36 +494,21 @@ def run_trace(
     min_offload_bytes: int = 1,
     flops_per_ms: float = 1e9,
     bytes_per_ms: float = 1e7,
+    capture_inputs: bool = False,
 ) -> StepTrace:
     """Run ``step`` (forward, loss, backward) once with every window measured."""
-    meter = _FakeMeter(device) if fake else DeviceMemoryMeter(device)
-    param_storages = {id(_storage(t)) for t in static if _storage(t) is not None}
-    rec = _Recorder(model, names, meter, param_storages, fake)
-    rec.min_offload_bytes = max(min_offload_bytes, 1)
-    rec.install(params)
-    ops = _OpRecorder(rec, flops_per_ms=flops_per_ms, bytes_per_ms=bytes_per_ms)
+    tracer = StepTracer(
+        model, names, device=device, static=static, params=params, fake=fake, min_offload_bytes=min_offload_bytes,
+        flops_per_ms=flops_per_ms, bytes_per_ms=bytes_per_ms, capture_inputs=capture_inputs,
+    ).begin()
     try:
-        with meter:
-            meter.track(static)
-            # Hold no reference: the step may free some of these (``zero_grad`` frees the last
-            # step's gradients), as Note [The snapshot must not keep gradients alive] explains.
-            static.clear()
-            rec.trace.static_bytes = meter.current_bytes
-            meter.reset_peak()
-            with ops, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
-                loss = step()
-                rec.phase_is_forward = False
-                rec.region = "tail_bwd"
-                loss.backward()
-            rec.switch("end")
-    finally:
-        rec.remove()
-    trace = rec.trace
-    missing = [names[i] for i in range(len(names)) if i not in rec._exec]
-    if missing:
-        raise ValueError(f"`segments` {missing} did not run in the profiled step.")
-    trace.order = [names[i] for i in rec._exec]
-    return trace
+        loss = step()
+        tracer.backward_begins()
+        loss.backward()
+    except BaseException:
+        tracer.abort()
+        raise
+    return tracer.finish()
 
 
 def run_timing(model: nn.Module, names: list[str], step: Callable[[], torch.Tensor], device: torch.device, *, repeats: int = 2) -> tuple[dict[int, float], dict[int, float], float]:
