@@ -41,13 +41,30 @@ from torch import nn
 
 from .segments import canonical_name
 
-__all__ = ["compile_context", "compiled_forward", "dynamo_context", "dynamo_disable", "fullgraph", "is_compiled"]
+__all__ = [
+    "compile_context", "compiled_forward", "dynamo_context", "dynamo_disable", "force_eager", "fullgraph", "is_compiled",
+]
 
 
 def dynamo_disable(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn``, never traced by Dynamo, nor anything it calls (except compiled callables, which
     enable their own context): Note [Actions around compiled segments]."""
     return torch.compiler.disable(fn, recursive=True)
+
+
+def force_eager() -> Optional[Any]:
+    """Make every compiled callable run eagerly until the returned handle's ``__exit__``
+    restores the stance before (``torch.compiler.set_stance("force_eager")``); ``None`` when
+    nothing can be compiled yet. For windows with a ``TorchDispatchMode`` open (the CPU meter):
+    Dynamo would run eagerly anyway, but a ``fullgraph=True`` callable would raise instead
+    (Note [No dispatch mode under compile] in ``runtime.py``)."""
+    if _dynamo() is None:
+        return None
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    if get_eval_frame_callback() not in (None, False):  # inside a region Dynamo traces: it cannot change
+        return None
+    return torch.compiler.set_stance("force_eager")
 
 
 def _dynamo() -> Any:

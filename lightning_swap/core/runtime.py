@@ -20,10 +20,14 @@ the runtime's hooks and action wrapper would break that graph (and fail under
 actions run eagerly around one graph per segment, with no graph break at all.
 
 Note [No dispatch mode under compile]: on CPU the device meter is a ``TorchDispatchMode``, and
-Dynamo runs everything eagerly while one is active. When any module of the model is compiled,
-an ordinary step therefore runs without the meter and reports ``peak_device_bytes=None``
-(logged once); ``begin_step(measure=True)`` measures a step anyway, running it eagerly (logged).
-On CUDA the allocator's statistics need no mode: every step is measured.
+Dynamo runs everything eagerly while one is active (a ``fullgraph=True`` callable raises
+instead, so the meter sets Dynamo's stance to ``force_eager`` while open: ``compiled.force_eager``).
+When any module of the model is compiled, an ordinary step therefore runs without the meter
+and reports ``peak_device_bytes=None`` (logged once); ``begin_step(measure=True)`` measures a
+step anyway, running it eagerly (logged), and so do the steps that need the meter: the first of
+a plan without rows (Note [Measured rows]), ``auto``'s observed step and its budget check, the
+batch-size finder's trials and the report's timelines. On CUDA the allocator's statistics need
+no mode: every step is measured, compiled.
 """
 
 from __future__ import annotations
