@@ -12,12 +12,17 @@ and a segment compiled on its own has its module-level compilation set aside
 (Note [Regional compilation is taken over]); ``remove()`` restores both.
 
 Note [Regional compilation is taken over]: a segment compiled on its own (``block.compile()``,
-or ``torch.compile(block)`` in its parent's place) compiles its whole call, hooks included, so
-the runtime's hooks and action wrapper would break that graph (and fail under
-``fullgraph=True``). The runtime sets the module-level compilation aside while installed
-(``_compiled_call_impl`` to ``None``; the wrapper's ``forward`` to the module's own
-``__call__``) and compiles the segment's forward instead, with the same Dynamo context: hooks and
-actions run eagerly around one graph per segment, with no graph break at all.
+or ``torch.compile(block)`` in its parent's place) compiles its whole call, hooks included.
+What Dynamo makes of that depends on how it treats ``Module._call_impl``: torch 2.14 skips
+that frame (torch's own code) and compiles the frames it calls, so the runtime's hooks and
+action wrapper (dynamo-disabled) run eagerly and nothing breaks (measured: the same graphs and
+no break without the takeover); a Dynamo that traced ``_call_impl`` would break the graph at
+every hook and refuse under ``fullgraph=True``. The runtime does not depend on either: it sets
+the module-level compilation aside while installed (``_compiled_call_impl`` to ``None``; the
+wrapper's ``forward`` to the module's own ``__call__``) and compiles the segment's forward
+itself, with the same Dynamo context: hooks and actions run eagerly around one graph per
+segment, with no graph break (``tests/test_compile.py`` checks the set-aside, the graphs and
+the breaks).
 
 Note [No dispatch mode under compile]: on CPU the device meter is a ``TorchDispatchMode``, and
 Dynamo runs everything eagerly while one is active (a ``fullgraph=True`` callable raises
