@@ -207,7 +207,11 @@ class _SwapStrategyMixin:
         batch = args[0] if args else kwargs.get("batch")
         states = _optimizer_states(self.optimizers)
         track = [args, kwargs, states]
-        kind = session.before_step(batch, track, states, is_main=self.is_global_zero, plan_on_main=self._plan_on_main)
+        # The planned timeline needs the meter open (Note [No dispatch mode under compile]).
+        timeline_wanted = self.report and self.report_path is None and self._plain_timeline is not None and session.auto is not None
+        kind = session.before_step(
+            batch, track, states, is_main=self.is_global_zero, plan_on_main=self._plan_on_main, measure=timeline_wanted
+        )
         if kind == "observe" and self.report and self._plain_timeline is None and session.observing:
             self._recorder = TimelineRecorder(
                 self.lightning_module, session.segments, session.auto.observing.meter, "plain (the observed first step)"

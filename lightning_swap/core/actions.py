@@ -9,6 +9,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from typing import Optional, Union
 
+from .segments import canonical_name
+
 __all__ = ["AUTO", "Action", "PolicyLike", "allowed_actions", "resolve_policy"]
 
 #: The policy that profiles the first batch and lets the planner choose.
@@ -61,7 +63,10 @@ def resolve_policy(policy: PolicyLike, segment_names: Sequence[str]) -> dict[str
     leaves out are kept. Names the model does not have are an error listing them.
     """
     if isinstance(policy, Mapping):
-        unknown = sorted(set(policy) - set(segment_names))
+        # Keys copied from a compiled model's named_modules() carry ``_orig_mod``: segment
+        # names never do (Note [Canonical segment names] in segments.py).
+        canonical = {name: canonical_name(name) if isinstance(name, str) else name for name in policy}
+        unknown = sorted(name for name in policy if canonical[name] not in set(segment_names))
         if unknown:
             raise ValueError(
                 f"`policy` names segments the model does not have: {unknown}; "
@@ -69,7 +74,7 @@ def resolve_policy(policy: PolicyLike, segment_names: Sequence[str]) -> dict[str
             )
         actions = {name: Action.KEEP for name in segment_names}
         for name, value in policy.items():
-            actions[name] = Action.parse(value, field=f"policy[{name!r}]")
+            actions[canonical[name]] = Action.parse(value, field=f"policy[{name!r}]")
         return actions
     action = Action.parse(policy, field="policy")
     return {name: action for name in segment_names}

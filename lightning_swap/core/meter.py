@@ -20,6 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .compiled import force_eager
+
 __all__ = ["DeviceMemoryMeter", "host_allocation", "mark_host"]
 
 _local = threading.local()
@@ -84,6 +86,7 @@ class DeviceMemoryMeter:
         self._current = 0
         self._peak = 0
         self._mode: Optional[_StorageTracker] = None
+        self._stance: Optional[Any] = None
         self._open = False
         #: Called with the bytes alive after every change the CPU tracker sees (timelines).
         self.listeners: list = []
@@ -102,6 +105,8 @@ class DeviceMemoryMeter:
         else:
             self._storages.clear()
             self._current = self._peak = 0
+            # Compiled code runs eagerly under the mode; say so to Dynamo, or fullgraph=True raises.
+            self._stance = force_eager()
             self._mode = _StorageTracker(self)
             self._mode.__enter__()
         return self
@@ -116,6 +121,9 @@ class DeviceMemoryMeter:
             assert self._mode is not None
             self._mode.__exit__(*exc)
             self._mode = None
+            if self._stance is not None:
+                self._stance.__exit__(None, None, None)
+                self._stance = None
             # Drop the weak references so their callbacks cannot touch a closed meter.
             self._storages.clear()
         self._open = False

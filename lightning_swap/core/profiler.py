@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from .meter import host_allocation, mark_host
 from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
-from .segments import SegmentSpec, find_segments
+from .segments import SegmentSpec, find_segments, resolve_modules
 from .trace import StepTrace, run_timing, run_trace
 from .costs import measure_released_working
 
@@ -423,7 +423,7 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
         trace = _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_offload_bytes)
         if not fake:
             fwd, bwd, step_ms = run_timing(model, names, lambda: _loss_of(step_fn(model, batch)), device)
-            modules = dict(model.named_modules())
+            modules = resolve_modules(model, names)  # canonical names, compiled or not
             for i, call in trace.inputs.items():  # Note [A forward that does not keep]
                 measured[i] = (None, None, measure_released_working(modules[names[i]], call, device))
             trace.inputs = {}

@@ -15,6 +15,9 @@ its running statistics, so the recomputation saves exactly the tensors the forwa
 none, ``native_batch_norm`` saves two fewer and checkpoint refuses the mismatch), and since
 training mode normalises with the batch's own statistics its output is the same. No kernel is
 launched to save or restore anything.
+Under ``torch.compile`` the segment's graph specialises on ``momentum`` and on
+``num_batches_tracked`` being ``None``, so the recomputation runs a second graph (compiled once per
+block class, then reused) with the same effect (``tests/test_compile.py`` checks the statistics).
 Any other buffer the real forward mutates (its version counter moves; norm layers whose
 ``forward`` is not torch's BatchNorm one are listed by type, since ``native_batch_norm``
 writes statistics without bumping the version) is snapshot when the recomputation starts and
@@ -206,7 +209,7 @@ def checkpointed(
         # Entered lazily: checkpoint enters the first now and the second only in backward.
         return _Chain(fwd, guard.watch_forward), _Chain(lambda: timer.measure(name), guard.preserve, rec)
 
-    @functools.wraps(forward)
+    @functools.wraps(forward, updated=())  # not a compiled forward's Dynamo attributes (compiled.py)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)

@@ -6,7 +6,33 @@ Note [Runtime leaves no trace]: the only change to the model is an instance attr
 inserted, so ``state_dict`` keys are untouched. ``remove()`` deletes the attribute (or
 restores one the user had set), closes the offload engine (streams drained, host pool freed)
 and is idempotent. Saved-tensor hooks are only ever entered for the duration of a segment's
-forward, so none outlive a step.
+forward, so none outlive a step. Under ``torch.compile`` (Note [Actions around compiled segments]
+in ``compiled.py``) a segment may also get a ``forward`` while ``KEEP`` (its compiled forward),
+and a segment compiled on its own has its module-level compilation set aside
+(Note [Regional compilation is taken over]); ``remove()`` restores both.
+
+Note [Regional compilation is taken over]: a segment compiled on its own (``block.compile()``,
+or ``torch.compile(block)`` in its parent's place) compiles its whole call, hooks included.
+What Dynamo makes of that depends on how it treats ``Module._call_impl``: torch 2.14 skips
+that frame (torch's own code) and compiles the frames it calls, so the runtime's hooks and
+action wrapper (dynamo-disabled) run eagerly and nothing breaks (measured: the same graphs and
+no break without the takeover); a Dynamo that traced ``_call_impl`` would break the graph at
+every hook and refuse under ``fullgraph=True``. The runtime does not depend on either: it sets
+the module-level compilation aside while installed (``_compiled_call_impl`` to ``None``; the
+wrapper's ``forward`` to the module's own ``__call__``) and compiles the segment's forward
+itself, with the same Dynamo context: hooks and actions run eagerly around one graph per
+segment, with no graph break (``tests/test_compile.py`` checks the set-aside, the graphs and
+the breaks).
+
+Note [No dispatch mode under compile]: on CPU the device meter is a ``TorchDispatchMode``, and
+Dynamo runs everything eagerly while one is active (a ``fullgraph=True`` callable raises
+instead, so the meter sets Dynamo's stance to ``force_eager`` while open: ``compiled.force_eager``).
+When any module of the model is compiled, an ordinary step therefore runs without the meter
+and reports ``peak_device_bytes=None`` (logged once); ``begin_step(measure=True)`` measures a
+step anyway, running it eagerly (logged), and so do the steps that need the meter: the first of
+a plan without rows (Note [Measured rows]), ``auto``'s observed step and its budget check, the
+batch-size finder's trials and the report's timelines. On CUDA the allocator's statistics need
+no mode: every step is measured, compiled.
 """
 
 from __future__ import annotations
@@ -22,10 +48,12 @@ import torch
 from torch import nn
 
 from .actions import Action
+from .compiled import compile_context, dynamo_disable, fullgraph, is_compiled
 from .meter import DeviceMemoryMeter
 from .offload import OffloadEngine
 from .plan import Plan, PlanRow
 from .recompute import RecomputeTimer, checkpointed
+from .segments import resolve_modules, unwrap_compiled
 from .streams import Timing, default_ops
 from .unified import UMMode
 
@@ -61,6 +89,7 @@ def on_backward_start(output: Any, callback: Any) -> None:
     the moment the backward of whatever produced ``output`` starts."""
     fired = [False]
 
+    @dynamo_disable  # never traced (compiled autograd): Note [Actions around compiled segments]
     def on_grad(grad: torch.Tensor) -> None:
         if not fired[0]:
             fired[0] = True
@@ -110,8 +139,10 @@ class StepStats:
     """
 
     #: Bytes: the most bytes alive on the device during the step (CUDA: the caching allocator's
-    #: ``max_memory_allocated``; CPU: the live-storage meter, host pool excluded).
-    peak_device_bytes: int
+    #: ``max_memory_allocated``; CPU: the live-storage meter, host pool excluded). ``None``: not
+    #: measured, which happens only on CPU for a compiled model, whose steps run without the
+    #: meter unless asked to (Note [No dispatch mode under compile] in ``runtime.py``).
+    peak_device_bytes: Optional[int]
     #: Bytes copied to host memory in forward (each storage once: Note [One storage, one copy]).
     offloaded_bytes: int
     #: Bytes copied back to the device in backward, prefetched or on demand; equals
@@ -192,11 +223,24 @@ class _SegmentForward:
         self.module = module
         self.fn = fn
 
+    @dynamo_disable  # a graph break: the action runs eagerly (Note [Actions around compiled segments])
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
 
     def __reduce__(self):
         return (_plain_forward, (self.module,))
+
+
+class _CompiledForward(_SegmentForward):
+    """The ``forward`` of a ``KEEP`` segment under compile: its forward compiled with the user's
+    context, with no graph break. Inside a region Dynamo traces it is inlined (the segment stays
+    in the enclosing graph); where Dynamo gave the enclosing frame up (a graph break inside a
+    loop over blocks runs that frame eagerly) it is still compiled, as its own graph."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
 
 
 class StatsHistory:
@@ -327,6 +371,7 @@ class _ModuleHook:
     def __init__(self, fn: Any) -> None:
         self.fn = fn
 
+    @dynamo_disable  # Note [Actions around compiled segments]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
 
@@ -373,14 +418,11 @@ class SwapRuntime:
             raise ValueError(f"`prefetch_segments` must be an int >= 0; got {prefetch_segments!r}.")
         self.prefetch_segments = prefetch_segments
         self.inflight_segments = check_inflight_segments(inflight_segments)
-        modules = dict(model.named_modules())
-        unknown = [name for name in self.plan.actions if name not in modules or name == ""]
-        if unknown:
-            raise ValueError(f"`plan` names segments the model does not have: {unknown}.")
         for name, action in self.plan.actions.items():
             if not isinstance(action, Action):
                 raise ValueError(f"`plan` action for {name!r} must be an Action; got {action!r}.")
-        self._modules = {name: modules[name] for name in self.plan.actions}
+        # Canonical names, compiled or not (Note [Canonical segment names] in segments.py).
+        self._modules = resolve_modules(model, list(self.plan.actions), field="plan")
         self._names = list(self.plan.actions)
         #: Note [Measured rows]: a plan without predicted rows (a forced policy) gets measured
         #: ones from the first step: ``None`` until then, the rows being collected, then a Plan.
@@ -388,6 +430,16 @@ class SwapRuntime:
         self._row_measure: Optional[_RowMeasure] = None
         self.measured_plan_result: Optional[Plan] = None
         self._saved_forward: dict[str, tuple[bool, Any]] = {}
+        #: Segment name -> (compiled module's name, its Dynamo context) as installed.
+        self._contexts: dict[str, Optional[tuple[str, Any]]] = {}
+        #: Module-level compilations set aside (Note [Regional compilation is taken over]):
+        #: (object, attribute, had it in __dict__, previous value, value set).
+        self._set_aside: list[tuple[Any, str, bool, Any, Any]] = []
+        self._active = False
+        self._compiled = False
+        self._step_open = False
+        self._metered = False
+        self._logged_unmetered = False
         self._handles: list[Any] = []
         self.engine: Optional[OffloadEngine] = None
         #: The stream layer every timing and copy of this runtime goes through (Note [Stream protocol]).
@@ -403,11 +455,12 @@ class SwapRuntime:
     # -- install / remove ---------------------------------------------------------------
     @property
     def installed(self) -> bool:
-        return bool(self._saved_forward) or bool(self._handles)
+        return self._active
 
     def install(self) -> "SwapRuntime":
         if self.installed:
             return self
+        self._active = True
         if any(a.offloads for a in self.plan.actions.values()):
             self.engine = OffloadEngine(
                 self.device,
@@ -418,13 +471,7 @@ class SwapRuntime:
                 ops=self.ops,
             )
         try:
-            for index, (name, action) in enumerate(self.plan.actions.items()):
-                if action is Action.KEEP:
-                    continue
-                module = self._modules[name]
-                had_attr = "forward" in module.__dict__
-                self._saved_forward[name] = (had_attr, module.__dict__.get("forward"))
-                module.forward = self._wrap(module, module.forward, action, index)
+            self._install_forwards()
             if self.engine is not None:
                 for index, name in enumerate(self.plan.actions):
                     module = self._modules[name]
@@ -437,6 +484,112 @@ class SwapRuntime:
             raise
         log.debug("SwapRuntime installed: %s", self.plan.summary())
         return self
+
+    # -- forwards, compiled or not (Note [Actions around compiled segments]) -----------------
+    def _find_contexts(self) -> dict[str, Optional[tuple[str, Any]]]:
+        found = {name: compile_context(self.model, name) for name in self.plan.actions}
+        for name, before in self._contexts.items():
+            now = found.get(name)
+            if before is not None and before[0] == name and (now is None or now[0] != name) and self._is_set_aside(name):
+                found[name] = before  # hidden by us, not gone (Note [Regional compilation is taken over])
+        return found
+
+    def _is_set_aside(self, name: str) -> bool:
+        module = self._modules[name]
+        return any(obj is module or getattr(obj, "_orig_mod", None) is module for obj, *_ in self._set_aside)
+
+    def _install_forwards(self) -> None:
+        contexts = self._find_contexts()
+        self._compiled = is_compiled(self.model) or any(c is not None for c in contexts.values())
+        acting = any(a is not Action.KEEP for a in self.plan.actions.values())
+        hooked = self.engine is not None or (self.unified is not None and self.unified.mode is UMMode.ALL)
+        for name, action in self.plan.actions.items():
+            found = contexts[name]
+            if found is None or found[0] == name or not fullgraph(found[1]) or (action is Action.KEEP and not hooked):
+                continue
+            where = repr(found[0]) if found[0] else "the model"
+            what = f"action {action.value!r}" if action is not Action.KEEP else "hooks (the offload engine's)"
+            raise ValueError(
+                f"`plan`: segment {name!r} is inside {where}, compiled with fullgraph=True, and its {what} must "
+                "run outside the compiled graph, so Dynamo would have to break the graph there. Compile without "
+                "fullgraph=True, or compile each block on its own (regional compilation: `block.compile(fullgraph=True)` "
+                "for each segment), which the runtime supports with no graph break."
+            )
+        for index, (name, action) in enumerate(self.plan.actions.items()):
+            module = self._modules[name]
+            found = contexts[name]
+            regional = found is not None and found[0] == name
+            if action is Action.KEEP and (found is None or not (acting or hooked) or (regional and not hooked)):
+                continue  # nothing runs around it: leave it as the user compiled it (or not)
+            had_attr = "forward" in module.__dict__
+            self._saved_forward[name] = (had_attr, module.__dict__.get("forward"))
+            forward = module.forward
+            if found is not None:
+                if regional:
+                    self._set_aside_compilation(name)
+                forward = found[1](forward)
+            if action is Action.KEEP:
+                module.forward = _CompiledForward(module, forward)
+            else:
+                module.forward = self._wrap(module, forward, action, index)
+        self._contexts = contexts
+
+    def _set_aside_compilation(self, name: str) -> None:
+        """Note [Regional compilation is taken over]."""
+        module = self._modules[name]
+        if module.__dict__.get("_compiled_call_impl") is not None:
+            self._set_aside.append((module, "_compiled_call_impl", True, module._compiled_call_impl, None))
+            module._compiled_call_impl = None
+        for wrapper in self._wrappers_of(name):
+            call = wrapper._orig_mod.__call__  # one bound method: restored only if still ours
+            had = "forward" in wrapper.__dict__
+            self._set_aside.append((wrapper, "forward", had, wrapper.__dict__.get("forward"), call))
+            wrapper.forward = call
+            if wrapper.__dict__.get("_compiled_call_impl") is not None:
+                self._set_aside.append((wrapper, "_compiled_call_impl", True, wrapper._compiled_call_impl, None))
+                wrapper._compiled_call_impl = None
+
+    def _wrappers_of(self, name: str) -> list[Any]:
+        """The ``OptimizedModule`` wrappers in the segment's place in its parent, outermost first."""
+        parent_name, _, leaf = name.rpartition(".")
+        parent = resolve_modules(self.model, [parent_name])[parent_name] if parent_name else unwrap_compiled(self.model)
+        slot = parent._modules.get(leaf)
+        wrappers = []
+        while slot is not None and slot is not self._modules[name] and hasattr(slot, "_orig_mod"):
+            wrappers.append(slot)
+            slot = slot._orig_mod
+        return wrappers
+
+    def _remove_forwards(self) -> None:
+        for name, (had_attr, previous) in self._saved_forward.items():
+            module = self._modules[name]
+            if had_attr:
+                module.forward = previous
+            else:
+                module.__dict__.pop("forward", None)
+        self._saved_forward.clear()
+        for obj, attr, had, previous, ours in reversed(self._set_aside):
+            if obj.__dict__.get(attr) is not ours:
+                continue  # the user changed it since (compiled again): theirs stands
+            if had:
+                setattr(obj, attr, previous)
+            else:
+                obj.__dict__.pop(attr, None)
+        self._set_aside.clear()
+
+    def _refresh_compiled(self) -> None:
+        """A model compiled (or compiled again) after :meth:`install` gets its forwards rebuilt."""
+        contexts = self._find_contexts()
+        same = contexts.keys() == self._contexts.keys() and all(
+            (a is None) == (b is None) and (a is None or (a[0] == b[0] and a[1] is b[1]))
+            for a, b in ((contexts[n], self._contexts[n]) for n in contexts)
+        )
+        if not same:
+            log.info("lightning-swap: the model was compiled since the plan was applied; re-wrapping its segments")
+            self._remove_forwards()
+            self._install_forwards()
+        else:
+            self._compiled = is_compiled(self.model) or any(c is not None for c in contexts.values())
 
     def _wrap(self, module: nn.Module, forward: Any, action: Action, index: int) -> Any:
         engine = self.engine
@@ -511,16 +664,13 @@ class SwapRuntime:
     def remove(self) -> None:
         if self.meter._open:
             self.meter.__exit__(None, None, None)
+        self._step_open = False
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for name, (had_attr, previous) in self._saved_forward.items():
-            module = self._modules[name]
-            if had_attr:
-                module.forward = previous
-            else:
-                module.__dict__.pop("forward", None)
-        self._saved_forward.clear()
+        self._remove_forwards()
+        self._contexts = {}
+        self._active = False
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -535,15 +685,39 @@ class SwapRuntime:
     @property
     def measuring(self) -> bool:
         """Whether a step window is open (between :meth:`begin_step` and :meth:`end_step`)."""
-        return self.meter._open
+        return self._step_open
 
-    def begin_step(self, track: Iterable[Any] = ()) -> None:
-        """Open the measuring window; ``track`` holds tensors alive before it (batch, optimizer
-        state), nested in lists, tuples, dicts or dataclasses."""
+    @property
+    def compiled(self) -> bool:
+        """Whether the model (any module of it) is compiled, as of the last install or step."""
+        return self._compiled
+
+    def begin_step(self, track: Iterable[Any] = (), *, measure: bool = False) -> None:
+        """Open the step window; ``track`` holds tensors alive before it (batch, optimizer
+        state), nested in lists, tuples, dicts or dataclasses.
+
+        On CPU a compiled model's step is not measured (``peak_device_bytes=None``) unless
+        ``measure=True``, which runs that step eagerly (Note [No dispatch mode under compile])."""
         if self.meter._open:
             self.meter.__exit__(None, None, None)
-        self.meter.__enter__()
-        counted = not self.meter.is_cuda  # the CUDA allocator sees everything by itself
+        if self.installed:
+            self._refresh_compiled()
+        # The first step of a plan without rows measures them with the meter (Note [Measured rows]).
+        rows = self.measure_rows and self._row_measure is None
+        self._metered = self.meter.is_cuda or measure or rows or not self._compiled
+        if not self._metered and not self._logged_unmetered:
+            self._logged_unmetered = True
+            log.info(
+                "lightning-swap: the model is compiled, so per-step device memory is not measured on CPU "
+                "(the CPU meter is a TorchDispatchMode, which makes torch.compile run eagerly); "
+                "peak_device_bytes is None"
+            )
+        elif self._metered and self._compiled and not self.meter.is_cuda:
+            log.info("lightning-swap: measuring this step's device memory on CPU; the compiled model runs eagerly for it")
+        self._step_open = True
+        if self._metered:
+            self.meter.__enter__()
+        counted = self._metered and not self.meter.is_cuda  # the CUDA allocator sees everything by itself
         if counted or self.engine is not None:
             tracked = tensors_in(list(track))
             params = list(self.model.parameters())
@@ -568,19 +742,27 @@ class SwapRuntime:
             um_refused_allocations=now.refused_allocations - start.refused_allocations,
         )
 
+    def abort_step(self) -> None:
+        """Close the window of a step that failed, with no statistics."""
+        if self.meter._open:
+            self.meter.__exit__(None, None, None)
+        self._step_open = False
+
     def end_step(self) -> StepStats:
         """Close the window and return the step's statistics, without waiting for the device:
         on CUDA the times are ``None`` until :meth:`stats` finds the step finished."""
-        if not self.meter._open:
+        if not self._step_open:
             raise RuntimeError("end_step() called without begin_step()")
         counters, exposed = self.engine.end_step() if self.engine is not None else (None, None)
         if self._row_measure is not None and self._row_measure.open:
             self._row_measure.stop(counters)
         step = self._step_timing
         step.add(self._step_start, self.ops.record(self.ops.compute_stream(), timing=True))
-        self.meter.__exit__(None, None, None)
+        if self.meter._open:
+            self.meter.__exit__(None, None, None)
+        self._step_open = False
         stats = StepStats(
-            peak_device_bytes=self.meter.peak_bytes,
+            peak_device_bytes=self.meter.peak_bytes if self._metered else None,
             offloaded_bytes=counters.offloaded_bytes if counters else 0,
             fetched_bytes=counters.fetched_bytes if counters else 0,
             prefetched_bytes=counters.prefetched_bytes if counters else 0,

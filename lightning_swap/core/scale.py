@@ -587,7 +587,10 @@ def search_for_loop(
         if not stats:
             raise RuntimeError("the trial run made no measured training step; `run_steps` returned no statistics.")
         warm = stats[1:] or stats  # the first step includes warm-up costs
-        peak = collectives.reduce_max(float(max(s.peak_device_bytes for s in stats)))
+        peaks = [s.peak_device_bytes for s in stats if s.peak_device_bytes is not None]
+        if not peaks:  # a pinned plan's steps are measured (SwapSession.begin_step): a caller's bug
+            raise RuntimeError("the trial's steps were not measured (peak_device_bytes is None); open them with measure=True.")
+        peak = collectives.reduce_max(float(max(peaks)))
         # The median, not the mean: Note [A throughput search that can only win].
         step_ms = collectives.reduce_max(statistics.median([s.step_ms for s in warm]))
         return TrialMeasurement(peak_bytes=int(peak), step_ms=float(step_ms))

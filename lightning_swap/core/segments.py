@@ -7,38 +7,104 @@ of layers) falls back to every child of its outermost ``nn.Sequential``: each la
 its own segment, which offload serves well and recompute hardly at all (a one-op segment
 keeps its input, which is as big as what it would have saved).
 Users may instead name module classes or qualified module names.
+
+Note [Canonical segment names]: ``torch.compile(module)`` returns an ``OptimizedModule`` that
+holds the module as its child ``_orig_mod``, so after ``self.model = torch.compile(model)`` the
+model's ``named_modules()`` calls a block ``model._orig_mod.blocks.0``; compiling one block in a
+``ModuleList`` (regional compilation) gives ``blocks.0._orig_mod``. A segment is named as if
+nothing were compiled (``model.blocks.0``): the walk looks through every ``OptimizedModule`` to
+the module it wraps, names never contain ``_orig_mod``, and :func:`resolve_modules` maps a name
+to the live module (the wrapped one, whose ``forward`` the runtime replaces). Names therefore
+stay the same whether the user compiles before, after, or not at all, and a policy written for
+the eager model applies to the compiled one. ``module.compile()`` changes no name.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Union
 
 from torch import nn
 
-__all__ = ["SegmentSpec", "find_segments"]
+__all__ = ["SegmentSpec", "canonical_name", "find_segments", "named_modules", "resolve_modules", "unwrap_compiled"]
 
 SegmentSpec = Union[None, Sequence[Union[str, type]]]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList)
 
 
+_WRAPPED = "_orig_mod"
+
+
+def unwrap_compiled(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) holds; ``module`` itself if
+    it is not one (Note [Canonical segment names])."""
+    # No OptimizedModule can exist before torch._dynamo is imported: do not import it here.
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(dynamo, "OptimizedModule", None)
+    while optimized is not None and isinstance(module, optimized):
+        module = module._orig_mod
+    return module
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without the ``_orig_mod`` parts ``torch.compile`` wrappers add."""
+    return ".".join(part for part in name.split(".") if part != _WRAPPED)
+
+
+def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Like ``model.named_modules()``, but through ``torch.compile`` wrappers: canonical names,
+    and each wrapped module in place of its wrapper (Note [Canonical segment names])."""
+    seen: set[int] = set()
+    stack = [("", model)]
+    while stack:
+        prefix, module = stack.pop()
+        module = unwrap_compiled(module)
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        yield prefix, module
+        children = [(f"{prefix}.{n}" if prefix else n, c) for n, c in module._modules.items() if c is not None]
+        stack.extend(reversed(children))  # registration order, depth first, as named_modules
+
+
+def resolve_modules(model: nn.Module, names: Sequence[str], *, field: str = "segments") -> dict[str, nn.Module]:
+    """The live module behind each name, compiled or not (Note [Canonical segment names]).
+
+    ``names`` are canonical (an ``_orig_mod`` part is looked through as well); a name the
+    model does not have is a ``ValueError`` naming ``field``.
+    """
+    modules = dict(named_modules(model))
+    found: dict[str, nn.Module] = {}
+    unknown = []
+    for name in names:
+        module = modules.get(canonical_name(name)) if name else None
+        if module is None:
+            unknown.append(name)
+        else:
+            found[name] = module
+    if unknown:
+        raise ValueError(f"`{field}` names modules the model does not have: {unknown}.")
+    return found
+
+
 def _is_leaf(module: nn.Module) -> bool:
-    return next(iter(module.children()), None) is None
+    return next(iter(unwrap_compiled(module).children()), None) is None
 
 
 def _repeated_blocks(model: nn.Module) -> list[str]:
     names: list[str] = []
     taken: list[str] = []  # prefixes already inside a chosen segment
 
-    for name, module in model.named_modules():
+    for name, module in named_modules(model):
         if any(name == t or name.startswith(t + ".") for t in taken):
             continue
         if not isinstance(module, _CONTAINERS):
             continue
         children = list(module.named_children())
-        counts = Counter(type(c) for _, c in children if not _is_leaf(c))
+        counts = Counter(type(unwrap_compiled(c)) for _, c in children if not _is_leaf(c))
         if not counts or max(counts.values()) < 2:
             continue
         for child_name, _ in children:
@@ -49,7 +115,7 @@ def _repeated_blocks(model: nn.Module) -> list[str]:
 
 
 def _flat_chain(model: nn.Module) -> list[str]:
-    for name, module in model.named_modules():
+    for name, module in named_modules(model):
         if isinstance(module, nn.Sequential):
             prefix = f"{name}." if name else ""
             return [prefix + child_name for child_name, _ in module.named_children()]
@@ -69,7 +135,8 @@ def find_segments(model: nn.Module, segments: SegmentSpec = None) -> list[str]:
     """Qualified names of the model's segments, in registration order.
 
     Registration order is the execution order for the chains this library targets; the
-    profiler records the order actually executed.
+    profiler records the order actually executed. Names are canonical: the same for a compiled
+    model as for the eager one (Note [Canonical segment names]).
     """
     if segments is None:
         names = _repeated_blocks(model) or _flat_chain(model)
@@ -87,15 +154,15 @@ def find_segments(model: nn.Module, segments: SegmentSpec = None) -> list[str]:
             f"`segments` got {segments!r}; allowed: None (automatic) or a non-empty list of "
             "module classes or qualified module names."
         )
-    modules = dict(model.named_modules())
+    modules = dict(named_modules(model))
     bad = [s for s in segments if not isinstance(s, (str, type))]
     if bad:
         raise ValueError(f"`segments` entries must be module classes or names; got {bad!r}.")
-    unknown = [s for s in segments if isinstance(s, str) and (s not in modules or s == "")]
+    unknown = [s for s in segments if isinstance(s, str) and (canonical_name(s) not in modules or not canonical_name(s))]
     if unknown:
         raise ValueError(f"`segments` names modules the model does not have: {unknown}.")
     classes = tuple(s for s in segments if isinstance(s, type))
-    wanted = [s for s in segments if isinstance(s, str)]
+    wanted = [canonical_name(s) for s in segments if isinstance(s, str)]
     _check_disjoint(wanted)
     names: list[str] = []
     taken: list[str] = []

@@ -23,7 +23,7 @@ from .streams import SyncOps, Timing
 from .runtime import (
     DEFAULT_MIN_OFFLOAD_BYTES, StatsHistory, StepStats, SwapRuntime, _StepRecord, _normalize_device, check_inflight_segments, tensors_in,
 )
-from .segments import SegmentSpec, find_segments
+from .segments import SegmentSpec, find_segments, resolve_modules
 from .unified import UMMode, UnifiedMemory, install_unified_memory
 from .units import ByteSize, parse_bytes
 
@@ -203,8 +203,7 @@ class SwapSession:
     @property
     def modules(self) -> dict[str, nn.Module]:
         """The segments' modules by name."""
-        every = dict(self.model.named_modules())
-        return {name: every[name] for name in self.segments}
+        return resolve_modules(self.model, self.segments)  # canonical names, compiled or not
 
     @property
     def observing(self) -> bool:
@@ -212,12 +211,15 @@ class SwapSession:
         return self.auto is not None and self.auto.observing is not None
 
     # -- one training step, as the adapters drive it ----------------------------------------
-    def before_step(self, batch: Any, track: Any, states: Any, *, is_main: bool = True, plan_on_main: Callable[[Callable[[], Plan]], Plan] = lambda solve: solve()) -> str:
+    def before_step(
+        self, batch: Any, track: Any, states: Any, *, is_main: bool = True,
+        plan_on_main: Callable[[Callable[[], Plan]], Plan] = lambda solve: solve(), measure: bool = False,
+    ) -> str:
         """Before a training step's forward: observe it, (re-)plan, or open the installed plan's
         window. ``track``: what is alive besides the model (the batch, ``states``);
         ``states``: the optimizer states; ``plan_on_main(solve)`` runs ``solve`` on the main
-        process and hands every process its result (or raises its error everywhere). Returns
-        what the step does: ``"observe"``, ``"plan"`` or ``"run"``."""
+        process and hands every process its result (or raises its error everywhere); ``measure``:
+        as :meth:`begin_step`'s. Returns what the step does: ``"observe"``, ``"plan"`` or ``"run"``."""
         kind = "run"
         if self.auto is not None and not self._pinned:
             kind = self.auto.kind(batch, states)
@@ -229,7 +231,7 @@ class SwapSession:
                 if plan is not self.plan:
                     self.apply(plan)
                 self.auto.applied(plan, states)
-        self.begin_step(track)
+        self.begin_step(track, measure=measure)
         return kind
 
     def backward_begins(self) -> None:
@@ -251,7 +253,7 @@ class SwapSession:
         if self.auto is not None:
             self.auto.abort_observe()
         if self.runtime is not None and self.runtime.measuring:
-            self.runtime.meter.__exit__(None, None, None)
+            self.runtime.abort_step()
 
     @property
     def pinned(self) -> bool:
@@ -428,13 +430,18 @@ class SwapSession:
             log.info("lightning-swap plan (%s):\n%s", plan.summary(), plan.render())
         return plan
 
-    def begin_step(self, track: Iterable[Any] = ()) -> None:
+    def begin_step(self, track: Iterable[Any] = (), *, measure: bool = False) -> None:
+        """Open the step window. ``measure=True`` measures device memory even for a compiled model
+        on CPU (running that step eagerly: Note [No dispatch mode under compile] in runtime.py);
+        a pinned plan's steps (the batch-size finder's trials) are always measured."""
         if self.runtime is None:
             if self.config.is_auto:
                 raise RuntimeError("policy='auto': call before_step() (or plan_for_batch() and apply()) before the first step")
             self.apply(self.forced_plan())
         assert self.runtime is not None
-        self.runtime.begin_step(tensors_in(list(track)))
+        # The budget check reads the plan's first step's peak (AutoPlanner.plan): it is measured.
+        checked = self.auto is not None and self.auto._check_pending
+        self.runtime.begin_step(tensors_in(list(track)), measure=measure or self._pinned or checked)
 
     def backward_done(self) -> None:
         """The loss's backward is over (what follows, the optimizer step, is its own window in

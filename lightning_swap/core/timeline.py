@@ -17,6 +17,7 @@ from torch import nn
 
 from .meter import DeviceMemoryMeter
 from .runtime import on_backward_start
+from .segments import resolve_modules
 
 __all__ = ["Timeline", "TimelineRecorder"]
 
@@ -57,7 +58,7 @@ class TimelineRecorder:
         self._marks.append((max(len(self._samples) - 1, 0), label))
 
     def __enter__(self) -> "TimelineRecorder":
-        modules = dict(self.model.named_modules())
+        modules = resolve_modules(self.model, self.segments)  # canonical names, compiled or not
         for name in self.segments:
             module = modules[name]
             self._handles.append(module.register_forward_pre_hook(self._pre(name)))

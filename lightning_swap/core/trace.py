@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_leaves
 
 from .meter import DeviceMemoryMeter
 from .recompute import compute_heavy_ops
+from .segments import resolve_modules
 
 __all__ = ["CapturedCall", "StepTrace", "StepTracer", "run_trace", "run_timing"]
 
@@ -212,7 +213,7 @@ class _Recorder:
         self.model = model
         self.names = names
         self.index = {name: i for i, name in enumerate(names)}
-        self.modules = dict(model.named_modules())
+        self.modules = resolve_modules(model, names)  # canonical names, compiled or not
         self.meter = meter
         self.param_storages = param_storages
         self.fake = fake
@@ -514,7 +515,7 @@ def run_timing(model: nn.Module, names: list[str], step: Callable[[], torch.Tens
     """Forward and backward milliseconds per segment, and of the whole step, from one plain step."""
     cuda = device.type == "cuda"
     index = {name: i for i, name in enumerate(names)}
-    modules = dict(model.named_modules())
+    modules = resolve_modules(model, names)  # canonical names, compiled or not
     marks: dict[Any, float] = {}
     handles: list[Any] = []
 
