@@ -145,16 +145,21 @@ def _compile(model: nn.Module, how: str, backend: Counting, fullgraph: bool = Fa
     return model
 
 
-def _train(how: str, policy, *, cls=Net, fullgraph: bool = False, measure: bool = False, steps: int = STEPS):
-    """Train ``cls`` compiled ``how``; ``policy`` None is the compiled model without the library.
-    Returns (model, stats, backend, graph runs in the last step, (resumed, skipped) breaks)."""
+def _fresh(how: str, cls, fullgraph: bool):
+    """Dynamo reset, a new counting backend, a seeded model, its optimizer and its compiled form."""
     torch._dynamo.reset()
     counters.clear()
     backend = Counting()
     torch.manual_seed(0)
     model = cls()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    compiled = _compile(model, how, backend, fullgraph)
+    return backend, model, optimizer, _compile(model, how, backend, fullgraph)
+
+
+def _train(how: str, policy, *, cls=Net, fullgraph: bool = False, measure: bool = False, steps: int = STEPS):
+    """Train ``cls`` compiled ``how``; ``policy`` None is the compiled model without the library.
+    Returns (model, stats, backend, graph runs in the last step, (resumed, skipped) breaks)."""
+    backend, model, optimizer, compiled = _fresh(how, cls, fullgraph)
     runtime = None
     if policy is not None:
         plan = policy if isinstance(policy, dict) else resolve_policy(policy, find_segments(compiled))
@@ -402,13 +407,7 @@ def test_offload_engine_offloads_what_the_compiled_graphs_save():
 def test_session_auto_plans_and_trains_compiled(how):
     steps = 6
     plain = _train(how, None, steps=steps)[0]
-    torch._dynamo.reset()
-    counters.clear()
-    backend = Counting()
-    torch.manual_seed(0)
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    compiled = _compile(model, how, backend)
+    backend, model, optimizer, compiled = _fresh(how, Net, False)
     # A budget below the steady plain peak (67 KB eager; offload: 54 KB), so the plan acts.
     session = SwapSession(compiled, SwapConfig(budget_bytes=60_000, min_offload_bytes=0, log_plan=False), "cpu")
     kinds, runs = [], []
