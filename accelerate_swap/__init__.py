@@ -8,7 +8,7 @@ config file named in ``ACCELERATE_CPU_SWAP_CONFIG``, or by ``swap_plugin=SwapPlu
 """
 
 from lightning_swap.core import Action, Plan, StepStats
-from lightning_swap.core.scale import BatchSearchError, ScaleResult
+from lightning_swap.core import BatchSearchError, ScaleResult
 
 from .accelerator import AcceleratedSwapSession, SwapAccelerator
 from .finder import find_batch_size

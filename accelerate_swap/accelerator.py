@@ -2,7 +2,7 @@
 
 Thin by design: every decision lives in :mod:`lightning_swap.core`; this module only calls
 it from the places an Accelerate training loop already goes through. ``prepare_model``
-builds a :class:`~lightning_swap.core.session.SwapSession` on the user's (unwrapped) model
+builds a :class:`~lightning_swap.core.scale.session.SwapSession` on the user's (unwrapped) model
 and applies the plan; a forward pre-hook on that model opens each step's window and
 ``backward`` closes it.
 
@@ -52,10 +52,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_swap.core.plan import Plan
-from lightning_swap.core.runtime import StepStats, tensors_in
-from lightning_swap.core.session import SwapConfig, SwapSession
-from lightning_swap.core.unified import UnifiedMemory
+from lightning_swap.core import Plan
+from lightning_swap.core import StepStats
+from lightning_swap.core import tensors_in
+from lightning_swap.core import SwapConfig
+from lightning_swap.core import SwapSession
+from lightning_swap.core import UnifiedMemory, unified_memory_for
 
 from .plugin import SwapPlugin
 
@@ -226,7 +228,7 @@ class SwapAccelerator(Accelerator):
         if self.swap_plugin is not None:
             self._check_swap_supported()
             # Before any model is prepared: um="all" must precede the first CUDA allocation.
-            self.swap_unified_memory = self.swap_plugin.to_config().install_unified_memory(self.device)
+            self.swap_unified_memory = unified_memory_for(self.swap_plugin.to_config(), self.device)
 
     # -- what users read ----------------------------------------------------------------
     @property

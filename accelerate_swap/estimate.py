@@ -6,7 +6,7 @@ in fake mode (``FakeTensorMode``: shapes and storages, no arithmetic; Note [Fake
 estimates] in ``lightning_swap/core/profiler.py``) at the given batch and at twice it, which
 fixes how every byte count grows with the batch (Note [Batch scaling]). Then, by predictions
 only, ``solve`` gives the plan at that batch, and the bisection of the batch-size search
-(:func:`lightning_swap.core.scale.predict_batch_size`) the largest batch with a plan under the
+(:func:`lightning_swap.core.scale.batch_search.predict_batch_size`) the largest batch with a plan under the
 budget.
 
 The profiled step is the model's forward on a batch of the given shape, its output summed,
@@ -27,15 +27,16 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_swap.core.actions import Action
-from lightning_swap.core.errors import InfeasibleBudgetError
-from lightning_swap.core.plan import Plan, format_bytes
-from lightning_swap.core.profiler import ModelProfile, profile
-from lightning_swap.core.runtime import DEFAULT_MIN_OFFLOAD_BYTES
-from lightning_swap.core.scale import ScaleConfig, predict_batch_size
-from lightning_swap.core.segments import SegmentSpec
-from lightning_swap.core.solver import min_budget_bytes, solve
-from lightning_swap.core.units import ByteSize, parse_bytes
+from lightning_swap.core import Action
+from lightning_swap.core import InfeasibleBudgetError
+from lightning_swap.core import Plan, format_bytes
+from lightning_swap.core import ModelProfile
+from lightning_swap.core import profile
+from lightning_swap.core import DEFAULT_MIN_OFFLOAD_BYTES
+from lightning_swap.core import ScaleConfig, predict_batch_size
+from lightning_swap.core import SegmentSpec
+from lightning_swap.core import min_budget_bytes, solve
+from lightning_swap.core import ByteSize, parse_bytes
 
 from .plugin import import_object
 

@@ -4,7 +4,7 @@ Accelerate's decorator calls ``train(batch_size)`` and, on each out-of-memory er
 with 10% less. This one first searches with the planner: it profiles one training step of the
 prepared model, predicts the largest (``mode="max"``) or fastest (``mode="throughput"``) batch
 for which a plan of offload and recomputation fits the budget, confirms it with a few real
-trial steps (:func:`lightning_swap.core.scale.search_for_loop`), restores the model and the
+trial steps (:func:`lightning_swap.core.scale.loop_search.search_for_loop`), restores the model and the
 optimizer, and only then calls ``train(batch_size)`` with the batch found. The
 ``SwapAccelerator`` then plans for that batch on its first training forward.
 
@@ -16,7 +16,7 @@ of ``train`` (evaluation, a different loss, other tensors it keeps). When ``trai
 raises out-of-memory (by type, then by message), the decorator does what Accelerate's does:
 frees memory, lowers the batch by 10% (at least one, never below ``min_batch_size``), forgets
 the plan (so the next forward plans for the new batch) and calls ``train`` again, up to
-``max_trials`` calls; then it raises :class:`~lightning_swap.core.scale.BatchSearchError`
+``max_trials`` calls; then it raises :class:`~lightning_swap.core.scale.batch_search.BatchSearchError`
 from the last error. Any other error propagates at once.
 """
 
@@ -34,10 +34,11 @@ from accelerate.utils import broadcast_object_list, send_to_device
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_swap.core.errors import is_out_of_memory
-from lightning_swap.core.runtime import StepStats
-from lightning_swap.core.scale import BatchSearchError, Collectives, ScaleConfig, ScaleResult, search_for_loop
-from lightning_swap.core.units import ByteSize, parse_bytes
+from lightning_swap.core import is_out_of_memory
+from lightning_swap.core import StepStats
+from lightning_swap.core import BatchSearchError, ScaleConfig, ScaleResult
+from lightning_swap.core import Collectives, search_for_loop
+from lightning_swap.core import ByteSize, parse_bytes
 
 from .accelerator import SwapAccelerator
 
@@ -80,7 +81,7 @@ def find_batch_size(
 
     Usable as ``@find_batch_size(accelerator=..., ...)`` or ``find_batch_size(train, ...)``.
     The wrapper's ``result`` attribute holds the last search's
-    :class:`~lightning_swap.core.scale.ScaleResult` (its ``render()`` is the trial table).
+    :class:`~lightning_swap.core.scale.batch_search.ScaleResult` (its ``render()`` is the trial table).
 
     Args:
         accelerator: a :class:`SwapAccelerator` with the plugin switched on (policy ``"auto"``,

@@ -34,12 +34,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_swap.core.actions import AUTO, Action, PolicyLike
-from lightning_swap.core.runtime import DEFAULT_MIN_OFFLOAD_BYTES
-from lightning_swap.core.segments import SegmentSpec
-from lightning_swap.core.session import SwapConfig
-from lightning_swap.core.unified import UMMode
-from lightning_swap.core.units import ByteSize, parse_bytes
+from lightning_swap.core import AUTO, Action, PolicyLike
+from lightning_swap.core import DEFAULT_MIN_OFFLOAD_BYTES
+from lightning_swap.core import SegmentSpec
+from lightning_swap.core import SwapConfig
+from lightning_swap.core import UMMode
+from lightning_swap.core import ByteSize, parse_bytes
 
 __all__ = ["ENV_CONFIG", "ENV_FLAG", "ENV_PREFIX", "FILE_FLAG", "OPTIONS", "SwapPlugin", "env_name", "parse_option"]
 
@@ -274,7 +274,7 @@ class SwapPlugin:
             raise ValueError(f"`log_stats` must be True or False; got {self.log_stats!r}.")
 
     def to_config(self) -> SwapConfig:
-        """The core's options for a :class:`~lightning_swap.core.session.SwapSession`."""
+        """The core's options for a :class:`~lightning_swap.core.scale.session.SwapSession`."""
         return SwapConfig(**{name: getattr(self, name) for name in _CONFIG_OPTIONS})
 
     # -- reading -------------------------------------------------------------------------

@@ -39,8 +39,8 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lightning_swap.core import Action, Plan, SwapRuntime, chunked_cross_entropy, profile
-from lightning_swap.core.meter import host_allocation, mark_host
-from lightning_swap.core.scale import ScaleConfig, ScaleResult, TrialMeasurement, search_batch_size
+from lightning_swap.core import host_allocation, mark_host
+from lightning_swap.core import ScaleConfig, ScaleResult, TrialMeasurement, search_batch_size
 from plan_quality import GPT  # one definition of the GPT-2-small-like model for every benchmark
 
 MiB = 2**20
@@ -353,7 +353,7 @@ def planned_max_batch(
         return TrialMeasurement(peak_bytes=m.peak_bytes, step_ms=m.step_ms)
 
     config = ScaleConfig(mode=mode, margin=0.0, max_batch_size=cap, max_trials=4, candidates=candidates, steps_per_trial=1 + repeats)
-    from lightning_swap.core.scale import BatchSearchError
+    from lightning_swap.core import BatchSearchError
 
     try:
         result = search_batch_size(prof, budget_bytes, run_trial, config, actions=actions, base_batch_size=bench.spec.base_batch)

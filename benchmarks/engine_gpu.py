@@ -107,7 +107,7 @@ def run_worker(name: str, methods: list[str], steps: int, warmup: int, smoke: bo
     import lightning as L
 
     import lightning_swap
-    from lightning_swap.core.profiler import measure_bandwidth
+    from lightning_swap.core import measure_bandwidth
 
     cuda = torch.cuda.is_available() and not smoke
     device = torch.device("cuda" if cuda else "cpu")

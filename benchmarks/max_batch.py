@@ -30,7 +30,6 @@ import argparse
 import sys
 import time
 
-import torch
 
 from common import (
     AUTO_MODES,

@@ -21,7 +21,7 @@ from torchvision import transforms
 import lightning_swap
 from lightning_swap import CPUSwapStrategy
 from lightning_swap.core import DeviceMemoryMeter, format_bytes
-from lightning_swap.core.runtime import tensors_in
+from lightning_swap.core import tensors_in
 
 
 class ResNetClassifier(L.LightningModule):

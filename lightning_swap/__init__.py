@@ -35,9 +35,10 @@ from .core import (
     simulate,
     solve,
 )
-from .core.scale import BatchSearchError, ScaleConfig, ScaleResult, search_batch_size
-from .core.session import SwapConfig, SwapSession
-from .core.timeline import Timeline, TimelineRecorder
+from .core import BatchSearchError, ScaleConfig, ScaleResult, search_batch_size
+from .core import SwapConfig
+from .core import SwapSession
+from .core import Timeline, TimelineRecorder
 from .finder import SwapBatchSizeFinder
 from .report import plot_timelines
 from .strategy import CPUSwapStrategy, DDPCPUSwapStrategy, PLCPUSwapStrategy, PLDDPCPUSwapStrategy

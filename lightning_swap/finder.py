@@ -3,7 +3,7 @@
 It behaves like :class:`~lightning.pytorch.callbacks.BatchSizeFinder` — finds the
 ``batch_size`` attribute on the model, its hparams or the datamodule, sets it, exposes
 ``optimal_batch_size``, restores model and optimizer state from a temporary checkpoint it
-deletes afterwards — but the search is :func:`lightning_swap.core.scale.search_batch_size`:
+deletes afterwards — but the search is :func:`lightning_swap.core.scale.batch_search.search_batch_size`:
 predictions first, a few confirming trial runs second. Thin: trials run Lightning's own fit
 loop; every decision is in the core.
 """
@@ -24,8 +24,9 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from .core.scale import Collectives, ScaleConfig, ScaleResult, search_for_loop
-from .core.units import ByteSize, parse_bytes
+from .core import Collectives, search_for_loop
+from .core import ScaleConfig, ScaleResult
+from .core import ByteSize, parse_bytes
 from .strategy import _SwapStrategyMixin
 
 __all__ = ["SwapBatchSizeFinder"]

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional, Union
 
-from .core.plan import format_bytes
-from .core.timeline import Timeline
+from .core import format_bytes
+from .core import Timeline
 
 __all__ = ["plot_timelines"]
 

@@ -18,16 +18,18 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from .core.actions import PolicyLike
-from .core.errors import is_out_of_memory
-from .core.plan import Plan, format_bytes
-from .core.runtime import tensors_in
-from .core.runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats
-from .core.segments import SegmentSpec
-from .core.session import SwapConfig, SwapSession
-from .core.timeline import Timeline, TimelineRecorder
-from .core.units import ByteSize
-from .core.unified import UnifiedMemory
+from .core import PolicyLike
+from .core import is_out_of_memory
+from .core import Plan, format_bytes
+from .core import tensors_in
+from .core import DEFAULT_MIN_OFFLOAD_BYTES
+from .core import StepStats
+from .core import SegmentSpec
+from .core import SwapConfig
+from .core import SwapSession
+from .core import Timeline, TimelineRecorder
+from .core import ByteSize
+from .core import UnifiedMemory, unified_memory_for
 from .report import plot_timelines
 
 log = logging.getLogger(__name__)
@@ -125,7 +127,7 @@ class _SwapStrategyMixin:
             self._pick_device(trainer)
         super().setup_environment()
         if self.unified_memory is None:
-            self.unified_memory = self.swap_config.install_unified_memory(self.root_device)
+            self.unified_memory = unified_memory_for(self.swap_config, self.root_device)
             if self.unified_memory is not None:
                 rank_zero_info(
                     f"lightning-swap unified memory: um={self.swap_config.um!r} on {self.root_device}, "
@@ -245,7 +247,7 @@ class _SwapStrategyMixin:
         runs more often than in plain training, and a warning says so."""
         from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-        from .core.profiler import profile
+        from .core import profile
 
         args, kwargs, rng = self._step_call
         session = self._session

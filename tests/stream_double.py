@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_swap.core.streams import StreamOps
+from lightning_swap.core.engine.streams import StreamOps
 
 POISON = 0xFF
 

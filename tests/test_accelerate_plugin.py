@@ -12,7 +12,7 @@ import torchvision
 from accelerate_swap import Action, SwapPlugin
 from accelerate_swap.cli import main
 from lightning_swap.core import InfeasibleBudgetError, solve
-from lightning_swap.core.runtime import DEFAULT_MIN_OFFLOAD_BYTES
+from lightning_swap.core.config import DEFAULT_MIN_OFFLOAD_BYTES
 
 from .models import ConvBlock, cnn_bn_dropout
 

@@ -34,7 +34,8 @@ def test_a_bad_policy_names_the_field():
 def test_the_session_asks_the_same_function():
     from torch import nn
 
-    from lightning_swap.core.session import SwapConfig, SwapSession
+    from lightning_swap.core.config import SwapConfig
+    from lightning_swap.core.scale.session import SwapSession
 
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     for policy in (AUTO, "recompute"):

@@ -33,7 +33,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_swap import Action, CPUSwapStrategy, SwapRuntime, find_segments
 from lightning_swap.core import resolve_policy
-from lightning_swap.core.session import SwapConfig, SwapSession
+from lightning_swap.core.config import SwapConfig
+from lightning_swap.core.scale.session import SwapSession
 
 from .helpers import assert_same_state
 
@@ -375,7 +376,7 @@ def test_remove_restores_the_compiled_module(how, policy):
 
 
 def test_peak_is_measured_only_when_asked_under_compile_on_cpu(caplog):
-    with caplog.at_level(logging.INFO, logger="lightning_swap.core.runtime"):
+    with caplog.at_level(logging.INFO, logger="lightning_swap.core.runtime.runtime"):
         _, stats, backend, runs, _ = _train("torch.compile", "offload")
     # The first step measures the plan's rows with the meter (Note [Measured rows]): eager.
     assert isinstance(stats[0].peak_device_bytes, int) and stats[0].peak_device_bytes > 0

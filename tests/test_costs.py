@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_swap.core.costs import measure_action_costs
-from lightning_swap.core.streams import default_ops
-from lightning_swap.core.trace import CapturedCall
+from lightning_swap.core.measure.action_costs import measure_action_costs
+from lightning_swap.core.engine.streams import default_ops
+from lightning_swap.core.measure.trace import CapturedCall
 
 
 class Block(nn.Module):

@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_swap import CPUSwapStrategy, SwapRuntime, find_segments
 from lightning_swap.core import resolve_policy
-from lightning_swap.core.offload import OffloadEngine
-from lightning_swap.core.streams import CopyStreams, override_stream_ops
+from lightning_swap.core.engine.offload import OffloadEngine
+from lightning_swap.core.engine.streams import CopyStreams, override_stream_ops
 
 from .helpers import POLICIES, train_core
 from .lit import fit

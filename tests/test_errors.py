@@ -25,9 +25,14 @@ def test_is_out_of_memory(exc, expected):
     assert is_out_of_memory(exc) is expected
 
 
-def test_old_homes_still_import():
-    """``is_out_of_memory`` lived in ``core.scale`` and ``AUTO`` in ``core.session``."""
-    from lightning_swap.core import actions, errors, scale, session
+def test_one_home_per_name():
+    """``is_out_of_memory`` and ``AUTO`` live in one module each (``errors``, ``actions``); the
+    surface re-exports those objects, and the old re-exports (``core.scale``, ``core.session``)
+    are gone with the restructuring (issue 19)."""
+    import lightning_swap.core as core
+    from lightning_swap.core import actions, errors
+    from lightning_swap.core.scale import batch_search, session
 
-    assert scale.is_out_of_memory is errors.is_out_of_memory
-    assert session.AUTO is actions.AUTO == "auto"
+    assert core.is_out_of_memory is errors.is_out_of_memory and core.AUTO is actions.AUTO == "auto"
+    assert "is_out_of_memory" not in batch_search.__all__
+    assert not hasattr(session, "AUTO")

@@ -194,7 +194,7 @@ def test_a_step_that_reads_a_value_is_profiled_for_real_when_fake_tensors_cannot
         seen.append(loss.item())
         return loss
 
-    with caplog.at_level(logging.DEBUG, logger="lightning_swap.core.profiler"):
+    with caplog.at_level(logging.DEBUG, logger="lightning_swap.core.measure.profiler"):
         prof = profile(model, (x, y), step_fn=step, device="cpu", scale=True)
         fake = profile(model, (x, y), step_fn=step, device="cpu", scale=False, fake=True)
     assert not prof.fake and not prof.reference.fake and prof.reference.batch_size == 16

@@ -120,7 +120,7 @@ def test_memory_drops_on_resnet():
 
 
 def test_meter_counts_device_tensors_and_not_the_host_pool():
-    from lightning_swap.core.host_pool import HostPool
+    from lightning_swap.core.engine.host_pool import HostPool
 
     pool = HostPool(pin_memory=False)
     with DeviceMemoryMeter("cpu") as meter:

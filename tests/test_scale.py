@@ -12,8 +12,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_swap import Action, CPUSwapStrategy, SwapBatchSizeFinder, SwapRuntime
 from lightning_swap.core import profile
-from lightning_swap.core.costmodel import simulate
-from lightning_swap.core.scale import ScaleConfig, TrialMeasurement, search_batch_size
+from lightning_swap.core.decide.costmodel import simulate
+from lightning_swap.core.scale.batch_search import ScaleConfig, TrialMeasurement, search_batch_size
 
 from .lit import LitModel
 from .models import MODELS

@@ -4,7 +4,6 @@ training, re-plans when the batch shape changes."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lightning_swap import Action, CPUSwapStrategy
 
@@ -49,7 +48,7 @@ def test_auto_keeps_its_plan_for_a_smaller_batch_and_observes_a_new_shape():
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from lightning_swap.core.auto import AutoPlanner
+    from lightning_swap.core.scale.auto import AutoPlanner
 
     from .lit import LitModel
     from .models import _tokens
@@ -94,8 +93,8 @@ def test_report_draws_plain_and_planned_timelines(tmp_path):
 
 
 def test_timeline_marks_every_segment_forward_and_backward():
-    from lightning_swap.core import DeviceMemoryMeter, SwapRuntime, find_segments
-    from lightning_swap.core.timeline import TimelineRecorder
+    from lightning_swap.core import SwapRuntime, find_segments
+    from lightning_swap.core.measure.timeline import TimelineRecorder
 
     from .models import MODELS
 
@@ -121,7 +120,7 @@ def test_gradient_accumulation_observes_once_and_equals_plain():
     gradients), and the plan is made again only when the optimizer state appears."""
     from unittest import mock
 
-    from lightning_swap.core.auto import AutoPlanner
+    from lightning_swap.core.scale.auto import AutoPlanner
 
     with mock.patch.object(AutoPlanner, "finish_observe", autospec=True, side_effect=AutoPlanner.finish_observe) as observed, \
             mock.patch.object(AutoPlanner, "plan", autospec=True, side_effect=AutoPlanner.plan) as planned:

@@ -18,14 +18,17 @@ import lightning as L
 import pytest
 import torch
 
+import accelerate_swap.accelerator
+import lightning_swap.strategy
+
 from lightning_swap import CPUSwapStrategy, UMMode, UnifiedMemoryError, install_unified_memory
 from lightning_swap.core import find_segments, resolve_policy
-from lightning_swap.core.cudart import CPU_DEVICE, Advice, CudaRuntime, CudaRuntimeError, find_cudart
-from lightning_swap.core.meter import DeviceMemoryMeter
-from lightning_swap.core.runtime import SwapRuntime
-from lightning_swap.core.session import SwapConfig
-from lightning_swap.core.pool_routing import _FREE, _MALLOC, _ManagedAllocator
-from lightning_swap.core.unified import ManagedMemory, UnifiedMemory, check_um_max_bytes, refusal
+from lightning_swap.core.engine.unified.cudart import CPU_DEVICE, Advice, CudaRuntime, CudaRuntimeError, find_cudart
+from lightning_swap.core.runtime.runtime import SwapRuntime
+from lightning_swap.core.config import SwapConfig
+from lightning_swap.core.engine.unified.pool_routing import _FREE, _MALLOC, _ManagedAllocator
+from lightning_swap.core.engine.unified.memory import ManagedMemory, UnifiedMemory, refusal
+from lightning_swap.core.config import check_um_max_bytes
 
 from .helpers import assert_same_state, train_core
 from .lit import LitModel
@@ -636,14 +639,15 @@ def _fake_install(monkeypatch) -> dict:
     """Every install returns a fake-backed handle: the adapters' wiring, on CPU."""
     made = {}
 
-    def install(self, device):
-        if self.um == "off":
+    def install(config, device):
+        if config.um == "off":
             return None
-        handle = _Tracked(UMMode(self.um), CPU, ManagedMemory(FakeRuntime(), 0, self.um_max_bytes or 1 << 30), None)
+        handle = _Tracked(UMMode(config.um), CPU, ManagedMemory(FakeRuntime(), 0, config.um_max_bytes or 1 << 30), None)
         made.setdefault("handles", []).append(handle)
         return handle
 
-    monkeypatch.setattr(SwapConfig, "install_unified_memory", install)
+    monkeypatch.setattr(lightning_swap.strategy, "unified_memory_for", install)
+    monkeypatch.setattr(accelerate_swap.accelerator, "unified_memory_for", install)
     _Tracked.closed = 0
     return made
 
@@ -698,7 +702,7 @@ def test_accelerator_uses_managed_buffers_and_closes_them(monkeypatch):
 
 
 def test_old_torch_is_named_in_the_refusal(monkeypatch):
-    from lightning_swap.core import unified
+    from lightning_swap.core.engine.unified import memory as unified
 
     monkeypatch.setattr(torch, "__version__", "2.5.1+cu124")
     missing = unified._missing_features()
@@ -715,7 +719,7 @@ def test_install_all_routes_to_one_pool_per_process_without_a_gpu(monkeypatch):
     second install in the same process (Lightning's fit then test), the default cap."""
     from types import SimpleNamespace
 
-    from lightning_swap.core import unified as um
+    from lightning_swap.core.engine.unified import memory as um
 
     calls = []
 
@@ -787,14 +791,14 @@ def test_fake_runtime_has_the_real_runtimes_signatures():
 
 # -- refused allocations: counted, warned once per installation (Note [Refusals are not always errors]) --
 def _warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name == "lightning_swap.core.unified"]
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name == "lightning_swap.core.engine.unified.memory"]
 
 
 def test_first_refusal_warns_once_with_the_cap_and_how_to_raise_it(caplog):
     memory = ManagedMemory(FakeRuntime(), 0, max_bytes=10_000, cap_origin="the default: the device's free memory at installation")
     allocator = _ManagedAllocator(memory)
     c_malloc = _MALLOC(allocator.function_pointers[0])
-    with caplog.at_level(logging.DEBUG, logger="lightning_swap.core.unified"):
+    with caplog.at_level(logging.DEBUG, logger="lightning_swap.core.engine.unified.memory"):
         assert memory.alloc(6000)
         assert not c_malloc(6000, 0, None)  # through torch's path: NULL, and counted
         assert not memory.alloc(5000)
@@ -810,7 +814,7 @@ def test_first_refusal_warns_once_with_the_cap_and_how_to_raise_it(caplog):
     # a new installation (its own cap) warns again, once
     caplog.clear()
     memory.set_cap(8000, "set by um_max_bytes")
-    with caplog.at_level(logging.WARNING, logger="lightning_swap.core.unified"):
+    with caplog.at_level(logging.WARNING, logger="lightning_swap.core.engine.unified.memory"):
         assert not memory.alloc(4000)
         assert not memory.alloc(4000)
     (warning,) = _warnings(caplog)
@@ -820,7 +824,7 @@ def test_first_refusal_warns_once_with_the_cap_and_how_to_raise_it(caplog):
 
 def test_a_cap_that_refuses_nothing_warns_nothing(caplog):
     memory = ManagedMemory(FakeRuntime(), 0, max_bytes=1 << 20)
-    with caplog.at_level(logging.WARNING, logger="lightning_swap.core.unified"):
+    with caplog.at_level(logging.WARNING, logger="lightning_swap.core.engine.unified.memory"):
         ptrs = [memory.alloc(1 << 18) for _ in range(4)]
         for p in ptrs:
             memory.free(p)
@@ -834,7 +838,7 @@ def test_a_cap_that_refuses_nothing_warns_nothing(caplog):
     [((2, 8), True), ((2, 11), True), ((2, 12), True), ((2, 13), True), ((2, 14), False), ((2, 15), False), ((3, 0), False)],
 )
 def test_routing_capture_state_table(version, holds):
-    from lightning_swap.core.pool_routing import routing_holds_capture_state
+    from lightning_swap.core.engine.unified.pool_routing import routing_holds_capture_state
 
     assert routing_holds_capture_state(version) is holds
 
@@ -860,7 +864,7 @@ def _fake_cuda_for_all_mode(monkeypatch, version: str) -> tuple[list, _FakeAlloc
     """torch's CUDA surface that install_unified_memory(um='all') and its routing touch, recording."""
     from types import SimpleNamespace
 
-    from lightning_swap.core import unified as um
+    from lightning_swap.core.engine.unified import memory as um
 
     calls: list = []
 
@@ -920,7 +924,7 @@ def test_reclaim_at_optimizer_steps_where_routing_holds_the_capture_state(monkey
 
     memory.alloc(1 << 20)
     counters.deferred = 300 << 20
-    with caplog.at_level(logging.WARNING, logger="lightning_swap.core.pool_routing"):
+    with caplog.at_level(logging.WARNING, logger="lightning_swap.core.engine.unified.pool_routing"):
         _optimizer_step()
     assert calls == [("sync", 0), ("end", 0, (0, 7)), ("release", 0, (0, 7)), ("empty_cache",), ("begin", 0, (0, 7))]
     assert handle.routing and handle.pending_free_bytes() == 0
@@ -933,7 +937,7 @@ def test_reclaim_at_optimizer_steps_where_routing_holds_the_capture_state(monkey
     del calls[:]
     memory.max_bytes = memory.managed_bytes + (100 << 20)
     counters.deferred = 1 << 20
-    with caplog.at_level(logging.WARNING, logger="lightning_swap.core.pool_routing"):
+    with caplog.at_level(logging.WARNING, logger="lightning_swap.core.engine.unified.pool_routing"):
         caplog.clear()
         _optimizer_step()
     assert calls[0] == ("sync", 0) and calls[-1] == ("begin", 0, (0, 7)) and handle.stats().reclaims == 2

@@ -12,8 +12,8 @@ from torch.nn import functional as F
 
 from accelerate_swap import SwapAccelerator, SwapPlugin, find_batch_size
 from lightning_swap import CPUSwapStrategy, SwapBatchSizeFinder
-from lightning_swap.core.scale import ScaleConfig, predict_batch_size
-from lightning_swap.core.session import SwapConfig
+from lightning_swap.core.scale.batch_search import ScaleConfig, predict_batch_size
+from lightning_swap.core.config import SwapConfig
 from lightning_swap.core.units import parse_bytes
 
 from .lit import LitModel, fit
@@ -218,7 +218,7 @@ def test_accelerate_find_batch_size_takes_12gib(fresh_state):  # noqa: F811
 
 
 def test_core_search_takes_a_size_string():
-    from lightning_swap.core.profiler import profile
+    from lightning_swap.core.measure.profiler import profile
 
     build, data, loss = MODELS["mlp"]
     torch.manual_seed(0)

@@ -1,31 +1,71 @@
-"""The core of lightning-swap: measure, decide, act, scale. Imports torch only."""
+"""The core of lightning-swap: measure, decide, act, scale. Imports torch only.
 
-from .actions import Action, resolve_policy
+Layers (Note [Layer order], enforced by ``tests/test_architecture.py``), each importing only
+the ones before it:
+
+- vocabulary: ``config`` (the option table), ``tensors``, ``actions``, ``units``, ``errors``,
+  ``segments``, ``compiled``, ``chunked_loss``;
+- ``engine/``: the primitives measuring and acting share (streams, host pool, meter,
+  recomputation, offload, unified memory);
+- ``measure/``: one step becomes a frozen ``ModelProfile`` (``measure/model_profile.py``, the
+  contract with decide);
+- ``decide/``: plan, cost model, solver; imports the vocabulary and ``model_profile`` only;
+- ``runtime/``: applies a plan and counts what it did;
+- ``scale/``: the session an adapter drives, ``auto``, and the batch-size searches.
+
+This module is the one import surface of the adapters (``lightning_swap``'s strategies and
+finder, ``accelerate_swap``).
+"""
+
+from .actions import AUTO, Action, PolicyLike, resolve_policy
 from .chunked_loss import ChunkedCrossEntropy, chunked_cross_entropy, hf_causal_lm_loss
-from .costmodel import Prediction, simulate
-from .errors import InfeasibleBudgetError, UnifiedMemoryError
-from .meter import DeviceMemoryMeter, host_allocation
-from .plan import Plan, PlanRow, format_bytes
-from .profiler import ModelProfile, SegmentProfile, measure_bandwidth, profile
-from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, StepStats, SwapRuntime
-from .segments import find_segments
-from .solver import brute_force, min_budget_bytes, solve
-from .unified import UMMode, UnifiedMemory, UnifiedMemoryStats, install_unified_memory
-from .units import parse_bytes
+from .config import DEFAULT_MIN_OFFLOAD_BYTES, SwapConfig, UMMode
+from .decide.costmodel import Prediction, simulate
+from .decide.plan import Plan, PlanRow, format_bytes
+from .decide.solver import brute_force, min_budget_bytes, solve
+from .engine.meter import DeviceMemoryMeter, host_allocation, mark_host
+from .engine.unified.memory import UnifiedMemory, UnifiedMemoryStats, install_unified_memory, unified_memory_for
+from .errors import InfeasibleBudgetError, UnifiedMemoryError, is_out_of_memory
+from .measure.model_profile import ModelProfile, SegmentProfile
+from .measure.profiler import measure_bandwidth, profile
+from .measure.timeline import Timeline, TimelineRecorder
+from .runtime.runtime import SwapRuntime
+from .runtime.stats import StepStats
+from .scale.batch_search import (
+    BatchSearchError, ScaleConfig, ScaleResult, TrialMeasurement, predict_batch_size, search_batch_size,
+)
+from .scale.loop_search import Collectives, search_for_loop
+from .scale.session import SwapSession
+from .segments import SegmentSpec, find_segments
+from .tensors import tensors_in
+from .units import ByteSize, parse_bytes
 
 __all__ = [
+    "AUTO",
     "Action",
+    "BatchSearchError",
+    "ByteSize",
     "ChunkedCrossEntropy",
+    "Collectives",
     "DEFAULT_MIN_OFFLOAD_BYTES",
     "DeviceMemoryMeter",
     "InfeasibleBudgetError",
     "ModelProfile",
     "Plan",
     "PlanRow",
+    "PolicyLike",
     "Prediction",
+    "ScaleConfig",
+    "ScaleResult",
     "SegmentProfile",
+    "SegmentSpec",
     "StepStats",
+    "SwapConfig",
     "SwapRuntime",
+    "SwapSession",
+    "Timeline",
+    "TimelineRecorder",
+    "TrialMeasurement",
     "UMMode",
     "UnifiedMemory",
     "UnifiedMemoryError",
@@ -37,11 +77,18 @@ __all__ = [
     "hf_causal_lm_loss",
     "host_allocation",
     "install_unified_memory",
+    "is_out_of_memory",
+    "mark_host",
     "measure_bandwidth",
     "min_budget_bytes",
     "parse_bytes",
+    "predict_batch_size",
     "profile",
     "resolve_policy",
+    "search_batch_size",
+    "search_for_loop",
     "simulate",
     "solve",
+    "tensors_in",
+    "unified_memory_for",
 ]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Optional
 
-from .actions import Action
+from ..actions import Action
 
 __all__ = ["Plan", "PlanRow", "format_bytes"]
 

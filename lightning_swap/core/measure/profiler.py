@@ -25,190 +25,25 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .meter import host_allocation, mark_host
-from .runtime import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
-from .segments import SegmentSpec, find_segments, resolve_modules
+from ..engine.meter import host_allocation, mark_host
+from ..config import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
+from ..segments import SegmentSpec, find_segments, resolve_modules
+from ..tensors import infer_batch_size, loss_of
+from .model_profile import _SCALED_INT_FIELDS, _SCALED_MS_FIELDS, ModelProfile, SegmentProfile
 from .trace import StepTrace, run_timing, run_trace
-from .costs import measure_released_working
+from .action_costs import measure_released_working
 
 __all__ = ["ModelProfile", "SegmentProfile", "measure_bandwidth", "profile"]
 
 log = logging.getLogger(__name__)
 
 StepFn = Callable[[nn.Module, Any], Any]
-
-
-@dataclass(frozen=True, kw_only=True)
-class SegmentProfile:
-    """What one segment costs in a plain (all kept) step; bytes are device bytes.
-
-    ``*_saved`` / ``*_small`` / ``*_heavy`` say whether the segment's input (output) storage is
-    saved for backward by this segment, is under ``min_offload_bytes``, is produced by a
-    compute-heavy op; ``input_from_previous`` whether the input is the previous segment's
-    output; ``*_held_elsewhere`` whether another part of the model saves it as well.
-    """
-
-    name: str
-    forward_ms: float
-    backward_ms: float
-    heavy_forward_ms: float
-    input_bytes: int
-    output_bytes: int
-    saved_bytes: int  # all storages saved for backward, parameters excluded
-    internal_saved_bytes: int  # ... other than the input and output
-    internal_small_bytes: int  # ... of those, under min_offload_bytes (never offloaded)
-    heavy_bytes: int  # outputs of compute-heavy ops, other than the input and output
-    heavy_unsaved_bytes: int  # ... of those, not saved for backward when kept
-    offload_bytes: int  # what OFFLOAD copies to the host
-    gradient_bytes: int  # parameter gradients allocated during this segment's backward
-    forward_working_bytes: int  # forward peak above the bytes alive when it starts
-    backward_working_bytes: int  # backward peak above the bytes alive when it starts
-    forward_peak_bytes: int  # peak bytes alive during the forward (all segments kept)
-    backward_peak_bytes: int  # peak bytes alive during the backward (all segments kept)
-    #: the same, estimated for this segment offloaded and fetched on demand (no prefetch)
-    offload_backward_peak_bytes: int
-    #: the forward's peak above its start with its saved tensors not held for backward
-    #: (recomputed, or offloaded by synchronous copies), measured by running the segment so
-    #: (:mod:`.costs`); -1: not measured (Note [A forward that does not keep] in ``costmodel.py``)
-    released_forward_working_bytes: int = -1
-    input_saved: bool
-    input_small: bool
-    input_from_previous: bool
-    input_held_elsewhere: bool
-    output_saved: bool
-    output_small: bool
-    output_heavy: bool
-    output_held_elsewhere: bool
-    #: What ``RECOMPUTE`` and ``SELECTIVE`` add to a step, measured on the device by running the
-    #: segment under them (:mod:`.costs`); ``None``: estimated from the forward's time.
-    recompute_ms: Optional[float] = None
-    selective_ms: Optional[float] = None
-
-
-_SCALED_INT_FIELDS = tuple(
-    f.name for f in dataclasses.fields(SegmentProfile)
-    if f.type in ("int", int) and f.name.endswith("_bytes") and f.name != "released_forward_working_bytes"
-)
-_SCALED_MS_FIELDS = ("forward_ms", "backward_ms", "heavy_forward_ms")
-_MEASURED_MS_FIELDS = ("recompute_ms", "selective_ms")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelProfile:
-    """A measured (or fake-measured) training step at ``batch_size``.
-
-    ``prefix_*`` is the part of the model before the first segment, ``tail_*`` the part after
-    the last (head and loss). ``static_bytes`` is what is alive before the step (parameters,
-    buffers, batch, existing gradients, tracked optimizer state).
-    """
-
-    segments: tuple[SegmentProfile, ...]
-    batch_size: int
-    device_type: str
-    fake: bool
-    min_offload_bytes: int
-    static_bytes: int
-    parameter_bytes: int
-    gradient_bytes: int  # all parameter gradients allocated in the step
-    prefix_forward_peak_bytes: int
-    prefix_backward_peak_bytes: int
-    tail_peak_bytes: int
-    peak_bytes: int  # measured peak of the whole plain step
-    prefix_ms: float
-    tail_ms: float
-    step_ms: float
-    d2h_bytes_per_ms: float
-    h2d_bytes_per_ms: float
-    #: The same model measured at another batch size (Note [Batch scaling]); ``None``: no scaling.
-    reference: Optional["ModelProfile"] = None
-    #: Peak bytes of the optimizer step (after the backward), when the profiled step included
-    #: it (a real step observed by the adapters): foreach AdamW's parameter-sized temporaries.
-    optimizer_peak_bytes: int = 0
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(s.name for s in self.segments)
-
-    @property
-    def copies_overlap(self) -> bool:
-        """Copies run on their own engines (CUDA); on CPU they are synchronous memcpys."""
-        return self.device_type == "cuda"
-
-    def with_state(self, *, forward_bytes: int, backward_bytes: int) -> "ModelProfile":
-        """This profile with more bytes alive than when it was measured.
-
-        Note [Steady-state shift]: the first step, which is the one profiled, has no gradients
-        and no optimizer state; every later one has the optimizer state alive throughout, and
-        the last step's gradients alive during the forward (and during the backward too, unless
-        the loop frees them in between, as Lightning's closure does with ``zero_grad``).
-        ``forward_bytes`` is added to every window up to the backward (the prefix's forward,
-        the segments' forwards, the tail), ``backward_bytes`` to the backward windows. The
-        optimizer step's own window was measured with its state and is left alone.
-        """
-        f, b = int(forward_bytes), int(backward_bytes)
-        if f == 0 and b == 0:
-            return self
-        segments = tuple(
-            dataclasses.replace(
-                seg, forward_peak_bytes=seg.forward_peak_bytes + f, backward_peak_bytes=seg.backward_peak_bytes + b,
-                offload_backward_peak_bytes=seg.offload_backward_peak_bytes + b,
-            )
-            for seg in self.segments
-        )
-        reference = self.reference.with_state(forward_bytes=f, backward_bytes=b) if self.reference is not None else None
-        return dataclasses.replace(
-            self, segments=segments, static_bytes=self.static_bytes + f, prefix_forward_peak_bytes=self.prefix_forward_peak_bytes + f,
-            prefix_backward_peak_bytes=self.prefix_backward_peak_bytes + b, tail_peak_bytes=self.tail_peak_bytes + max(f, b),
-            peak_bytes=self.peak_bytes + max(f, b), reference=reference,
-        )
-
-    def at_batch(self, batch_size: int) -> "ModelProfile":
-        """This profile at another batch size (Note [Batch scaling])."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"`batch_size` must be an int > 0; got {batch_size!r}.")
-        if batch_size == self.batch_size:
-            return self
-        ref = self.reference
-        if ref is None or ref.batch_size == self.batch_size:
-            raise ValueError(
-                "`batch_size`: this profile was measured at one batch size only "
-                f"({self.batch_size}); profile with scale=True to predict other batch sizes."
-            )
-        b0, b1 = self.batch_size, ref.batch_size
-
-        def line(v0: float, v1: float) -> int:
-            return max(0, round(v0 + (v0 - v1) / (b0 - b1) * (batch_size - b0)))
-
-        ratio = batch_size / b0
-        segments = []
-        for s, r in zip(self.segments, ref.segments):
-            changes: dict[str, Any] = {f: line(getattr(s, f), getattr(r, f)) for f in _SCALED_INT_FIELDS}
-            changes.update({f: getattr(s, f) * ratio for f in _SCALED_MS_FIELDS})
-            changes.update({f: getattr(s, f) * ratio for f in _MEASURED_MS_FIELDS if getattr(s, f) is not None})
-            if s.released_forward_working_bytes >= 0:  # a working set grows with the batch
-                changes["released_forward_working_bytes"] = round(s.released_forward_working_bytes * ratio)
-            segments.append(dataclasses.replace(s, **changes))
-        top = {
-            f: line(getattr(self, f), getattr(ref, f))
-            for f in ("static_bytes", "prefix_forward_peak_bytes", "prefix_backward_peak_bytes", "tail_peak_bytes", "peak_bytes")
-        }
-        return dataclasses.replace(
-            self,
-            segments=tuple(segments),
-            batch_size=batch_size,
-            prefix_ms=self.prefix_ms * ratio,
-            tail_ms=self.tail_ms * ratio,
-            step_ms=self.step_ms * ratio,
-            reference=dataclasses.replace(self, reference=None),
-            **top,
-        )
 
 
 # -- bandwidth -----------------------------------------------------------------------------
@@ -271,21 +106,6 @@ def _compute_rates(device: torch.device) -> tuple[float, float]:
 def _default_step(model: nn.Module, batch: Any) -> Any:
     out = model(batch)
     return out
-
-
-def _loss_of(value: Any) -> torch.Tensor:
-    if isinstance(value, dict) and "loss" in value:
-        value = value["loss"]
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"`step_fn` must return a tensor or a dict with 'loss'; got {type(value).__name__}.")
-    return value if value.dim() == 0 else value.float().sum()
-
-
-def _infer_batch_size(batch: Any) -> int:
-    t = next((t for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-    if t is None:
-        raise ValueError("`batch_size` could not be inferred: the batch holds no tensor; pass batch_size=.")
-    return int(t.shape[0])
 
 
 def _resize(batch: Any, old: int, new: int) -> Any:
@@ -393,7 +213,7 @@ def _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_of
         static = [*params, *model.buffers(), *(p.grad for p in params if p.grad is not None), *track]
         static += [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
         return run_trace(
-            model, names, lambda: _loss_of(step_fn(model, batch)), device=device, static=static, params=params,
+            model, names, lambda: loss_of(step_fn(model, batch)), device=device, static=static, params=params,
             fake=False, min_offload_bytes=min_offload_bytes, capture_inputs=True,
         )
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -412,7 +232,7 @@ def _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_of
         static += [t for t in tree_leaves(fake_batch) if isinstance(t, torch.Tensor)]
         with _reparametrize_module(model, mapping, tie_weights=True):
             return run_trace(
-                model, names, lambda: _loss_of(step_fn(model, fake_batch)), device=device, static=static,
+                model, names, lambda: loss_of(step_fn(model, fake_batch)), device=device, static=static,
                 params=fake_params, fake=True, min_offload_bytes=min_offload_bytes, flops_per_ms=rates[0], bytes_per_ms=rates[1],
             )
 
@@ -422,7 +242,7 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
     with _Snapshot(model, device):
         trace = _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_offload_bytes)
         if not fake:
-            fwd, bwd, step_ms = run_timing(model, names, lambda: _loss_of(step_fn(model, batch)), device)
+            fwd, bwd, step_ms = run_timing(model, names, lambda: loss_of(step_fn(model, batch)), device)
             modules = resolve_modules(model, names)  # canonical names, compiled or not
             for i, call in trace.inputs.items():  # Note [A forward that does not keep]
                 measured[i] = (None, None, measure_released_working(modules[names[i]], call, device))
@@ -509,7 +329,7 @@ def profile(
         raise ValueError(f"`model` must be an nn.Module; got {type(model).__name__}.")
     min_offload_bytes = check_min_offload_bytes(min_offload_bytes)
     if batch_size is None:
-        batch_size = _infer_batch_size(batch)
+        batch_size = infer_batch_size(batch)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"`batch_size` must be an int > 0; got {batch_size!r}.")
     if device is None:

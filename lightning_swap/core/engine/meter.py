@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .compiled import force_eager
+from ..compiled import force_eager
 
 __all__ = ["DeviceMemoryMeter", "host_allocation", "mark_host"]
 

@@ -40,7 +40,7 @@ from torch.nn.modules.batchnorm import SyncBatchNorm, _BatchNorm, _NormBase
 from torch.utils.checkpoint import checkpoint
 from torch.utils._pytree import tree_leaves
 
-from .actions import Action
+from ..actions import Action
 from .streams import StreamOps, Timing
 
 __all__ = ["RecomputeTimer", "checkpointed", "compute_heavy_ops"]

@@ -34,9 +34,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .meter import DeviceMemoryMeter
-from .recompute import compute_heavy_ops
-from .segments import resolve_modules
+from ..engine.meter import DeviceMemoryMeter
+from ..engine.recompute import compute_heavy_ops
+from ..segments import resolve_modules
 
 __all__ = ["CapturedCall", "StepTrace", "StepTracer", "run_trace", "run_timing"]
 
@@ -125,7 +125,7 @@ class CapturedCall:
     def of(cls, args: tuple, kwargs: dict) -> "CapturedCall":
         from torch.utils._pytree import tree_map
 
-        from .meter import host_allocation
+        from ..engine.meter import host_allocation
 
         def keep(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):

@@ -34,7 +34,6 @@ torch or the runtime API (it needs CUPTI's unified-memory counters); ``fault_ms`
 from __future__ import annotations
 
 import bisect
-import enum
 import logging
 import threading
 import weakref
@@ -43,9 +42,10 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from ...config import SwapConfig, UMMode, check_um_max_bytes
 from .cudart import CPU_DEVICE, Advice, CudaRuntime
-from .errors import UnifiedMemoryError
-from .host_pool import HostPool
+from ...errors import UnifiedMemoryError
+from ..host_pool import HostPool
 from .pool_routing import PoolRouting, _end_fn, _ManagedAllocator, routing_holds_capture_state
 
 __all__ = [
@@ -56,39 +56,11 @@ __all__ = [
     "UnifiedMemoryStats",
     "check_um_max_bytes",
     "install_unified_memory",
+    "unified_memory_for",
     "refusal",
 ]
 
 log = logging.getLogger(__name__)
-
-
-class UMMode(str, enum.Enum):
-    OFF = "off"
-    OFFLOAD = "offload"
-    ALL = "all"
-
-    @classmethod
-    def parse(cls, value: Any, field: str = "um") -> "UMMode":
-        if isinstance(value, UMMode):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.strip().lower())
-            except ValueError:
-                pass
-        allowed = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(f"`{field}` got {value!r}; allowed: {allowed}.")
-
-
-def check_um_max_bytes(value: Any, field: str = "um_max_bytes") -> Optional[int]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(
-            f"`{field}` must be a positive int (bytes of managed memory) or None (the device's free "
-            f"memory when unified memory is installed); got {value!r}."
-        )
-    return value
 
 
 # -- refusals ---------------------------------------------------------------------------
@@ -545,3 +517,9 @@ def install_unified_memory(
     handle._begin_routing()
     log.info("unified memory um=%r on %s, at most %d bytes managed", mode.value, device, max_bytes)
     return handle
+
+
+def unified_memory_for(config: "SwapConfig", device: torch.device | str) -> Optional["UnifiedMemory"]:
+    """Install ``config.um`` on ``device`` (``None`` when off). Adapters call it before the model
+    reaches the device: ``um="all"`` must precede the first CUDA allocation."""
+    return install_unified_memory(config.um, device, max_bytes=config.um_max_bytes)

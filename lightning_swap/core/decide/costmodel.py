@@ -39,9 +39,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from .actions import Action
+from ..actions import Action
 from .plan import PlanRow
-from .profiler import ModelProfile, SegmentProfile
+from ..measure.model_profile import ModelProfile, SegmentProfile
 
 __all__ = ["Prediction", "SegmentCosts", "backward_need", "segment_costs", "simulate"]
 

@@ -15,9 +15,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .meter import DeviceMemoryMeter
-from .runtime import on_backward_start
-from .segments import resolve_modules
+from ..engine.meter import DeviceMemoryMeter
+from ..tensors import on_backward_start
+from ..segments import resolve_modules
 
 __all__ = ["Timeline", "TimelineRecorder"]
 

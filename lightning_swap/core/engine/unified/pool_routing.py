@@ -108,7 +108,7 @@ class _ManagedAllocator:
     """``malloc(size, device, stream)`` / ``free(ptr, size, device, stream)`` with the
     signatures :class:`torch.cuda.memory.CUDAPluggableAllocator` expects, as C function
     pointers made by ``ctypes`` (Note [Callbacks take the GIL] in :mod:`.unified`). ``memory`` is
-    the :class:`~lightning_swap.core.unified.ManagedMemory` they allocate from.
+    the :class:`~lightning_swap.core.engine.unified.memory.ManagedMemory` they allocate from.
 
     Note [Managed memory outlives the session]: weights and optimizer state allocated under
     ``um="all"`` live in this allocator's segments after training ends, so the callbacks

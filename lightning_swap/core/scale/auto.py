@@ -28,29 +28,17 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from .actions import Action
-from .errors import InfeasibleBudgetError
-from .observe import ObservedStep
-from .plan import Plan, format_bytes
-from .profiler import ModelProfile, _infer_batch_size
-from .runtime import tensors_in
-from .solver import min_budget_bytes, solve
+from ..actions import Action
+from ..errors import InfeasibleBudgetError
+from ..measure.observe import ObservedStep
+from ..decide.plan import Plan, format_bytes
+from ..measure.model_profile import ModelProfile
+from ..tensors import gradient_bytes, infer_batch_size, state_bytes, storage_bytes, tensors_in
+from ..decide.solver import min_budget_bytes, solve
 
 __all__ = ["AutoPlanner"]
 
 log = logging.getLogger(__name__)
-
-
-def _grad_bytes(model: Any) -> int:
-    return sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
-
-
-def _tensor_bytes(track: Any) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors_in(track):
-        storage = t.untyped_storage()
-        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
-    return sum(seen.values())
 
 
 def _signature(model: Any, states: Any) -> tuple[int, int]:
@@ -93,7 +81,7 @@ class AutoPlanner:
         session = self.session
         if session.budget_bytes() is None:
             return "plan" if session.plan is None else "run"
-        size = _infer_batch_size(batch)
+        size = infer_batch_size(batch)
         if self._adopt_shape:  # a profile made elsewhere (a batch-size search): this batch's shape
             self._adopt_shape = False
             self._profile_shape, self._planned_batch = _shape_key(batch), size
@@ -110,7 +98,7 @@ class AutoPlanner:
         signature = _signature(session.model, states)
         if signature != self._signature:
             self._signature = signature
-            if _grad_bytes(session.model) + _tensor_bytes(states) > self._planned_state:
+            if state_bytes(session.model, states) > self._planned_state:
                 return "plan"
         return "run"
 
@@ -122,14 +110,14 @@ class AutoPlanner:
         session.remove()
         session.plan = None
         self._check_pending = False
-        self._profile_shape, self._profile_batch = _shape_key(batch), _infer_batch_size(batch)
+        self._profile_shape, self._profile_batch = _shape_key(batch), infer_batch_size(batch)
         if not is_main:
             return None
         self.observing = ObservedStep(
             session.model, list(session.segments), device=session.device, batch=batch, track=track,
             min_offload_bytes=session.config.min_offload_bytes, modules=session.modules,
         ).begin()
-        self._observed_state = (_grad_bytes(session.model), _tensor_bytes(states))
+        self._observed_state = (gradient_bytes(session.model), storage_bytes(tensors_in(states)))
         self._observed_batch = batch
         return self.observing
 
@@ -155,7 +143,7 @@ class AutoPlanner:
         self._profile_shape = None if batch is None else _shape_key(batch)
         self._profile_batch = profile.batch_size
         self._scalable = profile.reference is not None
-        self._planned_batch = profile.batch_size if batch is None else _infer_batch_size(batch)
+        self._planned_batch = profile.batch_size if batch is None else infer_batch_size(batch)
         if steady:
             self._observed_state = (1 << 62, 1 << 62)
         self.session.plan = None
@@ -164,7 +152,7 @@ class AutoPlanner:
     # -- planning --------------------------------------------------------------------------
     def steady_profile(self, states: Any) -> ModelProfile:
         """The observed profile shifted to the state alive now (Note [Steady-state shift])."""
-        grads, opt = _grad_bytes(self.session.model), _tensor_bytes(states)
+        grads, opt = gradient_bytes(self.session.model), storage_bytes(tensors_in(states))
         grads0, opt0 = self._observed_state
         forward = max(0, grads - grads0) + max(0, opt - opt0)
         backward = max(0, opt - opt0) + (0 if self.grads_freed_before_backward else max(0, grads - grads0))
@@ -178,7 +166,7 @@ class AutoPlanner:
             session.warn_no_budget()
             return Plan(actions={name: Action.KEEP for name in session.segments})
         current = session.plan
-        grown = _grad_bytes(session.model) + _tensor_bytes(states) > self._planned_state
+        grown = state_bytes(session.model, states) > self._planned_state
         if self._check_pending and current is not None and current.predicted_peak_bytes is not None:
             self._check_pending = False
             stats = session.records.newest()
@@ -215,6 +203,6 @@ class AutoPlanner:
     def applied(self, plan: Plan, states: Any) -> None:
         """Every process, after applying ``plan``: what it was made for, and a check is due."""
         self._signature = _signature(self.session.model, states)
-        self._planned_state = _grad_bytes(self.session.model) + _tensor_bytes(states)
+        self._planned_state = state_bytes(self.session.model, states)
         self._check_pending = plan.predicted_peak_bytes is not None and plan is not getattr(self, "_last_plan", None)
         self._last_plan = plan

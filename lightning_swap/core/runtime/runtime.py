@@ -40,167 +40,29 @@ from __future__ import annotations
 import logging
 import types
 from collections.abc import Iterable, Mapping
-from collections import deque
-from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from .actions import Action
-from .compiled import compile_context, dynamo_disable, fullgraph, is_compiled
-from .meter import DeviceMemoryMeter
-from .offload import OffloadEngine
-from .plan import Plan, PlanRow
-from .recompute import RecomputeTimer, checkpointed
-from .segments import resolve_modules, unwrap_compiled
-from .streams import Timing, default_ops
-from .unified import UMMode
+from ..actions import Action
+from ..compiled import compile_context, dynamo_disable, fullgraph, is_compiled
+from ..engine.meter import DeviceMemoryMeter
+from ..engine.offload import OffloadEngine
+from ..decide.plan import Plan
+from ..engine.recompute import RecomputeTimer, checkpointed
+from ..segments import resolve_modules, unwrap_compiled
+from ..engine.streams import Timing, default_ops
+from ..config import DEFAULT_MIN_OFFLOAD_BYTES, UMMode, check_inflight_segments, check_min_offload_bytes
+from ..tensors import ModuleHook, normalize_device, on_backward_start, tensors_in
+from .measured_rows import RowMeasure
+from .stats import StatsHistory, StepRecord, StepStats
 
 __all__ = [
     "DEFAULT_MIN_OFFLOAD_BYTES", "StatsHistory", "StepStats", "SwapRuntime", "check_inflight_segments", "check_min_offload_bytes", "tensors_in",
 ]
 
 log = logging.getLogger(__name__)
-
-#: Tensors smaller than this stay on the device: copying them costs more than it frees.
-DEFAULT_MIN_OFFLOAD_BYTES = 1 << 14
-
-
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """Every tensor inside a (nested) batch or optimizer state."""
-    out: list[torch.Tensor] = []
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            out.append(item)
-        elif isinstance(item, Mapping):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple, set)):
-            stack.extend(item)
-        elif hasattr(item, "__dataclass_fields__"):
-            stack.extend(getattr(item, f) for f in item.__dataclass_fields__)
-    return out
-
-
-def on_backward_start(output: Any, callback: Any) -> None:
-    """Call ``callback()`` once, when the first gradient of a tensor in ``output`` arrives:
-    the moment the backward of whatever produced ``output`` starts."""
-    fired = [False]
-
-    @dynamo_disable  # never traced (compiled autograd): Note [Actions around compiled segments]
-    def on_grad(grad: torch.Tensor) -> None:
-        if not fired[0]:
-            fired[0] = True
-            callback()
-
-    for t in tensors_in(output):
-        if t.requires_grad:
-            t.register_hook(on_grad)
-
-
-def _normalize_device(device: torch.device | str) -> torch.device:
-    """``cuda`` gets its index; ``cpu:N`` (Accelerate's multi-CPU device) is plain ``cpu``,
-    which is what CPU tensors report, so device comparisons hold."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cpu":
-        return torch.device("cpu")
-    return device
-
-
-def check_inflight_segments(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"`inflight_segments` must be an int >= 0 (segments whose copies to the host may still run "
-            f"while later segments compute); got {value!r}."
-        )
-    return value
-
-
-def check_min_offload_bytes(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"`min_offload_bytes` must be an int >= 0 (bytes); got {value!r}.")
-    return value
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What the runtime did during one training step, from ``begin_step`` to ``end_step``: the
-    forward, the loss and the backward, and the optimizer step where the adapter can see it end
-    (the Lightning strategy does; Accelerate's loop ends the window at ``backward``).
-
-    Byte counts and tensor counts are known when the step ends. The three times are measured on
-    the device without making the host wait (Note [Stream protocol] in ``streams.py``): on CUDA
-    they are ``None`` until the device has finished the step, and filled in later
-    (:meth:`SwapRuntime.stats`); on CPU they are known at once.
-    """
-
-    #: Bytes: the most bytes alive on the device during the step (CUDA: the caching allocator's
-    #: ``max_memory_allocated``; CPU: the live-storage meter, host pool excluded). ``None``: not
-    #: measured, which happens only on CPU for a compiled model, whose steps run without the
-    #: meter unless asked to (Note [No dispatch mode under compile] in ``runtime.py``).
-    peak_device_bytes: Optional[int]
-    #: Bytes copied to host memory in forward (each storage once: Note [One storage, one copy]).
-    offloaded_bytes: int
-    #: Bytes copied back to the device in backward, prefetched or on demand; equals
-    #: ``offloaded_bytes`` in a step with one backward.
-    fetched_bytes: int
-    #: Bytes of ``fetched_bytes`` copied ahead of need (Note [Prefetch schedule]).
-    prefetched_bytes: int
-    #: Saved tensors offloaded (distinct storages), and saved tensors that shared one of them.
-    offloaded_tensors: int
-    deduplicated_tensors: int
-    #: Host memory reserved for offloaded activations at the end of the step, bytes.
-    host_pool_bytes: int
-    #: Milliseconds spent recomputing segments in backward.
-    recompute_ms: Optional[float]
-    #: Milliseconds the computation stood waiting for copies (on CPU: all copy time).
-    exposed_transfer_ms: Optional[float]
-    #: Milliseconds of the whole step on the device.
-    step_ms: Optional[float]
-    #: Unified memory (``um`` not ``"off"``): managed bytes at the end of the step, and bytes
-    #: prefetched during it, either way (0 without unified memory).
-    managed_bytes: int = 0
-    um_prefetched_bytes: int = 0
-    #: Managed allocations the ``um_max_bytes`` cap (or the driver) refused during the step: a
-    #: refused cuDNN workspace silently changes the convolution algorithm.
-    um_refused_allocations: int = 0
-
-    @property
-    def resolved(self) -> bool:
-        """Whether the device-timed fields are filled in."""
-        return self.step_ms is not None and self.recompute_ms is not None and self.exposed_transfer_ms is not None
-
-    def as_metrics(self, prefix: str = "swap/") -> dict[str, float]:
-        """Plain floats, one per field, for a logger (times left out until resolved)."""
-        return {prefix + k: float(v) for k, v in asdict(self).items() if v is not None}
-
-
-class _StepRecord:
-    """A finished step whose device times may still be running (Note [Stream protocol], rule 5)."""
-
-    __slots__ = ("stats", "step", "recompute", "exposed", "copy_ms")
-
-    def __init__(self, stats: StepStats, step: Timing, recompute: Timing, exposed: Optional[Timing], copy_ms: float) -> None:
-        self.stats = stats
-        self.step = step
-        self.recompute = recompute
-        self.exposed = exposed
-        self.copy_ms = copy_ms
-
-    def resolve(self, wait: bool) -> bool:
-        # The step's end event is the last one recorded on the compute stream: once it has
-        # completed, so has every earlier timing event of the step. One wait at most.
-        step = self.step.resolve(wait=wait)
-        recompute = self.recompute.resolve()
-        exposed = self.exposed.resolve() if self.exposed is not None else 0.0
-        if step is None or recompute is None or exposed is None:
-            return False
-        self.stats = replace(self.stats, step_ms=step, recompute_ms=recompute, exposed_transfer_ms=exposed + self.copy_ms)
-        return True
 
 
 def _plain_forward(module: nn.Module) -> Any:
@@ -243,146 +105,6 @@ class _CompiledForward(_SegmentForward):
         return self.fn(*args, **kwargs)
 
 
-class StatsHistory:
-    """The statistics of the last steps, oldest first, some with device times still running
-    (Note [Stream protocol], rule 5, in ``streams.py``): reading never waits for the device
-    unless asked to, outside a step."""
-
-    def __init__(self, maxlen: int = 64) -> None:
-        self._records: deque[_StepRecord] = deque(maxlen=maxlen)
-        #: How many steps were ever added (a position for :meth:`since`).
-        self.count = 0
-
-    def add(self, record: _StepRecord) -> None:
-        self._records.append(record)
-        self.count += 1
-
-    def resolve(self, *, wait: bool = False) -> None:
-        for record in self._records:
-            if not record.stats.resolved and not record.resolve(wait):
-                break  # later steps finish later
-
-    def latest(self, *, wait: bool = False) -> Optional[StepStats]:
-        """The newest step whose times are known; with ``wait=True`` the newest step, waiting
-        for the device if it must."""
-        self.resolve(wait=wait)
-        for record in reversed(self._records):
-            if record.stats.resolved:
-                return record.stats
-        return None
-
-    def newest_record(self) -> Optional[_StepRecord]:
-        """The newest step's record: another history may share it (a session's, across runtimes)."""
-        return self._records[-1] if self._records else None
-
-    def newest(self) -> Optional[StepStats]:
-        """The newest step as known now (times may still be ``None``)."""
-        return self._records[-1].stats if self._records else None
-
-    def since(self, count: int, *, wait: bool = False) -> list[StepStats]:
-        """The steps added after :attr:`count` was ``count`` (those still kept), oldest first."""
-        self.resolve(wait=wait)
-        new = min(self.count - count, len(self._records))
-        return [r.stats for r in list(self._records)[len(self._records) - new:]] if new > 0 else []
-
-    def all(self) -> list[StepStats]:
-        self.resolve()
-        return [r.stats for r in self._records]
-
-    def clear(self) -> None:
-        self._records.clear()
-
-
-class _RowMeasure:
-    """Note [Measured rows]: a plan without predictions (a forced policy: nothing was profiled)
-    gets rows measured in its first step, so that its table has numbers. Each segment's
-    forward is bracketed (module hooks, for that step only): the bytes it leaves alive on the
-    device (its saved activations that stay, and its output) are "kept", less what is still in
-    flight to the host; the engine counts what it offloads per segment; the recompute timer
-    gives each segment's recomputation time and the bytes it brought back."""
-
-    def __init__(self, runtime: "SwapRuntime") -> None:
-        self.runtime = runtime
-        self.kept: dict[str, int] = {}
-        self.offloaded: dict[str, int] = {}
-        self.recompute: dict[str, list] = {}
-        self.handles: list[Any] = []
-        self.open = False
-
-    def start(self) -> "_RowMeasure":
-        rt = self.runtime
-        rt.timer.segments, rt.timer.meter = {}, rt.meter
-        marks: dict[str, tuple[int, int]] = {}
-
-        def inflight() -> int:
-            return rt.engine.copies.inflight_bytes if rt.engine is not None else 0
-
-        for name in rt._names:
-            module = rt._modules[name]
-
-            def pre(m: nn.Module, args: Any, name: str = name) -> None:
-                if torch.is_grad_enabled():
-                    marks[name] = (rt.meter.current_bytes, inflight())
-
-            def post(m: nn.Module, args: Any, out: Any, name: str = name) -> None:
-                if name in marks:
-                    bytes0, flying0 = marks.pop(name)
-                    left = rt.meter.current_bytes - bytes0 - (inflight() - flying0)
-                    self.kept[name] = self.kept.get(name, 0) + max(0, left)
-
-            self.handles.append(module.register_forward_pre_hook(_ModuleHook(pre)))
-            self.handles.append(module.register_forward_hook(_ModuleHook(post)))
-        self.open = True
-        return self
-
-    def stop(self, counters: Any) -> None:
-        rt = self.runtime
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-        self.recompute, rt.timer.segments, rt.timer.meter = rt.timer.segments or {}, None, None
-        if counters is not None:
-            self.offloaded = {rt._names[i]: b for i, b in counters.by_segment.items() if 0 <= i < len(rt._names)}
-        self.open = False
-
-    def plan(self, *, wait: bool) -> Optional[Plan]:
-        rt = self.runtime
-        rows = []
-        for name, action in rt.plan.actions.items():
-            timing, recomputed = self.recompute.get(name, (None, 0))
-            ms = timing.resolve(wait=wait) if timing is not None else 0.0
-            if ms is None:
-                return None  # the device has not finished the step yet
-            rows.append(PlanRow(name, action, self.kept.get(name, 0), self.offloaded.get(name, 0), recomputed, ms))
-        return replace(rt.plan, rows=tuple(rows), measured=True)
-
-
-def _inert_hook(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-class _ModuleHook:
-    """A module hook of a runtime. Copied with the model (``copy.deepcopy``, ``pickle``), it
-    becomes a hook that does nothing: the runtime belongs to the original model only
-    (Note [Copies of a planned model])."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    @dynamo_disable  # Note [Actions around compiled segments]
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-    def __reduce__(self):
-        return (_inert_hook_factory, ())
-
-
-def _inert_hook_factory() -> Any:
-    return _inert_hook
-
-
 class SwapRuntime:
     """Applies ``plan`` (or a mapping from segment name to action) to ``model``.
 
@@ -402,7 +124,7 @@ class SwapRuntime:
         unified: Optional[Any] = None,
     ) -> None:
         self.model = model
-        #: A :class:`~lightning_swap.core.unified.UnifiedMemory`: offloaded activations go to
+        #: A :class:`~lightning_swap.core.engine.unified.memory.UnifiedMemory`: offloaded activations go to
         #: managed buffers, and under ``um="all"`` segments' parameters are prefetched.
         self.unified = unified
         self.plan = plan if isinstance(plan, Plan) else Plan(actions=plan)
@@ -410,7 +132,7 @@ class SwapRuntime:
         if device is None:
             first = next(model.parameters(), None)
             device = first.device if first is not None else torch.device("cpu")
-        self.device = _normalize_device(device)
+        self.device = normalize_device(device)
         if prefetch_segments is None:
             # On CPU nothing overlaps, so fetching ahead only raises the peak.
             prefetch_segments = 1 if self.device.type == "cuda" else 0
@@ -427,7 +149,7 @@ class SwapRuntime:
         #: Note [Measured rows]: a plan without predicted rows (a forced policy) gets measured
         #: ones from the first step: ``None`` until then, the rows being collected, then a Plan.
         self.measure_rows = not self.plan.rows
-        self._row_measure: Optional[_RowMeasure] = None
+        self._row_measure: Optional[RowMeasure] = None
         self.measured_plan_result: Optional[Plan] = None
         self._saved_forward: dict[str, tuple[bool, Any]] = {}
         #: Segment name -> (compiled module's name, its Dynamo context) as installed.
@@ -613,7 +335,7 @@ class SwapRuntime:
             if torch.is_grad_enabled():
                 engine.segment_started()
 
-        return _ModuleHook(hook)
+        return ModuleHook(hook)
 
     def _backward_trigger(self, index: int) -> Any:
         """A forward hook: the segment's copies to the host may stay in flight only so long
@@ -627,7 +349,7 @@ class SwapRuntime:
                 if engine.prefetch_segments > 0:
                     on_backward_start(output, lambda: engine.backward_started(index))
 
-        return _ModuleHook(hook)
+        return ModuleHook(hook)
 
     def _install_parameter_prefetch(self) -> None:
         """Under ``um="all"``: segment ``i+1``'s parameters are prefetched when segment ``i``'s
@@ -647,14 +369,14 @@ class SwapRuntime:
                     prefetch(0)
                 prefetch(index + 1)
 
-            return _ModuleHook(hook)
+            return ModuleHook(hook)
 
         def after_forward(index: int) -> Any:
             def hook(module: nn.Module, args: Any, output: Any) -> None:
                 if torch.is_grad_enabled():
                     on_backward_start(output, lambda: prefetch(index - 1))
 
-            return _ModuleHook(hook)
+            return ModuleHook(hook)
 
         for index, name in enumerate(self.plan.actions):
             module = self._modules[name]
@@ -727,7 +449,7 @@ class SwapRuntime:
                 self.engine.begin_step([*params, *self.model.buffers(), *tracked])
         self._um_start = self.unified.stats() if self.unified is not None else None
         if self.measure_rows and self._row_measure is None:
-            self._row_measure = _RowMeasure(self).start()
+            self._row_measure = RowMeasure(self).start()
         self._step_timing = Timing(self.ops)
         self._step_start = self.ops.record(self.ops.compute_stream(), timing=True)
 
@@ -774,7 +496,7 @@ class SwapRuntime:
             step_ms=None,
             **self._unified_step_stats(),
         )
-        self.records.add(_StepRecord(stats, step, self.timer.take(), exposed, counters.copy_ms if counters else 0.0))
+        self.records.add(StepRecord(stats, step, self.timer.take(), exposed, counters.copy_ms if counters else 0.0))
         self.records.resolve()
         return self.records.newest()
 

@@ -21,10 +21,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .costs import measure_action_costs
-from .profiler import ModelProfile, _infer_batch_size, assemble
-from .runtime import tensors_in
-from .streams import StreamOps, default_ops
+from .action_costs import measure_action_costs
+from .model_profile import ModelProfile
+from ..tensors import infer_batch_size
+from .profiler import assemble
+from ..tensors import tensors_in
+from ..engine.streams import StreamOps, default_ops
 from .trace import StepTracer
 
 __all__ = ["ObservedStep"]
@@ -58,7 +60,7 @@ class ObservedStep:
         self.names = list(names)
         self.device = device
         self.min_offload_bytes = min_offload_bytes
-        self.batch_size = _infer_batch_size(batch)
+        self.batch_size = infer_batch_size(batch)
         self.ops = ops if ops is not None else default_ops(device)
         self.modules = modules if modules is not None else dict(model.named_modules())
         self.time_actions = time_actions

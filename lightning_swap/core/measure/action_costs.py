@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .actions import Action
-from .recompute import RecomputeTimer, checkpointed
-from .streams import StreamOps, Timing
+from ..actions import Action
+from ..engine.recompute import RecomputeTimer, checkpointed
+from ..engine.streams import StreamOps, Timing
 from .trace import CapturedCall
 
 __all__ = ["ActionCosts", "measure_action_costs", "measure_released_working"]
@@ -53,7 +53,7 @@ class ActionCosts:
 def measure_released_working(module: nn.Module, call: CapturedCall, device: torch.device) -> int:
     """Note [A forward that does not keep] in ``costmodel.py``: the most bytes the segment's
     forward holds above its start (its arguments already made) when autograd saves nothing."""
-    from .meter import DeviceMemoryMeter
+    from ..engine.meter import DeviceMemoryMeter
 
     args, kwargs = call.make()
     autocast = torch.autocast(call.autocast[0], dtype=call.autocast[1]) if call.autocast else contextlib.nullcontext()

@@ -47,38 +47,31 @@ sustains). With ``steps_per_trial=2`` that is one step; use 4 or more for a stea
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
-from .actions import Action
-from .costmodel import simulate
-from .errors import InfeasibleBudgetError, is_out_of_memory  # re-exported: its old home
-from .plan import Plan, format_bytes
-from .profiler import ModelProfile, StepFn
-from .runtime import StepStats
-from .solver import solve
-from .units import ByteSize, parse_bytes
+from ..actions import Action
+from ..decide.costmodel import simulate
+from ..errors import InfeasibleBudgetError, is_out_of_memory
+from ..decide.plan import Plan, format_bytes
+from ..measure.model_profile import ModelProfile
+from ..decide.solver import solve
+from ..units import ByteSize, parse_bytes
 
 if TYPE_CHECKING:  # a type is all that is needed here; the session never imports this module
-    from .session import SwapSession
+    pass
 
 __all__ = [
     "BatchSearchError",
-    "Collectives",
     "ScaleConfig",
     "ScaleResult",
     "Trial",
     "TrialMeasurement",
-    "is_out_of_memory",
     "predict_batch_size",
     "search_batch_size",
-    "search_for_loop",
 ]
 
 log = logging.getLogger(__name__)
@@ -486,118 +479,3 @@ def predict_batch_size(
     return None if batch is None else plan_at(batch, effective)
 
 
-# -- around a training loop ----------------------------------------------------------------------
-def _same(value: Any) -> Any:
-    return value
-
-
-@dataclass(frozen=True, kw_only=True)
-class Collectives:
-    """How the processes of a data-parallel job agree; the defaults are one process's identity."""
-
-    #: Whether this process profiles (the others receive its profile).
-    is_main: bool = True
-    #: The main process's object, on every process.
-    broadcast: Callable[[Any], Any] = _same
-    #: The largest of every process's number (measured peaks and step times).
-    reduce_max: Callable[[float], float] = _same
-    #: The smallest of every process's number (the batch size all agree on).
-    reduce_min: Callable[[int], int] = _same
-
-
-#: ``run_steps(batch_size, steps)``: run ``steps`` training steps at ``batch_size`` with the
-#: session's installed plan, each inside the session's step window, and return their statistics.
-RunSteps = Callable[[int, int], Sequence[StepStats]]
-
-
-def search_for_loop(
-    session: "SwapSession",
-    budget_bytes: int,
-    run_steps: RunSteps,
-    step_fn: StepFn,
-    *,
-    make_batch: Callable[[int], Any],
-    profile_batch_size: int,
-    config: ScaleConfig = ScaleConfig(),
-    track: Callable[[], Any] = tuple,
-    collectives: Collectives = Collectives(),
-    base_batch_size: Optional[int] = None,
-) -> ScaleResult:
-    """The batch-size search around any training loop, the loop being ``run_steps``.
-
-    ``base_batch_size`` (default ``profile_batch_size``) is the batch the user configured: in
-    ``mode="throughput"`` plain training at it is the reference the answer must match or beat
-    (Note [A throughput search that can only win]).
-
-    1. Warm-up (Note [Profile in the steady state]): one step at ``profile_batch_size`` under
-       the leanest plan (every segment ``RECOMPUTE_OFFLOAD``), so that gradients and optimizer
-       state exist when the step is profiled, as they do in every step but the first.
-    2. The main process profiles one plain step, ``step_fn(session.model, make_batch(n))``
-       with ``track()`` (optimizer state) alive, at ``n = profile_batch_size`` and again near
-       the largest batch that profile predicts (Note [Profile near the answer]), and
-       broadcasts the profile.
-    3. :func:`search_batch_size`, each trial applying its plan pinned and running
-       ``config.steps_per_trial`` steps; a trial's peak is the max over its steps, its step
-       time the median of the steps after the first (the first includes warm-up); peaks and step
-       times are reduced by max over the processes, so all see the same measurement and take
-       the same path.
-    4. Every process agrees on the smallest answer.
-
-    Note [Profile near the answer]: a profile's bytes are lines in the batch size fitted
-    through two batches, and a window's peak is a max of terms that grow at different rates:
-    at a small batch the weights decide it, at a large one the activations. A line fitted at
-    batch 8 can predict a peak at batch 600 several times too small. So when the first
-    profile's answer is more than twice its batch, the step is profiled again at that answer
-    (a plain step that does not fit is profiled in fake mode: memory exact, times estimated).
-
-    Note [Profile in the steady state]: the first step of a loop runs without gradients and
-    optimizer state; every later one has them alive during the forward. A profile of the first
-    step under-predicts every later one, so the search warms up first. It changes the model
-    and the optimizer: the caller saves their state before and restores it afterwards, and
-    calls ``session.reset()`` so the next training step plans for the batch found.
-    """
-    actions = session.allowed_actions()  # a per-segment policy cannot be searched: fail early
-    session.apply(Plan(actions={name: Action.RECOMPUTE_OFFLOAD for name in session.segments}), pinned=True)
-    try:
-        run_steps(profile_batch_size, 1)
-    finally:
-        session.remove()
-    # Every process makes the batches (a loader may synchronise the processes); the main
-    # process alone profiles.
-    batch = make_batch(profile_batch_size)
-    prof = session.measure(batch, step_fn, track()) if collectives.is_main else None
-    top = predict_batch_size(prof, budget_bytes, config, actions=actions) if collectives.is_main else None
-    top_size = collectives.broadcast(top.batch_size if top is not None else 0)
-    if top_size > 2 * profile_batch_size:  # Note [Profile near the answer]
-        log.info("re-profiling at batch %d, near the predicted answer", top_size)
-        batch = make_batch(top_size)
-        prof = session.measure(batch, step_fn, track()) if collectives.is_main else None
-    prof = collectives.broadcast(prof)
-    session.profile = prof  # every process: the adapter may plan training from it afterwards
-
-    def run_trial(batch_size: int, plan: Plan) -> TrialMeasurement:
-        session.apply(plan, pinned=True)
-        mark = session.records.count
-        try:
-            returned = list(run_steps(batch_size, config.steps_per_trial))
-        finally:
-            session.remove()
-        # The trial is over: its device times may be waited for (Note [Stream protocol]).
-        stats = session.records.since(mark, wait=True) or returned
-        if not stats:
-            raise RuntimeError("the trial run made no measured training step; `run_steps` returned no statistics.")
-        warm = stats[1:] or stats  # the first step includes warm-up costs
-        peaks = [s.peak_device_bytes for s in stats if s.peak_device_bytes is not None]
-        if not peaks:  # a pinned plan's steps are measured (SwapSession.begin_step): a caller's bug
-            raise RuntimeError("the trial's steps were not measured (peak_device_bytes is None); open them with measure=True.")
-        peak = collectives.reduce_max(float(max(peaks)))
-        # The median, not the mean: Note [A throughput search that can only win].
-        step_ms = collectives.reduce_max(statistics.median([s.step_ms for s in warm]))
-        return TrialMeasurement(peak_bytes=int(peak), step_ms=float(step_ms))
-
-    base = profile_batch_size if base_batch_size is None else base_batch_size
-    result = search_batch_size(prof, budget_bytes, run_trial, config, actions=actions, base_batch_size=base)
-    agreed = int(collectives.reduce_min(result.batch_size))
-    if agreed != result.batch_size:  # another process found less: its batch wins
-        result = dataclasses.replace(result, batch_size=agreed)
-    return result

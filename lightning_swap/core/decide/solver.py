@@ -26,13 +26,11 @@ from typing import Optional
 
 import numpy as np
 
-from .actions import Action
-from .costmodel import (
-    SegmentCosts, backward_need, boundary_kept, copied_bytes, forward_own, internal_kept, recompute_ms, segment_costs, simulate,
-)
-from .errors import InfeasibleBudgetError
+from ..actions import Action
+from .costmodel import SegmentCosts, backward_need, boundary_kept, copied_bytes, forward_own, internal_kept, recompute_ms, segment_costs, simulate
+from ..errors import InfeasibleBudgetError
 from .plan import Plan
-from .profiler import ModelProfile
+from ..measure.model_profile import ModelProfile
 
 __all__ = ["brute_force", "min_budget_bytes", "solve"]
 

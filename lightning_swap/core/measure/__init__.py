@@ -1,0 +1,2 @@
+"""Measure: one training step (observed, profiled or fake-run) becomes a frozen
+:class:`~.model_profile.ModelProfile`, the contract with ``decide/``."""

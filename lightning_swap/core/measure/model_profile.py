@@ -1,0 +1,184 @@
+"""The contract between measuring and deciding: a frozen :class:`ModelProfile` of one training
+step, one :class:`SegmentProfile` per segment.
+
+The planner (``decide/``) reads profiles and nothing else of ``measure/``. Note [Batch scaling]
+and Note [Steady-state shift] describe how a profile is moved to another batch size or state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["ModelProfile", "SegmentProfile"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentProfile:
+    """What one segment costs in a plain (all kept) step; bytes are device bytes.
+
+    ``*_saved`` / ``*_small`` / ``*_heavy`` say whether the segment's input (output) storage is
+    saved for backward by this segment, is under ``min_offload_bytes``, is produced by a
+    compute-heavy op; ``input_from_previous`` whether the input is the previous segment's
+    output; ``*_held_elsewhere`` whether another part of the model saves it as well.
+    """
+
+    name: str
+    forward_ms: float
+    backward_ms: float
+    heavy_forward_ms: float
+    input_bytes: int
+    output_bytes: int
+    saved_bytes: int  # all storages saved for backward, parameters excluded
+    internal_saved_bytes: int  # ... other than the input and output
+    internal_small_bytes: int  # ... of those, under min_offload_bytes (never offloaded)
+    heavy_bytes: int  # outputs of compute-heavy ops, other than the input and output
+    heavy_unsaved_bytes: int  # ... of those, not saved for backward when kept
+    offload_bytes: int  # what OFFLOAD copies to the host
+    gradient_bytes: int  # parameter gradients allocated during this segment's backward
+    forward_working_bytes: int  # forward peak above the bytes alive when it starts
+    backward_working_bytes: int  # backward peak above the bytes alive when it starts
+    forward_peak_bytes: int  # peak bytes alive during the forward (all segments kept)
+    backward_peak_bytes: int  # peak bytes alive during the backward (all segments kept)
+    #: the same, estimated for this segment offloaded and fetched on demand (no prefetch)
+    offload_backward_peak_bytes: int
+    #: the forward's peak above its start with its saved tensors not held for backward
+    #: (recomputed, or offloaded by synchronous copies), measured by running the segment so
+    #: (:mod:`.costs`); -1: not measured (Note [A forward that does not keep] in ``costmodel.py``)
+    released_forward_working_bytes: int = -1
+    input_saved: bool
+    input_small: bool
+    input_from_previous: bool
+    input_held_elsewhere: bool
+    output_saved: bool
+    output_small: bool
+    output_heavy: bool
+    output_held_elsewhere: bool
+    #: What ``RECOMPUTE`` and ``SELECTIVE`` add to a step, measured on the device by running the
+    #: segment under them (:mod:`.costs`); ``None``: estimated from the forward's time.
+    recompute_ms: Optional[float] = None
+    selective_ms: Optional[float] = None
+
+
+_SCALED_INT_FIELDS = tuple(
+    f.name for f in dataclasses.fields(SegmentProfile)
+    if f.type in ("int", int) and f.name.endswith("_bytes") and f.name != "released_forward_working_bytes"
+)
+
+
+_SCALED_MS_FIELDS = ("forward_ms", "backward_ms", "heavy_forward_ms")
+
+
+_MEASURED_MS_FIELDS = ("recompute_ms", "selective_ms")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelProfile:
+    """A measured (or fake-measured) training step at ``batch_size``.
+
+    ``prefix_*`` is the part of the model before the first segment, ``tail_*`` the part after
+    the last (head and loss). ``static_bytes`` is what is alive before the step (parameters,
+    buffers, batch, existing gradients, tracked optimizer state).
+    """
+
+    segments: tuple[SegmentProfile, ...]
+    batch_size: int
+    device_type: str
+    fake: bool
+    min_offload_bytes: int
+    static_bytes: int
+    parameter_bytes: int
+    gradient_bytes: int  # all parameter gradients allocated in the step
+    prefix_forward_peak_bytes: int
+    prefix_backward_peak_bytes: int
+    tail_peak_bytes: int
+    peak_bytes: int  # measured peak of the whole plain step
+    prefix_ms: float
+    tail_ms: float
+    step_ms: float
+    d2h_bytes_per_ms: float
+    h2d_bytes_per_ms: float
+    #: The same model measured at another batch size (Note [Batch scaling]); ``None``: no scaling.
+    reference: Optional["ModelProfile"] = None
+    #: Peak bytes of the optimizer step (after the backward), when the profiled step included
+    #: it (a real step observed by the adapters): foreach AdamW's parameter-sized temporaries.
+    optimizer_peak_bytes: int = 0
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.segments)
+
+    @property
+    def copies_overlap(self) -> bool:
+        """Copies run on their own engines (CUDA); on CPU they are synchronous memcpys."""
+        return self.device_type == "cuda"
+
+    def with_state(self, *, forward_bytes: int, backward_bytes: int) -> "ModelProfile":
+        """This profile with more bytes alive than when it was measured.
+
+        Note [Steady-state shift]: the first step, which is the one profiled, has no gradients
+        and no optimizer state; every later one has the optimizer state alive throughout, and
+        the last step's gradients alive during the forward (and during the backward too, unless
+        the loop frees them in between, as Lightning's closure does with ``zero_grad``).
+        ``forward_bytes`` is added to every window up to the backward (the prefix's forward,
+        the segments' forwards, the tail), ``backward_bytes`` to the backward windows. The
+        optimizer step's own window was measured with its state and is left alone.
+        """
+        f, b = int(forward_bytes), int(backward_bytes)
+        if f == 0 and b == 0:
+            return self
+        segments = tuple(
+            dataclasses.replace(
+                seg, forward_peak_bytes=seg.forward_peak_bytes + f, backward_peak_bytes=seg.backward_peak_bytes + b,
+                offload_backward_peak_bytes=seg.offload_backward_peak_bytes + b,
+            )
+            for seg in self.segments
+        )
+        reference = self.reference.with_state(forward_bytes=f, backward_bytes=b) if self.reference is not None else None
+        return dataclasses.replace(
+            self, segments=segments, static_bytes=self.static_bytes + f, prefix_forward_peak_bytes=self.prefix_forward_peak_bytes + f,
+            prefix_backward_peak_bytes=self.prefix_backward_peak_bytes + b, tail_peak_bytes=self.tail_peak_bytes + max(f, b),
+            peak_bytes=self.peak_bytes + max(f, b), reference=reference,
+        )
+
+    def at_batch(self, batch_size: int) -> "ModelProfile":
+        """This profile at another batch size (Note [Batch scaling])."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"`batch_size` must be an int > 0; got {batch_size!r}.")
+        if batch_size == self.batch_size:
+            return self
+        ref = self.reference
+        if ref is None or ref.batch_size == self.batch_size:
+            raise ValueError(
+                "`batch_size`: this profile was measured at one batch size only "
+                f"({self.batch_size}); profile with scale=True to predict other batch sizes."
+            )
+        b0, b1 = self.batch_size, ref.batch_size
+
+        def line(v0: float, v1: float) -> int:
+            return max(0, round(v0 + (v0 - v1) / (b0 - b1) * (batch_size - b0)))
+
+        ratio = batch_size / b0
+        segments = []
+        for s, r in zip(self.segments, ref.segments):
+            changes: dict[str, Any] = {f: line(getattr(s, f), getattr(r, f)) for f in _SCALED_INT_FIELDS}
+            changes.update({f: getattr(s, f) * ratio for f in _SCALED_MS_FIELDS})
+            changes.update({f: getattr(s, f) * ratio for f in _MEASURED_MS_FIELDS if getattr(s, f) is not None})
+            if s.released_forward_working_bytes >= 0:  # a working set grows with the batch
+                changes["released_forward_working_bytes"] = round(s.released_forward_working_bytes * ratio)
+            segments.append(dataclasses.replace(s, **changes))
+        top = {
+            f: line(getattr(self, f), getattr(ref, f))
+            for f in ("static_bytes", "prefix_forward_peak_bytes", "prefix_backward_peak_bytes", "tail_peak_bytes", "peak_bytes")
+        }
+        return dataclasses.replace(
+            self,
+            segments=tuple(segments),
+            batch_size=batch_size,
+            prefix_ms=self.prefix_ms * ratio,
+            tail_ms=self.tail_ms * ratio,
+            step_ms=self.step_ms * ratio,
+            reference=dataclasses.replace(self, reference=None),
+            **top,
+        )
