@@ -40,8 +40,7 @@ def _differences(name, model, grads):
 
 
 def _under_double(name, policy, *, mode="late", **kwargs):
-    factory = DoubleFactory(mode)
-    with override_stream_ops(factory):
+    with DoubleFactory(mode) as factory:
         model, stats, grads = train_core(name, policy, **kwargs)
     syncs_before_drain = factory.host_syncs
     factory.drain()
@@ -143,7 +142,7 @@ def test_what_is_in_flight_is_bounded(inflight, monkeypatch):
     torch.manual_seed(0)
     model = MODELS["gpt"][0]()
     x, y = MODELS["gpt"][1](4)
-    with override_stream_ops(factory), SwapRuntime(model, resolve_policy("offload", find_segments(model)), min_offload_bytes=0, inflight_segments=inflight, device="cpu") as rt:
+    with factory, SwapRuntime(model, resolve_policy("offload", find_segments(model)), min_offload_bytes=0, inflight_segments=inflight, device="cpu") as rt:
         rt.begin_step([x, y])
         MODELS["gpt"][2](model(x), y).backward()
         stats = rt.end_step()
@@ -235,7 +234,7 @@ def test_runtime_step_never_waits_for_the_device(policy):
     build, data, loss_fn = MODELS["cnn"]
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    with override_stream_ops(factory), SwapRuntime(model, resolve_policy(policy, find_segments(model)), min_offload_bytes=0, prefetch_segments=1, device="cpu") as rt:
+    with factory, SwapRuntime(model, resolve_policy(policy, find_segments(model)), min_offload_bytes=0, prefetch_segments=1, device="cpu") as rt:
         for step in range(4):
             x, y = data(4)
             if step == 2:
@@ -322,7 +321,7 @@ def _lightning_steps(strategy, factory=None, **kwargs):
     counter = _StepCounter(first=2)
     counter.factory = factory
     if factory is not None:
-        with override_stream_ops(factory):
+        with factory:
             fit("cnn", strategy, steps=5, callbacks=[counter.callback], **kwargs)
     else:
         fit("cnn", strategy, steps=5, callbacks=[counter.callback], **kwargs)
