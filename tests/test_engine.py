@@ -179,7 +179,8 @@ def _build(name, user_checkpoint=None):
 def _loop(name, kind, policy, *, prefetch=1, inflight=1, user_checkpoint=None, steps=2):
     """Per-step gradients and the final state of ``steps`` steps of ``kind``: ``two_forwards``
     (two micro-batches summed into one loss), ``retain_graph`` (backward twice over one graph),
-    ``accumulate`` (forward-backward twice per step), ``plain``; ``policy=None``: no runtime."""
+    ``accumulate`` (forward-backward twice per step), ``dropped_graph`` (a forward whose graph is
+    dropped unused, its host buffers reused), ``plain``; ``policy=None``: no runtime."""
     model = _build(name, user_checkpoint)
     _, data, loss_fn = MODELS[name]
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -200,6 +201,9 @@ def _loop(name, kind, policy, *, prefetch=1, inflight=1, user_checkpoint=None, s
                 loss = loss_fn(model(x), y)
                 loss.backward(retain_graph=True)
                 loss.backward()
+            elif kind == "dropped_graph":  # a forward nobody back-propagates, then a step
+                loss_fn(model(x[:2]), y[:2])
+                loss_fn(model(x), y).backward()
             elif kind == "accumulate":
                 loss_fn(model(x[:2]), y[:2]).backward()
                 loss_fn(model(x[2:]), y[2:]).backward()
@@ -233,11 +237,12 @@ def _assert_exact_under_strict_model(name, kind, policy, *, mode="late", **kwarg
     assert [k for k in plain_state if not torch.equal(state[k], plain_state[k])] == []
 
 
-# (prefetch, inflight, schedule): every prefetch depth and every inflight depth, both schedules.
-_DEPTHS = [(0, 1, "late"), (1, 2, "early"), (2, 3, "late"), (3, 1, "early"), (1, 3, "late")]
+# (prefetch, inflight, schedule): every prefetch depth and every inflight depth (0: each segment's
+# copies retire when it ends), both schedules.
+_DEPTHS = [(0, 1, "late"), (1, 2, "early"), (2, 3, "late"), (3, 1, "early"), (1, 3, "late"), (2, 0, "early")]
 
 
-_KINDS = ["plain", "two_forwards", "retain_graph", "accumulate"]
+_KINDS = ["plain", "two_forwards", "retain_graph", "accumulate", "dropped_graph"]
 # Every model; the slow ResNet-18 at one depth.
 _CASES = [(n, k, *d) for n in ("gpt", "cnn", "mlp") for k in _KINDS for d in _DEPTHS] + [("resnet18", k, 2, 2, "late") for k in _KINDS]
 
