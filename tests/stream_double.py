@@ -122,11 +122,12 @@ class _Ref:
 class _Uses:
     """Side-stream copies that touched one storage: ``(stream, "r"|"w") -> newest position``."""
 
-    __slots__ = ("ref", "device", "last", "recorded", "kept")
+    __slots__ = ("ref", "device", "pool", "last", "recorded", "kept")
 
     def __init__(self, ref: weakref.ref, device: bool) -> None:
         self.ref = ref
         self.device = device
+        self.pool: Optional[FakeStream] = None  # the stream whose pool the block goes back to; None: compute
         self.last: dict[tuple[Any, str], int] = {}
         self.recorded: set = set()  # streams named by record_stream
         self.kept: Optional[torch.UntypedStorage] = None
@@ -212,6 +213,9 @@ class ComputeStream(TorchDispatchMode):
         kwargs = kwargs or {}
         if self._paused:
             return func(*args, **kwargs)
+        if self.current is not None:
+            # On CUDA this kernel would run on the side stream: work the model does not place.
+            self.violations.append(f"compute: {func} issued inside use({self.current.name}); the model runs only copies on side streams")
         self.ticks += 1
         out = func(*args, **kwargs)
         arg_kinds, fresh = _schema(func)
@@ -275,9 +279,10 @@ class ComputeStream(TorchDispatchMode):
         """Note [Strict stream model], 3: the block goes back to the compute stream's pool now."""
         if uses is None or not uses.device:
             return
+        pool = uses.pool if uses.pool is not None else self
         for (stream, kind), position in uses.last.items():
-            if self.vc.get(stream, -1) < position and stream not in uses.recorded:
-                self.violations.append(f"compute: memory a copy on {stream.name} uses was freed before the compute stream waited for the copy (and no record_stream)")
+            if stream is not pool and pool.vc.get(stream, -1) < position and stream not in uses.recorded:
+                self.violations.append(f"{pool.name}: memory a copy on {stream.name} uses was freed before the {pool.name} stream waited for the copy (and no record_stream)")
 
     def observed(self, vc: dict, streams: list) -> None:
         """The host saw an event complete: everything queued from now on, anywhere, follows it."""
@@ -376,7 +381,9 @@ class StreamDouble(StreamOps):
         else:
             with self.compute.paused():
                 out = torch.full((nbytes,), POISON, dtype=torch.uint8, device=device)
-                self.compute.uses_of(out.untyped_storage(), True).last[(side, "w")] = side.position
+                uses = self.compute.uses_of(out.untyped_storage(), True)
+                uses.pool = side
+                uses.last[(side, "w")] = side.position
         storage = out.untyped_storage()
         allocated = self._allocated
         allocated[id(storage)] = weakref.ref(storage, lambda _r, key=id(storage): allocated.pop(key, None))

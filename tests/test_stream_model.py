@@ -169,3 +169,21 @@ def test_the_engine_streams_see_the_same_model():
         got = dst.view(torch.float32).clone()
         copies.close()
     assert factory.violations == [] and torch.equal(got, x)
+
+
+def test_a_block_of_a_side_streams_pool_goes_back_to_that_stream():
+    """Allocated inside ``use(stream)``: the block belongs to that stream's pool, so compute
+    reading it must wait for that stream, and kernels issued there are flagged (not modelled)."""
+    with DoubleFactory() as factory:
+        d = factory(CPU)
+        h2d = d.new_stream()
+        host = torch.ones(8, dtype=torch.uint8)
+        with d.use(h2d):
+            dst = d.empty(8, CPU)
+            d.copy(dst, host, h2d)
+        assert factory.violations == []
+        dst.sum()  # compute reads it without waiting for h2d
+        assert any("read memory a copy on side0 writes" in v for v in factory.violations)
+        with d.use(h2d):
+            torch.ones(2).sum()
+    assert any("issued inside use(side0)" in v for v in factory.violations)
