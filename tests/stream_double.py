@@ -49,7 +49,8 @@ before it ran writes POISON.
 
 Use: ``with DoubleFactory("late") as factory: ...`` — it enters the compute stream's clock and
 makes every runtime built inside get a double (``override_stream_ops``); ``factory.violations``
-and ``factory.drain()`` read what the whole run did. ``log`` records every record, wait and
+and ``factory.drain()`` read what the whole run did. (``with override_stream_ops(factory):``
+works too: the clock then starts with the first runtime built.) ``log`` records every record, wait and
 copy; ``host_syncs`` counts every time the host waited.
 """
 
@@ -61,7 +62,7 @@ import weakref
 from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode as _current_dispatch_mode
 
 from lightning_swap.core.engine.streams import StreamOps, override_stream_ops
 
@@ -497,7 +498,11 @@ class DoubleFactory:
 
     def __call__(self, device: torch.device) -> StreamDouble:
         if not self.compute.active:
-            raise RuntimeError("A DoubleFactory's compute stream is not running: use `with DoubleFactory(mode) as factory:`.")
+            # Used as ``with override_stream_ops(factory):`` (the older form): the clock starts
+            # with the first runtime and stops at ``drain()`` or, at the latest, when the test
+            # ends (tests/conftest.py), so compute work before the runtime is not counted.
+            self.compute.__enter__()
+            _LAZY.append(self)
         double = StreamDouble(device, mode=self.mode, compute=self.compute)
         self.doubles.append(double)
         return double
@@ -525,3 +530,16 @@ class DoubleFactory:
         with self.compute.paused():
             for d in self.doubles:
                 d.drain()
+        if self in _LAZY and _current_dispatch_mode() is self.compute:
+            _LAZY.remove(self)
+            self.compute.__exit__(None, None, None)
+
+
+#: Factories whose compute stream started with their first runtime (``DoubleFactory.__call__``).
+_LAZY: list[DoubleFactory] = []
+
+
+def stop_lazy_clocks() -> None:
+    """Stop the clocks factories started on their own (a test's teardown), newest first."""
+    while _LAZY:
+        _LAZY.pop().compute.__exit__(None, None, None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_swap.core.engine.streams import CopyStreams
+from lightning_swap.core.engine.streams import CopyStreams, override_stream_ops
 
 from .stream_double import DoubleFactory
 
@@ -150,9 +150,20 @@ def test_orders_are_transitive_and_the_host_seeing_an_event_orders_later_work():
     assert factory.violations == []
 
 
-def test_a_factory_must_run_its_compute_stream():
-    with pytest.raises(RuntimeError, match="with DoubleFactory"):
-        DoubleFactory()(CPU)
+def test_a_factory_used_through_override_stream_ops_runs_its_clock_until_drained():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    factory = DoubleFactory()
+    with override_stream_ops(factory):
+        d = factory(CPU)
+        d2h = d.new_stream()
+        x = torch.full((4,), 2.0)
+        host = torch.zeros(4)
+        d.copy(host, x, d2h)  # no wait on the compute stream
+    assert _get_current_dispatch_mode() is factory.compute
+    factory.drain()
+    assert _get_current_dispatch_mode() is None
+    assert _poisoned(host) and factory.violations
 
 
 def test_the_engine_streams_see_the_same_model():
