@@ -1,7 +1,9 @@
-"""The GPU engine seen on CPU (Note [Stream protocol] in ``lightning_swap/core/streams.py``):
-exact results when copies land late or out of order, nothing fetched twice, prefetch that
-costs only what it prefetches, no host synchronisation and no extra work per step, and the
-protocol's waits shown necessary by removing them."""
+"""The GPU engine seen on CPU (Note [Stream protocol] in ``lightning_swap/core/engine/streams.py``),
+under a model of CUDA's ordering rules as strict as CUDA (Note [Strict stream model] in
+``tests/stream_double.py``): exact results when copies land late or out of order, in every way a
+training loop uses autograd, nothing fetched twice, prefetch that costs only what it prefetches,
+no host synchronisation and no extra work per step, and the protocol's waits shown necessary by
+removing them."""
 
 from __future__ import annotations
 
