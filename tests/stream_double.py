@@ -180,6 +180,8 @@ class ComputeStream(TorchDispatchMode):
         self.active = False
         self.vc: dict[Any, int] = {}
         self.violations: list[str] = []
+        #: Every side stream of the doubles sharing this compute stream (host observations order them all).
+        self.sides: list[FakeStream] = []
         #: id(storage) -> [weakref, tick of the last compute write] (Note [Strict stream model], 1).
         self._written: dict[int, list] = {}
         #: id(storage) -> _Uses for storages side-stream copies touched (2, 3).
@@ -285,11 +287,11 @@ class ComputeStream(TorchDispatchMode):
             if stream is not pool and pool.vc.get(stream, -1) < position and stream not in uses.recorded:
                 self.violations.append(f"{pool.name}: memory a copy on {stream.name} uses was freed before the {pool.name} stream waited for the copy (and no record_stream)")
 
-    def observed(self, vc: dict, streams: list) -> None:
+    def observed(self, vc: dict) -> None:
         """The host saw an event complete: everything queued from now on, anywhere, follows it."""
         _merge(self.vc, vc)
-        for stream in streams:
-            _merge(stream.vc, vc)
+        for stream in self.sides:
+            _merge(stream.vc, {s: p for s, p in vc.items() if s is not stream})
 
 
 # -- the double ------------------------------------------------------------------------------
@@ -320,8 +322,9 @@ class StreamDouble(StreamOps):
         return self.compute
 
     def new_stream(self) -> FakeStream:
-        stream = FakeStream(f"side{len(self.sides)}")
+        stream = FakeStream(f"side{len(self.compute.sides)}")
         self.sides.append(stream)
+        self.compute.sides.append(stream)
         return stream
 
     def record(self, stream: Any, *, timing: bool = False) -> FakeEvent:
@@ -411,7 +414,7 @@ class StreamDouble(StreamOps):
         if event is None or event.stream is self.compute:
             return True
         if event.stream.executed >= event.position:
-            self.compute.observed(event.vc, self.sides)
+            self.compute.observed(event.vc)
             return True
         return False
 
@@ -423,7 +426,7 @@ class StreamDouble(StreamOps):
         self.log.append(("host-sync",))
         if event is not None:
             self._force(event)
-            self.compute.observed(event.vc, self.sides)
+            self.compute.observed(event.vc)
 
     # -- running queued work -----------------------------------------------------------------
     def _force(self, event: FakeEvent) -> None:
