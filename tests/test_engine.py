@@ -272,8 +272,9 @@ def _run_mutated(name="gpt", policy="offload", prefetch=1):
 def test_without_the_compute_wait_fetched_bytes_are_read_before_they_land(monkeypatch):
     """Rule 3 removed: the computation reads device memory the copy has not written (poison)."""
     monkeypatch.setattr(CopyStreams, "consume", lambda self, event: None)
-    differences, _ = _run_mutated()
+    differences, violations = _run_mutated()
     assert differences
+    assert any("read memory a copy on" in v for v in violations), violations[:3]
 
 
 def test_without_the_retire_wait_copies_read_freed_memory(monkeypatch):
