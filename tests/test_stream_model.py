@@ -198,3 +198,22 @@ def test_a_block_of_a_side_streams_pool_goes_back_to_that_stream():
         with d.use(h2d):
             torch.ones(2).sum()
     assert any("issued inside use(side0)" in v for v in factory.violations)
+
+
+@pytest.mark.parametrize("waited", [True, False])
+def test_compute_writing_a_source_before_its_copy_read_it_is_reported(waited):
+    """A write after a read on another stream: the in-place kernel may run before the d2h copy
+    (what an in-place change of a saved tensor does under offload, issue 24 item 2)."""
+    with DoubleFactory() as factory:
+        d = factory(CPU)
+        d2h = d.new_stream()
+        x = torch.full((4,), 1.0)
+        host = torch.zeros(4)
+        d.wait(d2h, d.record(d.compute))
+        d.copy(host, x, d2h)
+        if waited:
+            d.wait(d.compute, d.record(d2h))
+        x.add_(1.0)
+        factory.drain()
+    assert bool(factory.violations) != waited
+    assert torch.equal(host, torch.full((4,), 1.0 if waited else 2.0))  # late: the copy read the new bytes
