@@ -1,7 +1,9 @@
-"""The GPU engine seen on CPU (Note [Stream protocol] in ``lightning_swap/core/streams.py``):
-exact results when copies land late or out of order, nothing fetched twice, prefetch that
-costs only what it prefetches, no host synchronisation and no extra work per step, and the
-protocol's waits shown necessary by removing them."""
+"""The GPU engine seen on CPU (Note [Stream protocol] in ``lightning_swap/core/engine/streams.py``),
+under a model of CUDA's ordering rules as strict as CUDA (Note [Strict stream model] in
+``tests/stream_double.py``): exact results when copies land late or out of order, in every way a
+training loop uses autograd, nothing fetched twice, prefetch that costs only what it prefetches,
+no host synchronisation and no extra work per step, and the protocol's waits shown necessary by
+removing them."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from lightning_swap import CPUSwapStrategy, SwapRuntime, find_segments
 from lightning_swap.core import resolve_policy
@@ -40,8 +43,7 @@ def _differences(name, model, grads):
 
 
 def _under_double(name, policy, *, mode="late", **kwargs):
-    factory = DoubleFactory(mode)
-    with override_stream_ops(factory):
+    with DoubleFactory(mode) as factory:
         model, stats, grads = train_core(name, policy, **kwargs)
     syncs_before_drain = factory.host_syncs
     factory.drain()
@@ -143,7 +145,7 @@ def test_what_is_in_flight_is_bounded(inflight, monkeypatch):
     torch.manual_seed(0)
     model = MODELS["gpt"][0]()
     x, y = MODELS["gpt"][1](4)
-    with override_stream_ops(factory), SwapRuntime(model, resolve_policy("offload", find_segments(model)), min_offload_bytes=0, inflight_segments=inflight, device="cpu") as rt:
+    with factory, SwapRuntime(model, resolve_policy("offload", find_segments(model)), min_offload_bytes=0, inflight_segments=inflight, device="cpu") as rt:
         rt.begin_step([x, y])
         MODELS["gpt"][2](model(x), y).backward()
         stats = rt.end_step()
@@ -151,6 +153,114 @@ def test_what_is_in_flight_is_bounded(inflight, monkeypatch):
     assert factory.violations == []
     assert seen and max(seen) <= inflight, seen
     assert stats.fetched_bytes == stats.offloaded_bytes > 0
+
+
+# -- exactness in the ways training loops use autograd ---------------------------------------
+class _UserCheckpoint(nn.Module):
+    """A block the user checkpoints inside its own forward (a segment containing a checkpoint)."""
+
+    def __init__(self, block: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.block = block
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+def _build(name, user_checkpoint=None):
+    torch.manual_seed(0)
+    model = MODELS[name][0]()
+    if user_checkpoint is not None:  # gpt and cnn: the blocks' input requires grad
+        blocks = model.blocks
+        for i, block in enumerate(list(blocks)):
+            blocks[i] = _UserCheckpoint(block, user_checkpoint == "reentrant")
+    return model
+
+
+def _loop(name, kind, policy, *, prefetch=1, inflight=1, user_checkpoint=None, steps=2):
+    """Per-step gradients and the final state of ``steps`` steps of ``kind``: ``two_forwards``
+    (two micro-batches summed into one loss), ``retain_graph`` (backward twice over one graph),
+    ``accumulate`` (forward-backward twice per step), ``dropped_graph`` (a forward whose graph is
+    dropped unused, its host buffers reused), ``plain``; ``policy=None``: no runtime."""
+    model = _build(name, user_checkpoint)
+    _, data, loss_fn = MODELS[name]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    runtime = None
+    if policy is not None:
+        plan = resolve_policy(policy, find_segments(model))
+        runtime = SwapRuntime(model, plan, device="cpu", min_offload_bytes=0, prefetch_segments=prefetch, inflight_segments=inflight).install()
+    torch.manual_seed(1)
+    grads = []
+    try:
+        for step in range(steps):
+            x, y = data(4 + step)
+            if runtime is not None:
+                runtime.begin_step([x, y])
+            if kind == "two_forwards":
+                (loss_fn(model(x[:2]), y[:2]) + loss_fn(model(x[2:]), y[2:])).backward()
+            elif kind == "retain_graph":
+                loss = loss_fn(model(x), y)
+                loss.backward(retain_graph=True)
+                loss.backward()
+            elif kind == "dropped_graph":  # a forward nobody back-propagates, then a step
+                loss_fn(model(x[:2]), y[:2])
+                loss_fn(model(x), y).backward()
+            elif kind == "accumulate":
+                loss_fn(model(x[:2]), y[:2]).backward()
+                loss_fn(model(x[2:]), y[2:]).backward()
+            else:
+                loss_fn(model(x), y).backward()
+            if runtime is not None:
+                runtime.end_step()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        if runtime is not None:
+            runtime.remove()
+    return grads, model.state_dict()
+
+
+_PLAIN_LOOPS: dict = {}
+
+
+def _assert_exact_under_strict_model(name, kind, policy, *, mode="late", **kwargs):
+    key = (name, kind, kwargs.get("user_checkpoint"))
+    if key not in _PLAIN_LOOPS:
+        _PLAIN_LOOPS[key] = _loop(name, kind, None, **kwargs)
+    plain_grads, plain_state = _PLAIN_LOOPS[key]
+    with DoubleFactory(mode) as factory:
+        grads, state = _loop(name, kind, policy, **kwargs)
+    factory.drain()
+    assert factory.violations == []
+    assert sum(d.copies_done for d in factory.doubles) > 0  # the copies went through the model
+    assert [i for i, (g, h) in enumerate(zip(grads, plain_grads)) if not all(torch.equal(a, b) for a, b in zip(g, h))] == []
+    assert [k for k in plain_state if not torch.equal(state[k], plain_state[k])] == []
+
+
+# (prefetch, inflight, schedule): every prefetch depth and every inflight depth (0: each segment's
+# copies retire when it ends), both schedules.
+_DEPTHS = [(0, 1, "late"), (1, 2, "early"), (2, 3, "late"), (3, 1, "early"), (1, 3, "late"), (2, 0, "early")]
+
+
+_KINDS = ["plain", "two_forwards", "retain_graph", "accumulate", "dropped_graph"]
+# Every model; the slow ResNet-18 at one depth.
+_CASES = [(n, k, *d) for n in ("gpt", "cnn", "mlp") for k in _KINDS for d in _DEPTHS] + [("resnet18", k, 2, 2, "late") for k in _KINDS]
+
+
+@pytest.mark.parametrize("name,kind,prefetch,inflight,mode", _CASES)
+def test_exact_under_the_strict_model(name, kind, prefetch, inflight, mode):
+    """Note [Strict stream model]: every ordering the engine relies on is one CUDA promises."""
+    policy = "recompute_offload" if (prefetch + inflight) % 2 else "offload"
+    _assert_exact_under_strict_model(name, kind, policy, mode=mode, prefetch=prefetch, inflight=inflight)
+
+
+@pytest.mark.parametrize("policy", ["offload", "recompute_offload"])
+@pytest.mark.parametrize("user_checkpoint", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("name", ["gpt", "cnn"])
+def test_exact_with_the_users_checkpoint_inside_a_segment(name, user_checkpoint, policy):
+    _assert_exact_under_strict_model(name, "plain", policy, prefetch=2, inflight=2, user_checkpoint=user_checkpoint)
 
 
 # -- the waits are necessary: remove one, the double shows it ------------------------------
@@ -162,8 +272,9 @@ def _run_mutated(name="gpt", policy="offload", prefetch=1):
 def test_without_the_compute_wait_fetched_bytes_are_read_before_they_land(monkeypatch):
     """Rule 3 removed: the computation reads device memory the copy has not written (poison)."""
     monkeypatch.setattr(CopyStreams, "consume", lambda self, event: None)
-    differences, _ = _run_mutated()
+    differences, violations = _run_mutated()
     assert differences
+    assert any("read memory a copy on" in v for v in violations), violations[:3]
 
 
 def test_without_the_retire_wait_copies_read_freed_memory(monkeypatch):
@@ -175,6 +286,52 @@ def test_without_the_retire_wait_copies_read_freed_memory(monkeypatch):
     monkeypatch.setattr(CopyStreams, "retire", drop)
     differences, violations = _run_mutated()
     assert violations and differences
+
+
+def _without_compute_waits(monkeypatch, method):
+    """``CopyStreams.<method>`` with the waits of its copy streams on compute-stream events
+    dropped (whatever else it does is unchanged)."""
+    original = getattr(CopyStreams, method)
+
+    def mutated(self, *args, **kwargs):
+        ops, wait = self.ops, self.ops.wait
+        compute = ops.compute_stream()
+        ops.wait = lambda stream, event: None if stream is not compute and event is not None and event.stream is compute else wait(stream, event)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            del ops.wait
+
+    monkeypatch.setattr(CopyStreams, method, mutated)
+
+
+@pytest.mark.parametrize("method,message", [("to_host", "a d2h copy of memory the compute stream wrote"), ("to_device", "an h2d copy into a block the compute stream allocated")])
+def test_without_the_compute_wait_before_a_copy_it_reads_or_writes_poison(method, message, monkeypatch):
+    """Rules 1 and 3 removed (the d2h copy not ordered after the op that produced its source; the
+    h2d copy not ordered after the work that last used its block): invisible to a double whose
+    compute stream is the CPU itself; the strict model poisons those copies."""
+    _without_compute_waits(monkeypatch, method)
+    differences, violations = _run_mutated()
+    assert differences
+    assert violations and all(message in v for v in violations), violations[:3]
+
+
+def test_without_the_wait_that_replaces_record_stream_the_sources_are_freed_under_their_copies(monkeypatch):
+    """Rule 2's wait removed, references still dropped: each source goes back to the compute
+    stream's pool while its copy may still read it — what ``record_stream`` or the wait prevents."""
+    original = CopyStreams.retire
+
+    def retire_without_waiting(self, before=None):
+        self._wait_compute = lambda event: None
+        try:
+            original(self, before)
+        finally:
+            del self._wait_compute
+
+    monkeypatch.setattr(CopyStreams, "retire", retire_without_waiting)
+    differences, violations = _run_mutated()
+    assert differences
+    assert any("freed before the compute stream waited for the copy" in v for v in violations), violations[:3]
 
 
 def test_the_old_prefetch_orphans_copies(monkeypatch):
@@ -235,7 +392,7 @@ def test_runtime_step_never_waits_for_the_device(policy):
     build, data, loss_fn = MODELS["cnn"]
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    with override_stream_ops(factory), SwapRuntime(model, resolve_policy(policy, find_segments(model)), min_offload_bytes=0, prefetch_segments=1, device="cpu") as rt:
+    with factory, SwapRuntime(model, resolve_policy(policy, find_segments(model)), min_offload_bytes=0, prefetch_segments=1, device="cpu") as rt:
         for step in range(4):
             x, y = data(4)
             if step == 2:
@@ -322,7 +479,7 @@ def _lightning_steps(strategy, factory=None, **kwargs):
     counter = _StepCounter(first=2)
     counter.factory = factory
     if factory is not None:
-        with override_stream_ops(factory):
+        with factory:
             fit("cnn", strategy, steps=5, callbacks=[counter.callback], **kwargs)
     else:
         fit("cnn", strategy, steps=5, callbacks=[counter.callback], **kwargs)
