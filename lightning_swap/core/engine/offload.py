@@ -12,7 +12,7 @@ Note [What is never offloaded]: whatever is alive before the step anyway — par
 buffers and the tensors the caller tracks (the batch): a copy would cost bandwidth and free
 nothing — tensors smaller than ``min_offload_bytes``, tensors on another device, and tensor
 subclasses or non-strided layouts (their storage is not a plain byte array). These are
-returned to autograd unchanged.
+returned to autograd as they are, detached (Note [No reference cycle]).
 
 Note [One storage, one copy]: several ops often save the same storage (a block's output is
 saved by its last ReLU and by the next block's first conv; ``x`` and ``x.t()`` share one
@@ -20,7 +20,8 @@ storage). The whole storage is copied out once per version of its content and ea
 tensor keeps only its view (dtype, size, stride, offset) into the shared entry. It is copied
 back once too: the device copy is held from its first unpack until every saved tensor that
 refers to it has been unpacked (``pending``), so ``fetched_bytes == offloaded_bytes`` in a
-step with one backward. A second backward over a retained graph fetches again only if the
+step with one backward; reading ``ctx.saved_tensors`` twice counts once per saved tensor
+(``round``). A second backward over a retained graph fetches again only if the
 first one's device copy died.
 
 Note [Prefetch schedule]: when segment ``i``'s backward starts (the gradient of its output
@@ -29,11 +30,33 @@ prefetch_segments``, each entry at most once per step; an unpack whose bytes wer
 prefetched fetches them on demand. Nothing is fetched that no unpack will consume in this
 backward: a prefetch is only ever issued for an entry that has not been fetched yet, so the
 extra device memory of prefetching is bounded by the ``k`` segments' offloaded bytes.
+
+Note [Saved version check]: with saved-tensor hooks autograd no longer compares a saved
+tensor's version counter at unpack (it cannot see through the hooks), so the engine does it:
+each saved tensor keeps the version it had when packed and something that shares its version
+counter — the tensor detached when it is not offloaded, else a storage-less alias of it — and
+unpack raises autograd's own RuntimeError, same text, at the same point (the unpack), when an
+in-place operation changed it since. The message names the tensor's current ``grad_fn`` as
+autograd does while the tensor is alive; once nothing holds it (its new ``grad_fn`` is gone
+with it), the op that produced the saved version; and a saved *output* changed in place by
+its new ``grad_fn`` (autograd names the node that saved it: a pack hook cannot tell an output
+from an input).
+
+Note [No reference cycle]: what ``pack`` returns is held by the graph's node; returning the
+saved tensor itself, when an op saves its own output, makes tensor -> grad_fn -> node ->
+tensor a cycle that only backward breaks (a graph dropped without backward, or after
+``retain_graph=True``, would live until the garbage collector runs, with its host buffers).
+Kept tensors are therefore held detached (no ``grad_fn``), and nothing else the engine holds
+per step refers to a graph strongly.
+
+Note [Saved metadata]: dtype, size, stride and storage offset are those of the saved view;
+the lazy conjugate and negative bits are not in the bytes, so they are kept and put back.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import time
 import weakref
@@ -67,7 +90,7 @@ class _Entry:
 
     __slots__ = (
         "__weakref__", "segment", "nbytes", "buffer", "host", "source", "version", "pool",
-        "d2h_event", "h2d_event", "fetch", "device", "landed", "packs", "pending",
+        "d2h_event", "h2d_event", "fetch", "device", "landed", "packs", "pending", "round",
     )
 
     def __init__(self, segment: int, nbytes: int, buffer: torch.Tensor, pool: HostPool) -> None:
@@ -89,6 +112,8 @@ class _Entry:
         self.landed: Optional[weakref.ref] = None
         self.packs = 0
         self.pending = 0
+        #: Counts the times every saved tensor referring to the entry has been unpacked.
+        self.round = 0
 
     def __del__(self) -> None:
         try:
@@ -97,19 +122,98 @@ class _Entry:
             pass
 
 
-class _Packed:
+class _Saved:
+    """What autograd's own check needs to see an in-place change of a saved tensor (Note [Saved
+    version check]): the version the tensor had when saved and how autograd names it."""
+
+    __slots__ = ("version", "what", "output_nr", "producer", "tensor_ref")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.version = t._version
+        self.what = f"{t.type()} {list(t.size())}"
+        self.output_nr = t.output_nr
+        self.producer = t.grad_fn.name() if t.grad_fn is not None else None
+        # Weakly: autograd names a saved input by its grad_fn at unpack (an in-place change
+        # replaced it), and holding it strongly would keep its graph alive.
+        self.tensor_ref = weakref.ref(t)
+
+    def check(self, current: int) -> None:
+        if current == self.version:
+            return
+        t = self.tensor_ref()
+        fn = t.grad_fn.name() if t is not None and t.grad_fn is not None else self.producer
+        which = f", which is output {self.output_nr} of {re.sub(r'Backward[0-9]*$', '', fn)}," if fn else ""
+        hint = (
+            " Hint: the backtrace further above shows the operation that failed to compute its gradient. "
+            "The variable in question was changed in there or anywhere later. Good luck!"
+            if torch.is_anomaly_enabled()
+            else " Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
+            "with torch.autograd.set_detect_anomaly(True, check_nan=False)."
+        )
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{self.what}]{which} is at version {current}; expected version {self.version} instead.{hint}"
+        )
+
+
+def _version_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor sharing ``t``'s version counter but not its storage (Note [Saved version check])."""
+    version = t._version
+    with torch.no_grad():
+        alias = t.detach()
+        # Without the lazy bits, which would make ``set_`` go through their fallbacks.
+        if alias.is_conj():
+            alias = alias.conj()
+        if alias.is_neg():
+            alias = torch._neg_view(alias)
+        alias.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage())
+    # ``set_`` bumped the shared counter: put it back, so that autograd's checks of copies of
+    # ``t`` saved outside the hooks and our own comparison see the version ``t`` really has.
+    torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+    return alias
+
+
+class _Kept(_Saved):
+    """What autograd holds for a saved tensor the engine does not offload: the tensor detached
+    (Note [No reference cycle]) and its version."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        super().__init__(t)
+        self.tensor = t.detach()
+
+
+class _Packed(_Saved):
     """What autograd holds instead of an offloaded tensor: a view into an entry."""
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset")
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "conj", "neg", "alias", "round")
 
     def __init__(self, entry: _Entry, t: torch.Tensor) -> None:
+        super().__init__(t)
         self.entry = entry
         self.dtype = t.dtype
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
+        # Note [Saved metadata]: the lazy conjugate and negative bits are not in the bytes.
+        self.conj = t.is_conj()
+        self.neg = t.is_neg()
+        self.alias = _version_alias(t)
+        #: The entry's unpack round this saved tensor was last unpacked in (Note [One storage, one copy]).
+        self.round = -1
         entry.packs += 1
         entry.pending += 1
+
+    def rebuild(self, dst: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            out = torch.empty(0, dtype=self.dtype, device=dst.device)
+            out.set_(dst.untyped_storage(), self.offset, self.size, self.stride)
+            if self.conj:
+                out = out.conj()
+            if self.neg:
+                out = torch._neg_view(out)
+        return out
 
 
 def _as_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -164,6 +268,21 @@ class OffloadEngine:
         exposed, self.copies.exposed = self.copies.exposed, Timing(self.copies.ops)
         return self.counters, exposed
 
+    def abort_step(self) -> None:
+        """A step that raised: release everything this step held — sources whose copies are in
+        flight (the compute stream waits on them, rule 2), prefetched device copies nobody
+        consumed (rule 3) and the entries' device copies — without the step's statistics."""
+        self._settle()
+        for ref in self._by_storage.values():
+            entry = ref()
+            if entry is not None:
+                entry.device = None
+                entry.landed = None
+        self._by_storage.clear()
+        self._by_segment.clear()
+        self._backward = False
+        self.copies.exposed = Timing(self.copies.ops)
+
     def _settle(self) -> None:
         self.copies.retire()
         for _, event in self._fetches.values():
@@ -208,7 +327,7 @@ class OffloadEngine:
 
     def _pack(self, segment: int, t: torch.Tensor) -> Any:
         if not self._should_offload(t):
-            return t
+            return _Kept(t)
         storage = t.untyped_storage()
         key = id(storage)
         ref = self._by_storage.get(key)
@@ -304,19 +423,21 @@ class OffloadEngine:
         return dst
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Packed):
-            return packed
+        if isinstance(packed, _Kept):
+            packed.check(packed.tensor._version)
+            return packed.tensor
+        packed.check(packed.alias._version)
         entry = packed.entry
         with self._lock:
             self._start_backward()
             dst = self._device_bytes(entry)
-            entry.pending -= 1
+            if packed.round != entry.round:  # a second unpack of one saved tensor counts once
+                packed.round = entry.round
+                entry.pending -= 1
             if entry.pending <= 0 and entry.device is not None:
                 # Note [One storage, one copy]: every saved view has been handed out.
                 entry.landed = weakref.ref(entry.device.untyped_storage())
                 entry.device = None
                 entry.pending = entry.packs  # a second backward unpacks each once more
-        with torch.no_grad():
-            out = torch.empty(0, dtype=packed.dtype, device=self.device)
-            out.set_(dst.untyped_storage(), packed.offset, packed.size, packed.stride)
-        return out
+                entry.round += 1
+        return packed.rebuild(dst)

@@ -465,7 +465,10 @@ class SwapRuntime:
         )
 
     def abort_step(self) -> None:
-        """Close the window of a step that failed, with no statistics."""
+        """Close the window of a step that failed, with no statistics; the offload engine lets go
+        of everything the step held (copies in flight, prefetches, device copies)."""
+        if self.engine is not None:
+            self.engine.abort_step()
         if self.meter._open:
             self.meter.__exit__(None, None, None)
         self._step_open = False

@@ -1,0 +1,226 @@
+"""The engine defects of issue 24 (a second review), each shown on CPU: what plain autograd does,
+the offload engine does too — same in-place error, same metadata, no graph kept alive, nothing
+held after an aborted step, one fetch per storage."""
+
+from __future__ import annotations
+
+import gc
+import re
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_swap.core import Action, SwapRuntime
+from lightning_swap.core.engine.streams import override_stream_ops
+
+from .stream_double import DoubleFactory
+
+torch.set_num_threads(1)
+
+
+def _run(model, plan, x, *, loss=lambda out: out.sum(), **kwargs):
+    with SwapRuntime(model, plan, device="cpu", **kwargs) as rt:
+        rt.begin_step([x])
+        loss(model(x)).backward()
+        stats = rt.end_step()
+    return [p.grad.clone() for p in model.parameters()], stats
+
+
+def _plan(model, action):
+    return {name: action for name, _ in model.named_children()}
+
+
+# -- #2: autograd's in-place check survives offload ------------------------------------------
+class _InPlace(nn.Module):
+    def __init__(self, hold):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.hold = hold
+
+    def forward(self, x):
+        h = self.fc(x)
+        y = h * h  # saves h
+        h.add_(1.0)  # in-place write to a saved tensor
+        if self.hold:
+            self.held = h  # the user keeps the tensor it changed
+        return y + h
+
+
+def _inplace_error(action, hold, **kwargs):
+    torch.manual_seed(0)
+    model = nn.Sequential(_InPlace(hold), _InPlace(hold))
+    x = torch.randn(8, 32)
+    with pytest.raises(RuntimeError) as info:
+        _run(model, _plan(model, action), x, **kwargs)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("hold", [True, False])
+@pytest.mark.parametrize("min_offload_bytes", [0, 1 << 30])  # offloaded, and kept by the engine
+def test_inplace_change_of_a_saved_tensor_raises_autograds_error(min_offload_bytes, hold):
+    def same(text):
+        # A changed tensor nobody holds any more: its new grad_fn is gone, so the engine names
+        # the op that produced the saved version (Note [Saved version check]).
+        return text if hold else re.sub(r"which is output (\d+) of \w+,", r"which is output \1 of _,", text)
+
+    plain = _inplace_error(Action.KEEP, hold)
+    assert "modified by an inplace operation" in plain and "is at version 1; expected version 0" in plain
+    assert same(_inplace_error(Action.OFFLOAD, hold, min_offload_bytes=min_offload_bytes)) == same(plain)
+    with override_stream_ops(DoubleFactory("late")):
+        assert same(_inplace_error(Action.OFFLOAD, hold, min_offload_bytes=min_offload_bytes)) == same(plain)
+
+
+def test_version_check_does_not_fire_without_inplace_change():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU())
+    x = torch.randn(8, 32)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    plain, _ = _run(model, _plan(model, Action.KEEP), x)
+    model.load_state_dict(state)
+    model.zero_grad(set_to_none=True)
+    offloaded, stats = _run(model, _plan(model, Action.OFFLOAD), x, min_offload_bytes=0)
+    assert stats.offloaded_bytes > 0
+    assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
+
+
+# -- #3: tensor metadata round-trips exactly -------------------------------------------------
+class _Spectral(nn.Module):
+    def __init__(self, n, view):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n, n) / n)
+        self.view = view
+
+    def forward(self, x):
+        z = torch.fft.fft(x @ self.w)
+        if self.view == "conj":
+            zc = z.conj()  # a view with the conjugate bit
+        elif self.view == "neg":
+            zc = torch._neg_view(z)  # a view with the negative bit
+        elif self.view == "strided":
+            zc = z.t().contiguous().t()[1:, ::2].repeat(1, 2)  # odd strides and an offset
+        else:
+            zc = z.t()[:, 1:].t()  # a view sharing z's storage, with an offset
+            zc = zc * z[1:]
+        y = zc * zc
+        return torch.fft.ifft(y).real
+
+
+@pytest.mark.parametrize("view", ["conj", "neg", "strided", "shared"])
+def test_saved_views_round_trip_exactly(view):
+    def grads(action):
+        torch.manual_seed(0)
+        model = nn.Sequential(_Spectral(16, view), _Spectral(16, view))
+        x = torch.randn(16, 16)
+        return _run(model, _plan(model, action), x, loss=lambda out: out.pow(2).sum(), min_offload_bytes=0)
+
+    plain, _ = grads(Action.KEEP)
+    offloaded, stats = grads(Action.OFFLOAD)
+    assert stats.offloaded_bytes > 0
+    assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
+
+
+# -- #4: nothing the engine holds keeps a graph alive ------------------------------------------
+class _Gated(nn.Module):
+    last: weakref.ref = None
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.fc(x)
+        gate = torch.sigmoid(h[:, :4])  # small: kept by the engine; sigmoid saves its own output
+        _Gated.last = weakref.ref(gate)
+        big = torch.tanh(h.repeat(1, 8))  # offloaded; tanh saves its own output
+        return big[:, :64] * gate.repeat(1, 16)
+
+
+@pytest.mark.parametrize("how", ["no_backward", "retain_graph"])
+def test_graphs_dropped_without_backward_are_freed(how):
+    torch.manual_seed(0)
+    model = nn.Sequential(_Gated(), _Gated())
+    alive = []
+    with SwapRuntime(model, _plan(model, Action.OFFLOAD), device="cpu", min_offload_bytes=4096) as rt:
+        for _ in range(3):
+            x = torch.randn(16, 64)
+            rt.begin_step([x])
+            loss = model(x).sum()
+            if how == "retain_graph":
+                loss.backward(retain_graph=True)
+            stats = rt.end_step()
+            assert stats.offloaded_bytes > 0
+            alive.append(_Gated.last)
+            del loss
+            gc.collect()
+            assert sum(r() is not None for r in alive) == 0
+            assert rt.engine.pool.in_use_bytes == 0  # every host buffer went back to the pool
+
+
+# -- #13: an aborted step releases everything it held ------------------------------------------
+class _Boom(Exception):
+    pass
+
+
+def test_abort_step_releases_what_the_step_held():
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)))
+    x = torch.randn(32, 64)
+
+    def boom(grad):
+        raise _Boom
+
+    with override_stream_ops(DoubleFactory("late")):
+        with SwapRuntime(model, _plan(model, Action.OFFLOAD), device="cpu", min_offload_bytes=0, prefetch_segments=2, inflight_segments=2) as rt:
+            rt.begin_step([x])
+            h = model[:2](x)
+            h.register_hook(boom)  # backward fails after segments 3 and 2 ran theirs
+            loss = model[2:](h).sum()
+            engine = rt.engine
+            with pytest.raises(_Boom):
+                loss.backward()
+            assert engine._fetches  # prefetches of segments 1 and 0 are pending
+            rt.abort_step()
+            assert engine._fetches == {}
+            assert engine.copies.inflight_bytes == 0
+            assert engine._by_storage == {} and engine._by_segment == {}
+            del loss, h
+            gc.collect()
+            assert engine.pool.in_use_bytes == 0
+
+
+# -- #7: one fetch per storage per backward however many unpacks --------------------------------
+class _ReadTwice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        (x2,) = ctx.saved_tensors  # a second unpack of the same saved tensor
+        return g * 2 + 0 * x * x2
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * self.fc.bias + _ReadTwice.apply(h)  # both save h; _ReadTwice's backward runs first
+
+
+def test_several_unpacks_of_one_saved_tensor_fetch_once():
+    torch.manual_seed(0)
+    model = nn.Sequential(_Twice(), _Twice())
+    plain, _ = _run(model, _plan(model, Action.KEEP), torch.randn(16, 64))
+    torch.manual_seed(0)
+    model = nn.Sequential(_Twice(), _Twice())
+    offloaded, stats = _run(model, _plan(model, Action.OFFLOAD), torch.randn(16, 64), min_offload_bytes=0)
+    assert stats.offloaded_bytes > 0
+    assert stats.fetched_bytes == stats.offloaded_bytes
+    assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
