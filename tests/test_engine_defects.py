@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_swap.core import Action, SwapRuntime
+from lightning_swap.core import Action, SwapRuntime, find_segments, resolve_policy
+from lightning_swap.core.engine.host_pool import HostPool
 from lightning_swap.core.engine.streams import override_stream_ops
 
 from .stream_double import DoubleFactory
@@ -30,6 +31,30 @@ def _run(model, plan, x, *, loss=lambda out: out.sum(), **kwargs):
 
 def _plan(model, action):
     return {name: action for name, _ in model.named_children()}
+
+
+class _Marker:
+    pass
+
+
+class _Probe(torch.autograd.Function):
+    """An identity node holding a marker: the marker lives exactly as long as the graph's
+    nodes that reach this one (every later node of the forward)."""
+
+    @staticmethod
+    def forward(ctx, x, marker):
+        ctx.marker = marker
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _probe(x):
+    """``x`` through a probe node, and a weak reference to its marker."""
+    marker = _Marker()
+    return _Probe.apply(x, marker), weakref.ref(marker)
 
 
 # -- #2: autograd's in-place check survives offload ------------------------------------------
@@ -130,9 +155,8 @@ class _Gated(nn.Module):
         self.fc = nn.Linear(64, 64)
 
     def forward(self, x):
-        h = self.fc(x)
+        h, _Gated.last = _probe(self.fc(x))  # alive while any node after it is
         gate = torch.sigmoid(h[:, :4])  # small: kept by the engine; sigmoid saves its own output
-        _Gated.last = weakref.ref(gate)
         big = torch.tanh(h.repeat(1, 8))  # offloaded; tanh saves its own output
         return big[:, :64] * gate.repeat(1, 16)
 
@@ -224,3 +248,74 @@ def test_several_unpacks_of_one_saved_tensor_fetch_once():
     assert stats.offloaded_bytes > 0
     assert stats.fetched_bytes == stats.offloaded_bytes
     assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
+
+
+# -- #9: the host pool has a bound -------------------------------------------------------------
+def test_host_pool_serves_a_smaller_request_from_a_larger_free_buffer():
+    pool = HostPool(pin_memory=False)
+    big, _ = pool.acquire(100_000)
+    pool.release(big)
+    small, _ = pool.acquire(80_000)
+    assert small is big and pool.allocations == 1
+    pool.release(small)
+    tiny, _ = pool.acquire(10_000)  # under half the free buffer: not worth holding it
+    assert tiny is not big and pool.allocations == 2
+
+
+def test_host_pool_returns_memory_after_a_shape_change():
+    pool = HostPool(pin_memory=False)
+    for nbytes in (1 << 20, 1 << 18):  # a step of one shape, then steps of a smaller one
+        for _ in range(2):
+            held = [pool.acquire(nbytes)[0] for _ in range(4)]
+            for b in held:
+                pool.release(b)
+            pool.end_step()
+    assert pool.in_use_bytes == 0
+    assert pool.reserved_bytes == 4 * (1 << 18)  # the large buffers went back
+    assert pool.freed_bytes == 4 * (1 << 20)
+
+
+def _probed(x, markers):
+    y, marker = _probe(x)
+    markers.append(marker)
+    return y
+
+
+def _soak(steps):
+    import resource
+
+    from .models import MODELS
+
+    build, data, loss_fn = MODELS["gpt"]
+    torch.manual_seed(0)
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    offloaded, reserved, rss = [], [], []
+    markers = []
+    model.blocks[0].register_forward_pre_hook(lambda m, args: (_probed(args[0], markers),))
+    with SwapRuntime(model, resolve_policy("offload", find_segments(model)), device="cpu", min_offload_bytes=0) as rt:
+        for step in range(steps):
+            x, y = data(4 + step % 6)  # batch sizes cycling 4..9
+            rt.begin_step([x, y])
+            out = model(x)
+            loss_fn(out, y).backward()
+            stats = rt.end_step()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del out
+            gc.collect()
+            assert markers and all(m() is None for m in markers), f"step {step}: a graph is alive"
+            offloaded.append(stats.offloaded_bytes)
+            reserved.append(rt.engine.pool.peak_reserved_bytes)
+            assert stats.host_pool_bytes == rt.engine.pool.reserved_bytes
+            rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return offloaded, reserved, rss
+
+
+@pytest.mark.parametrize("steps", [pytest.param(200, marks=pytest.mark.slow), 30])
+def test_host_pool_soak_batch_sizes_cycling(steps):
+    offloaded, reserved, rss = _soak(steps)
+    assert min(offloaded) > 0
+    assert max(reserved) <= 2 * max(offloaded)
+    # Peak RSS after the first cycle of shapes stays where it was (within noise: 8 MiB).
+    assert rss[-1] - rss[11] <= 8 * 1024

@@ -265,6 +265,7 @@ class OffloadEngine:
         later: Note [Stream protocol], rule 5). Nothing waits on the host: copies still in flight
         and prefetches nobody consumed retire onto the compute stream."""
         self._settle()
+        self.pool.end_step()  # Note [Host pool bound]
         exposed, self.copies.exposed = self.copies.exposed, Timing(self.copies.ops)
         return self.counters, exposed
 
@@ -282,6 +283,7 @@ class OffloadEngine:
         self._by_segment.clear()
         self._backward = False
         self.copies.exposed = Timing(self.copies.ops)
+        self.pool.end_step()
 
     def _settle(self) -> None:
         self.copies.retire()
