@@ -14,8 +14,10 @@ from torch import nn
 
 from lightning_swap.core import Action, SwapRuntime, find_segments, resolve_policy
 from lightning_swap.core.engine.host_pool import HostPool
+from lightning_swap.core.engine.offload import OffloadEngine
 from lightning_swap.core.engine.streams import override_stream_ops
 
+from .models import MODELS
 from .stream_double import DoubleFactory
 
 torch.set_num_threads(1)
@@ -284,8 +286,6 @@ def _probed(x, markers):
 def _soak(steps):
     import resource
 
-    from .models import MODELS
-
     build, data, loss_fn = MODELS["gpt"]
     torch.manual_seed(0)
     model = build()
@@ -319,3 +319,62 @@ def test_host_pool_soak_batch_sizes_cycling(steps):
     assert max(reserved) <= 2 * max(offloaded)
     # Peak RSS after the first cycle of shapes stays where it was (within noise: 8 MiB).
     assert rss[-1] - rss[11] <= 8 * 1024
+
+
+# -- #5/#6: a tensor still on the device when needed is used in place --------------------------
+def _fetches_while_alive(monkeypatch):
+    """Spy: bytes fetched back while their device original was still alive."""
+    seen = {"alive": 0}
+    original = OffloadEngine._fetch
+
+    def spy(self, entry):
+        if entry.source is not None and entry.source() is not None:
+            seen["alive"] += entry.nbytes
+        return original(self, entry)
+
+    monkeypatch.setattr(OffloadEngine, "_fetch", spy)
+    return seen
+
+
+@pytest.mark.parametrize("inflight", [1, 2])
+def test_the_last_inflight_segments_are_used_in_place(monkeypatch, inflight):
+    seen = _fetches_while_alive(monkeypatch)
+    build, data, loss_fn = MODELS["gpt"]
+    torch.manual_seed(0)
+    model = build()
+    x, y = data(4)
+    plan = resolve_policy("offload", find_segments(model))
+    segments = len(plan)
+    with override_stream_ops(DoubleFactory("late")), SwapRuntime(model, plan, device="cpu", min_offload_bytes=0, inflight_segments=inflight) as rt:
+        rt.begin_step([x, y])
+        loss_fn(model(x), y).backward()
+        stats = rt.end_step()
+        by_segment = dict(rt.engine.counters.by_segment)
+    tail = sum(by_segment[i] for i in range(segments - inflight, segments))
+    assert seen["alive"] == 0
+    assert stats.reused_bytes >= tail > 0  # not dropped and fetched straight back
+    assert stats.fetched_bytes + stats.reused_bytes == stats.offloaded_bytes
+
+
+@pytest.mark.parametrize("name", ["resnet18", "cnn"])
+def test_nothing_is_fetched_while_its_original_is_alive(monkeypatch, name):
+    seen = _fetches_while_alive(monkeypatch)
+    build, data, loss_fn = MODELS[name]
+    grads = []
+    for mixed in (True, False):
+        torch.manual_seed(0)
+        model = build()
+        x, y = data(4)
+        segments = find_segments(model)
+        plan = {n: (Action.OFFLOAD if mixed and i % 2 == 0 else Action.KEEP) for i, n in enumerate(segments)}
+        with SwapRuntime(model, plan, device="cpu", min_offload_bytes=0, prefetch_segments=1) as rt:
+            rt.begin_step([x, y])
+            loss_fn(model(x), y).backward()
+            stats = rt.end_step()
+        grads.append([q.grad.clone() for q in model.parameters()])
+        assert seen["alive"] == 0
+        if mixed:
+            assert stats.offloaded_bytes > 0 and stats.reused_bytes > 0
+            assert stats.fetched_bytes + stats.reused_bytes == stats.offloaded_bytes
+    assert seen["alive"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -31,6 +31,13 @@ prefetched fetches them on demand. Nothing is fetched that no unpack will consum
 backward: a prefetch is only ever issued for an entry that has not been fetched yet, so the
 extra device memory of prefetching is bounded by the ``k`` segments' offloaded bytes.
 
+Note [Used in place]: an offloaded storage may still be on the device when backward needs it
+— its copy was still in flight when backward started (the last ``inflight_segments``
+segments), or something else holds it (the batch, a kept segment's saved tensor, the user).
+Then the original is used (and held by the entry until its last unpack, as a fetched copy
+would be) instead of a second device copy: nothing is fetched while its original is alive.
+The version check (Note [Saved version check]) guards that the bytes are still those saved.
+
 Note [Saved version check]: with saved-tensor hooks autograd no longer compares a saved
 tensor's version counter at unpack (it cannot see through the hooks), so the engine does it:
 each saved tensor keeps the version it had when packed and something that shares its version
@@ -78,6 +85,9 @@ class OffloadCounters:
     offloaded_tensors: int = 0
     deduplicated_tensors: int = 0
     fetched_bytes: int = 0
+    #: Offloaded bytes whose device original was still alive when needed: used in place, not
+    #: fetched (Note [Used in place]); ``fetched + reused == offloaded`` for one backward.
+    reused_bytes: int = 0
     prefetched_bytes: int = 0
     #: Host-measured copy time on CPU (synchronous copies); on CUDA see ``CopyStreams.exposed``.
     copy_ms: float = 0.0
@@ -386,7 +396,21 @@ class OffloadEngine:
     def _start_backward(self) -> None:
         if not self._backward:
             self._backward = True
-            self.copies.retire()  # every source's copy is needed from now on
+            # Note [Used in place]: the sources still in flight are handed to their entries
+            # (not dropped and fetched straight back); the compute stream still waits on their
+            # copies before they can ever be freed (rule 2).
+            stashed = self.copies.stashed_ptrs()
+            for ref in list(self._by_storage.values()) if stashed else ():
+                entry = ref()
+                storage = entry.source() if entry is not None and entry.source is not None else None
+                if storage is not None and entry.device is None and storage.data_ptr() in stashed:
+                    self._use_in_place(entry, storage)
+            self.copies.retire()
+
+    def _use_in_place(self, entry: _Entry, storage: torch.UntypedStorage) -> torch.Tensor:
+        entry.device = _as_bytes(storage, self.device)
+        self.counters.reused_bytes += entry.nbytes
+        return entry.device
 
     def _prefetch_segment(self, segment: int) -> None:
         for ref in self._by_segment.get(segment, ()):
@@ -394,6 +418,10 @@ class OffloadEngine:
             if entry is None or entry.fetch is not None or entry.device is not None:
                 continue
             if entry.landed is not None and entry.landed() is not None:
+                continue
+            storage = entry.source() if entry.source is not None else None
+            if storage is not None:  # still on the device: held from now, not fetched
+                self._use_in_place(entry, storage)
                 continue
             entry.fetch = next(self._fetch_ids)
             self._fetches[entry.fetch] = self._fetch(entry)
@@ -416,6 +444,9 @@ class OffloadEngine:
                 return _as_bytes(storage, self.device)
         fetch = self._fetches.pop(entry.fetch, None) if entry.fetch is not None else None
         entry.fetch = None
+        storage = entry.source() if entry.source is not None else None
+        if fetch is None and storage is not None:
+            return self._use_in_place(entry, storage)
         if fetch is not None:
             dst, event = fetch
         else:

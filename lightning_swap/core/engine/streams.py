@@ -295,6 +295,10 @@ class CopyStreams:
             self._wait_compute(last)
         self._stash = keep
 
+    def stashed_ptrs(self) -> set[int]:
+        """The data pointers of the sources whose copies are in flight (rule 2)."""
+        return {src.untyped_storage().data_ptr() for _, src, _ in self._stash}
+
     @property
     def inflight_bytes(self) -> int:
         return sum(src.numel() for _, src, _ in self._stash)
