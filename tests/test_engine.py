@@ -183,9 +183,9 @@ def test_the_old_prefetch_orphans_copies(monkeypatch):
     reports copies landing in memory that was freed — on a GPU, a later gradient's block."""
 
     def refetch_everything(self, segment):
-        for ref in self._by_segment.get(segment, ()):
+        for ref in (r for refs in self._by_run.values() for r in refs):
             entry = ref()
-            if entry is not None and entry.fetch is None:
+            if entry is not None and entry.segment == segment and entry.fetch is None:
                 self._fetch(entry)  # queued, never consumed: an orphan
 
     original_unpack = OffloadEngine._unpack

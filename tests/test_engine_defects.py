@@ -210,7 +210,7 @@ def test_abort_step_releases_what_the_step_held():
             rt.abort_step()
             assert engine._fetches == {}
             assert engine.copies.inflight_bytes == 0
-            assert engine._by_storage == {} and engine._by_segment == {}
+            assert engine._by_storage == {} and engine._by_run == {}
             del loss, h
             gc.collect()
             assert engine.pool.in_use_bytes == 0
@@ -378,3 +378,28 @@ def test_nothing_is_fetched_while_its_original_is_alive(monkeypatch, name):
             assert stats.fetched_bytes + stats.reused_bytes == stats.offloaded_bytes
     assert seen["alive"] == 0
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+# -- #8: prefetch follows the execution order of this step's forward ------------------------------
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_prefetch_holds_at_most_k_runs_with_two_forwards_per_backward(monkeypatch, prefetch):
+    held = []
+    original = OffloadEngine.backward_started
+
+    def spy(self, run):
+        original(self, run)
+        held.append(sum(dst.numel() for dst, _ in self._fetches.values()))
+
+    monkeypatch.setattr(OffloadEngine, "backward_started", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)))
+    a, b = torch.randn(16, 64), torch.randn(16, 64)
+    with SwapRuntime(model, _plan(model, Action.OFFLOAD), device="cpu", min_offload_bytes=0, prefetch_segments=prefetch) as rt:
+        rt.begin_step([a, b])
+        (model(a).sum() + model(b).sum()).backward()  # two micro-batches summed
+        stats = rt.end_step()
+        per_run = max(rt.engine.counters.by_segment.values()) // 2
+    assert stats.prefetched_bytes > 0
+    assert stats.fetched_bytes + stats.reused_bytes == stats.offloaded_bytes
+    # At run r's backward start its own prefetched bytes are not consumed yet: runs r .. r-k.
+    assert max(held) <= (prefetch + 1) * per_run

@@ -24,8 +24,10 @@ step with one backward; reading ``ctx.saved_tensors`` twice counts once per save
 (``round``). A second backward over a retained graph fetches again only if the
 first one's device copy died.
 
-Note [Prefetch schedule]: when segment ``i``'s backward starts (the gradient of its output
-is ready), the host-to-device copies of segments ``i-1 .. i-k`` are queued, ``k =
+Note [Prefetch schedule]: segment forwards are numbered as they run (``run``, recorded in this
+step's forward: a model may run a segment twice, or the whole model twice per backward, in
+any order of the plan). When the backward of run ``r`` starts (the gradient of its output
+is ready), the host-to-device copies of what runs ``r-1 .. r-k`` offloaded are queued, ``k =
 prefetch_segments``, each entry at most once per step; an unpack whose bytes were not
 prefetched fetches them on demand. Nothing is fetched that no unpack will consume in this
 backward: a prefetch is only ever issued for an entry that has not been fetched yet, so the
@@ -253,7 +255,7 @@ class OffloadEngine:
         self._lock = threading.RLock()
         self._skip_ptrs: frozenset[int] = frozenset()
         self._by_storage: dict[int, weakref.ref] = {}
-        self._by_segment: dict[int, list[weakref.ref]] = {}
+        self._by_run: dict[int, list[weakref.ref]] = {}
         self._backward = False
         # Queued fetches the compute stream has not waited for yet, by id: held here, not only by
         # their entries, so that one is never dropped unwaited (rule 3 of Note [Stream protocol]).
@@ -266,7 +268,7 @@ class OffloadEngine:
         """Start a step; ``skip`` are tensors never offloaded (Note [What is never offloaded])."""
         self._skip_ptrs = frozenset(t.untyped_storage().data_ptr() for t in skip)
         self._by_storage.clear()
-        self._by_segment.clear()
+        self._by_run.clear()
         self._backward = False
         self.counters = OffloadCounters()
 
@@ -290,7 +292,7 @@ class OffloadEngine:
                 entry.device = None
                 entry.landed = None
         self._by_storage.clear()
-        self._by_segment.clear()
+        self._by_run.clear()
         self._backward = False
         self.copies.exposed = Timing(self.copies.ops)
         self.pool.end_step()
@@ -305,7 +307,7 @@ class OffloadEngine:
         self._settle()
         self.copies.close()
         self._by_storage.clear()
-        self._by_segment.clear()
+        self._by_run.clear()
         self.pool.clear()
 
     # -- hooks --------------------------------------------------------------------------
@@ -349,7 +351,7 @@ class OffloadEngine:
             return _Packed(entry, t)
         entry = self._copy_out(segment, storage, t._version)
         self._by_storage[key] = weakref.ref(entry)
-        self._by_segment.setdefault(segment, []).append(weakref.ref(entry))
+        self._by_run.setdefault(self.copies.ordinal, []).append(weakref.ref(entry))
         return _Packed(entry, t)
 
     def _copy_out(self, segment: int, storage: torch.UntypedStorage, version: int) -> _Entry:
@@ -412,8 +414,8 @@ class OffloadEngine:
         self.counters.reused_bytes += entry.nbytes
         return entry.device
 
-    def _prefetch_segment(self, segment: int) -> None:
-        for ref in self._by_segment.get(segment, ()):
+    def _prefetch_run(self, run: int) -> None:
+        for ref in self._by_run.get(run, ()):
             entry = ref()
             if entry is None or entry.fetch is not None or entry.device is not None:
                 continue
@@ -427,13 +429,19 @@ class OffloadEngine:
             self._fetches[entry.fetch] = self._fetch(entry)
             self.counters.prefetched_bytes += entry.nbytes
 
-    def backward_started(self, segment: int) -> None:
-        """Note [Prefetch schedule]."""
+    @property
+    def run(self) -> int:
+        """The ordinal of the segment forward now running, in this engine's execution order."""
+        return self.copies.ordinal
+
+    def backward_started(self, run: int) -> None:
+        """The backward of the segment forward ``run`` (:attr:`run` during it) starts: Note
+        [Prefetch schedule]."""
         with self._lock:
             self._start_backward()
-            for j in range(segment - 1, segment - self.prefetch_segments - 1, -1):
-                if j in self._by_segment:
-                    self._prefetch_segment(j)
+            for j in range(run - 1, run - self.prefetch_segments - 1, -1):
+                if j in self._by_run:
+                    self._prefetch_run(j)
 
     def _device_bytes(self, entry: _Entry) -> torch.Tensor:
         if entry.device is not None:

@@ -248,6 +248,11 @@ class CopyStreams:
         self.exposed = Timing(ops)
 
     # -- forward: device to host ---------------------------------------------------------
+    @property
+    def ordinal(self) -> int:
+        """The forward ordinal of the segment now running (what it offloads is tagged with it)."""
+        return self._ordinal
+
     def segment_started(self) -> None:
         """A segment's forward starts: what it offloads is tagged with a new ordinal."""
         self._ordinal += 1

@@ -345,9 +345,10 @@ class SwapRuntime:
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if torch.is_grad_enabled():
+                run = engine.run  # this forward's place in the execution order, not the plan's
                 engine.segment_ended()
                 if engine.prefetch_segments > 0:
-                    on_backward_start(output, lambda: engine.backward_started(index))
+                    on_backward_start(output, lambda: engine.backward_started(run))
 
         return ModuleHook(hook)
 
