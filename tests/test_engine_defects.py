@@ -15,10 +15,10 @@ from torch import nn
 from lightning_swap.core import Action, SwapRuntime, find_segments, resolve_policy
 from lightning_swap.core.engine.host_pool import HostPool
 from lightning_swap.core.engine.offload import OffloadEngine
-from lightning_swap.core.engine.streams import override_stream_ops
+from lightning_swap.core.engine.streams import CopyStreams, override_stream_ops
 
 from .models import MODELS
-from .stream_double import DoubleFactory
+from .stream_double import DoubleFactory, StreamDouble
 
 torch.set_num_threads(1)
 
@@ -403,3 +403,28 @@ def test_prefetch_holds_at_most_k_runs_with_two_forwards_per_backward(monkeypatc
     assert stats.fetched_bytes + stats.reused_bytes == stats.offloaded_bytes
     # At run r's backward start its own prefetched bytes are not consumed yet: runs r .. r-k.
     assert max(held) <= (prefetch + 1) * per_run
+
+
+# -- #10: compute waits for the copy, not for the buffer's migration that follows it ----------------
+def test_compute_waits_for_the_copy_not_for_what_follows_it():
+    """Under unified memory the pool queues a migration of the buffer back to the CPU after each
+    copy (Note [Managed host buffers]); the event compute waits on must come before it, and the
+    event that frees the host buffer after it (Note [Two events] in streams.py)."""
+    ops = StreamDouble(torch.device("cpu"))
+    copies = CopyStreams(torch.device("cpu"), ops)
+    host = torch.arange(64, dtype=torch.uint8)
+    scratch = torch.zeros(8, dtype=torch.uint8)
+
+    def migrate(stream):  # stands for cudaMemPrefetchAsync on the copy's stream
+        ops.copy(scratch, scratch.clone(), stream)
+
+    copies.segment_started()
+    written = copies.to_host(host.clone(), host, then=migrate)
+    (_, _, stashed), = copies._stash
+    assert stashed.position == len(copies.d2h.queue) - 1 < written.position == len(copies.d2h.queue)
+    dst, landed, reusable = copies.to_device(host, 64, after=(written,), before=migrate, then=migrate)
+    assert landed.position == len(copies.h2d.queue) - 1  # the copy, not the migration after it
+    assert reusable.position == len(copies.h2d.queue)
+    copies.consume(landed)
+    assert torch.equal(dst, host)
+    copies.close()

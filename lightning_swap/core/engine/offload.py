@@ -382,7 +382,7 @@ class OffloadEngine:
         pool, buffer, nbytes = self.pool, entry.buffer, entry.nbytes
         start = time.perf_counter()
         with torch.no_grad():
-            dst, event = self.copies.to_device(
+            dst, event, reusable = self.copies.to_device(
                 entry.host,
                 nbytes,
                 after=(entry.d2h_event,),
@@ -391,7 +391,7 @@ class OffloadEngine:
             )
         if not self.copies.asynchronous:
             self.counters.copy_ms += (time.perf_counter() - start) * 1e3
-        entry.h2d_event = event
+        entry.h2d_event = reusable  # rule 4, after the copy and what follows it
         self.counters.fetched_bytes += nbytes
         return dst, event
 
