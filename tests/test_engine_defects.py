@@ -428,3 +428,43 @@ def test_compute_waits_for_the_copy_not_for_what_follows_it():
     copies.consume(landed)
     assert torch.equal(dst, host)
     copies.close()
+
+
+# -- #11: direct block.forward(x) calls ---------------------------------------------------------
+class _Direct(nn.Module):
+    def __init__(self, direct):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
+        self.direct = direct
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b.forward(x) if self.direct else b(x)
+        return x
+
+
+@pytest.mark.parametrize("policy", ["offload", "recompute_offload"])
+def test_direct_forward_calls_retire_like_module_calls(monkeypatch, policy):
+    seen = []
+    original = OffloadEngine._start_backward
+
+    def spy(self):
+        if not self._backward:
+            seen.append(self.copies.inflight_bytes)
+        return original(self)
+
+    monkeypatch.setattr(OffloadEngine, "_start_backward", spy)
+    results = []
+    for direct in (False, True):
+        torch.manual_seed(0)
+        model = _Direct(direct)
+        x = torch.randn(16, 32)
+        plan = resolve_policy(policy, [f"blocks.{i}" for i in range(4)])
+        with override_stream_ops(DoubleFactory("late")), SwapRuntime(model, plan, device="cpu", min_offload_bytes=0, prefetch_segments=1) as rt:
+            rt.begin_step([x])
+            model(x).sum().backward()
+            stats = rt.end_step()
+        results.append((stats.prefetched_bytes, [p.grad.clone() for p in model.parameters()]))
+    assert seen[0] == seen[1] > 0  # only the last segment's copies in flight at backward start
+    assert results[0][0] == results[1][0] > 0  # and the prefetch ran
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))

@@ -33,6 +33,12 @@ step anyway, running it eagerly (logged), and so do the steps that need the mete
 a plan without rows (Note [Measured rows]), ``auto``'s observed step and its budget check, the
 batch-size finder's trials and the report's timelines. On CUDA the allocator's statistics need
 no mode: every step is measured, compiled.
+
+Note [Direct forward calls]: the offload engine learns where a segment's forward starts and
+ends from the module's forward (pre-)hooks; ``block.forward(x)`` (some codebases, some
+Hugging Face paths) skips them, and every source would then stay on the device until
+backward. The forward an offloading segment is given therefore checks whether its module's
+hooks are running for this call (``_in_call``) and, when not, does their work itself.
 """
 
 from __future__ import annotations
@@ -163,6 +169,9 @@ class SwapRuntime:
         self._metered = False
         self._logged_unmetered = False
         self._handles: list[Any] = []
+        #: Segments whose module call is running (their forward hooks fired): Note [Direct
+        #: forward calls].
+        self._in_call: set[int] = set()
         self.engine: Optional[OffloadEngine] = None
         #: The stream layer every timing and copy of this runtime goes through (Note [Stream protocol]).
         self.ops = default_ops(self.device)
@@ -197,7 +206,7 @@ class SwapRuntime:
             if self.engine is not None:
                 for index, name in enumerate(self.plan.actions):
                     module = self._modules[name]
-                    self._handles.append(module.register_forward_pre_hook(self._forward_trigger()))
+                    self._handles.append(module.register_forward_pre_hook(self._forward_trigger(index)))
                     self._handles.append(module.register_forward_hook(self._backward_trigger(index)))
             if self.unified is not None and self.unified.mode is UMMode.ALL:
                 self._install_parameter_prefetch()
@@ -322,18 +331,45 @@ class SwapRuntime:
                 with engine.hooks(index):
                     return forward(*args, **kwargs)
 
-            return _SegmentForward(module, offloaded)
+            return _SegmentForward(module, self._also_direct(offloaded, index))
         outer = (lambda: engine.hooks(index)) if action is Action.RECOMPUTE_OFFLOAD else None
-        return _SegmentForward(module, checkpointed(module, forward, action, self.timer, outer=outer, name=self._names[index]))
+        fn = checkpointed(module, forward, action, self.timer, outer=outer, name=self._names[index])
+        return _SegmentForward(module, self._also_direct(fn, index) if outer is not None else fn)
 
-    def _forward_trigger(self) -> Any:
+    def _also_direct(self, fn: Any, index: int) -> Any:
+        """Note [Direct forward calls]: ``block.forward(x)`` skips the module's forward hooks,
+        which bound what is in flight and trigger the prefetch; the segment's own forward then
+        does what they would have done."""
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if index in self._in_call:
+                return fn(*args, **kwargs)
+            self._segment_started()
+            output = fn(*args, **kwargs)
+            self._segment_ended(output)
+            return output
+
+        return forward
+
+    def _segment_started(self) -> None:
+        if torch.is_grad_enabled():
+            self.engine.segment_started()
+
+    def _segment_ended(self, output: Any) -> None:
+        engine = self.engine
+        if torch.is_grad_enabled():
+            run = engine.run  # this forward's place in the execution order, not the plan's
+            engine.segment_ended()
+            if engine.prefetch_segments > 0:
+                on_backward_start(output, lambda: engine.backward_started(run))
+
+    def _forward_trigger(self, index: int) -> Any:
         """A forward pre-hook on every segment: what is in flight is bounded in segments
         (Note [Stream protocol], rule 2)."""
-        engine = self.engine
 
         def hook(module: nn.Module, args: Any) -> None:
-            if torch.is_grad_enabled():
-                engine.segment_started()
+            self._in_call.add(index)
+            self._segment_started()
 
         return ModuleHook(hook)
 
@@ -341,14 +377,10 @@ class SwapRuntime:
         """A forward hook: the segment's copies to the host may stay in flight only so long
         (Note [Stream protocol]), and its outputs mark when its backward starts (Note [Prefetch
         schedule] in offload.py)."""
-        engine = self.engine
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if torch.is_grad_enabled():
-                run = engine.run  # this forward's place in the execution order, not the plan's
-                engine.segment_ended()
-                if engine.prefetch_segments > 0:
-                    on_backward_start(output, lambda: engine.backward_started(run))
+            self._in_call.discard(index)
+            self._segment_ended(output)
 
         return ModuleHook(hook)
 
@@ -438,6 +470,7 @@ class SwapRuntime:
         elif self._metered and self._compiled and not self.meter.is_cuda:
             log.info("lightning-swap: measuring this step's device memory on CPU; the compiled model runs eagerly for it")
         self._step_open = True
+        self._in_call.clear()  # a forward that raised last step left its segment there
         if self._metered:
             self.meter.__enter__()
         counted = self._metered and not self.meter.is_cuda  # the CUDA allocator sees everything by itself
