@@ -468,3 +468,45 @@ def test_direct_forward_calls_retire_like_module_calls(monkeypatch, policy):
     assert seen[0] == seen[1] > 0  # only the last segment's copies in flight at backward start
     assert results[0][0] == results[1][0] > 0  # and the prefetch ran
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
+# -- #12: a user's checkpoint inside a segment is respected -----------------------------------------
+class _UserCheckpointed(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)])
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_users_checkpoint_inside_a_segment_is_respected(monkeypatch, caplog, reentrant):
+    in_backward = []
+    original = OffloadEngine._copy_out
+
+    def spy(self, segment, storage, version):
+        in_backward.append(torch._C._current_graph_task_id() != -1)
+        return original(self, segment, storage, version)
+
+    monkeypatch.setattr(OffloadEngine, "_copy_out", spy)
+    grads, offloaded = [], []
+    for action in (Action.KEEP, Action.OFFLOAD):
+        torch.manual_seed(0)
+        model = _UserCheckpointed(reentrant)
+        plan = {f"blocks.{i}": action for i in range(4)}
+        with caplog.at_level("WARNING"), SwapRuntime(model, plan, device="cpu", min_offload_bytes=0, prefetch_segments=1) as rt:
+            for _ in range(2):
+                x = torch.randn(16, 32, requires_grad=True)
+                rt.begin_step([x])
+                model(x).pow(2).sum().backward()
+                offloaded.append(rt.end_step().offloaded_bytes)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert not any(in_backward)  # nothing packed while backward recomputes
+    assert offloaded == [0, 0, 0, 0]  # the checkpoint recomputes; the engine stays out of its way
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    reports = [r for r in caplog.records if "own activation checkpoint" in r.getMessage()]
+    assert len(reports) == (0 if reentrant else 4)  # once per segment, not per step

@@ -39,6 +39,16 @@ ends from the module's forward (pre-)hooks; ``block.forward(x)`` (some codebases
 Hugging Face paths) skips them, and every source would then stay on the device until
 backward. The forward an offloading segment is given therefore checks whether its module's
 hooks are running for this call (``_in_call``) and, when not, does their work itself.
+
+Note [A user's checkpoint inside a segment]: a model that checkpoints its own blocks
+(``torch.utils.checkpoint``, Hugging Face's gradient checkpointing) already recomputes them.
+With ``use_reentrant=True`` the block runs again, with grad, inside backward: the engine
+would offload what it recomputes and fetch it straight back, and its forward hooks would
+take the recomputation for a new forward. With ``use_reentrant=False`` the engine's saved-
+tensor hooks would sit inside checkpoint's and win, so the checkpoint would silently stop
+recomputing. Both are respected: nothing is offloaded or counted as a forward while autograd
+runs a backward, and a segment whose forward starts under checkpoint's hooks is left to that
+checkpoint (recomputed), reported once per segment with a warning.
 """
 
 from __future__ import annotations
@@ -172,6 +182,7 @@ class SwapRuntime:
         #: Segments whose module call is running (their forward hooks fired): Note [Direct
         #: forward calls].
         self._in_call: set[int] = set()
+        self._reported_checkpoints: set[str] = set()
         self.engine: Optional[OffloadEngine] = None
         #: The stream layer every timing and copy of this runtime goes through (Note [Stream protocol]).
         self.ops = default_ops(self.device)
@@ -328,6 +339,8 @@ class SwapRuntime:
             assert engine is not None
 
             def offloaded(*args: Any, **kwargs: Any) -> Any:
+                if self._user_recomputes(index):
+                    return forward(*args, **kwargs)
                 with engine.hooks(index):
                     return forward(*args, **kwargs)
 
@@ -336,13 +349,31 @@ class SwapRuntime:
         fn = checkpointed(module, forward, action, self.timer, outer=outer, name=self._names[index])
         return _SegmentForward(module, self._also_direct(fn, index) if outer is not None else fn)
 
+    def _user_recomputes(self, index: int) -> bool:
+        """Note [A user's checkpoint inside a segment]."""
+        if torch._C._current_graph_task_id() != -1:
+            return True  # a reentrant checkpoint recomputing in backward
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or getattr(top[0], "__module__", None) != "torch.utils.checkpoint":
+            return False
+        name = self._names[index]
+        if name not in self._reported_checkpoints:
+            self._reported_checkpoints.add(name)
+            log.warning(
+                "lightning-swap: segment %r runs inside the model's own activation checkpoint "
+                "(torch.utils.checkpoint); that checkpoint recomputes its activations, so the plan's "
+                "offload is not applied to it",
+                name,
+            )
+        return True
+
     def _also_direct(self, fn: Any, index: int) -> Any:
         """Note [Direct forward calls]: ``block.forward(x)`` skips the module's forward hooks,
         which bound what is in flight and trigger the prefetch; the segment's own forward then
         does what they would have done."""
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if index in self._in_call:
+            if index in self._in_call or torch._C._current_graph_task_id() != -1:
                 return fn(*args, **kwargs)
             self._segment_started()
             output = fn(*args, **kwargs)
@@ -368,6 +399,8 @@ class SwapRuntime:
         (Note [Stream protocol], rule 2)."""
 
         def hook(module: nn.Module, args: Any) -> None:
+            if torch._C._current_graph_task_id() != -1:
+                return  # recomputed in backward by a reentrant checkpoint: not a forward
             self._in_call.add(index)
             self._segment_started()
 
@@ -379,6 +412,8 @@ class SwapRuntime:
         schedule] in offload.py)."""
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if torch._C._current_graph_task_id() != -1:
+                return
             self._in_call.discard(index)
             self._segment_ended(output)
 
