@@ -1,6 +1,9 @@
 """The engine defects of issue 24 (a second review), each shown on CPU: what plain autograd does,
-the offload engine does too — same in-place error, same metadata, no graph kept alive, nothing
-held after an aborted step, one fetch per storage."""
+the offload engine does too — same in-place error (#2), same metadata (#3), no graph kept alive
+(#4), nothing held after an aborted step (#13), one fetch per storage (#7), originals still on
+the device used in place (#5, #6), prefetch in execution order (#8), a bounded host pool and
+the soak of "Done when" (#9), compute not waiting for buffer migrations (#10), direct
+``forward`` calls (#11) and a user's own checkpoint (#12)."""
 
 from __future__ import annotations
 
