@@ -11,13 +11,22 @@ on them *on its own stream* (rule 4 of Note [Stream protocol] in ``streams.py``)
 never reads or writes the bytes, so ordering on the device is all that is needed and the host
 never polls or waits: a buffer can be handed out again at once, without a new pinned
 allocation, however far the host runs ahead of the device.
+
+Note [Host pool bound]: buffers come in size classes (four per doubling) and a request is
+served by the smallest free buffer of its class up to twice its size, so a batch of another
+shape reuses the buffers of the last one. At the end of each step the pool keeps at most the
+bytes that step had in use at once: free buffers the step did not use go first (a shape that
+went away), and any free buffer while more than twice that is reserved. Reserved bytes thus
+stay within the last step's need plus the current step's, whatever sequence of shapes runs.
+A dropped pinned buffer goes back through torch's host allocator, which reuses it only after
+the copies recorded on it (the engine's copies are ``non_blocking``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -27,40 +36,61 @@ __all__ = ["HostPool"]
 
 log = logging.getLogger(__name__)
 
-_SMALL = 1 << 20
+_MIN_CLASS = 4096
+_CLASSES_PER_DOUBLING = 4
 
 
-def _round_up(nbytes: int) -> int:
-    granularity = 4096 if nbytes < _SMALL else _SMALL
-    return max(granularity, (nbytes + granularity - 1) // granularity * granularity)
+def _size_class(nbytes: int) -> int:
+    """The smallest size class holding ``nbytes``: 4 KiB, then four classes per doubling
+    (``2**k * (1, 1.25, 1.5, 1.75)``), so a buffer wastes under a quarter of its bytes."""
+    if nbytes <= _MIN_CLASS:
+        return _MIN_CLASS
+    base = 1 << ((nbytes - 1).bit_length() - 1)
+    step = base // _CLASSES_PER_DOUBLING
+    return base + -(-(nbytes - base) // step) * step
 
 
 class HostPool:
-    """Host byte buffers, bucketed by rounded size (Note [Host buffer reuse])."""
+    """Host byte buffers in size classes (Note [Host buffer reuse], Note [Host pool bound])."""
 
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
-        self._free: dict[int, list[tuple[torch.Tensor, tuple]]] = defaultdict(list)
+        # size class -> free buffers, each with its events and the step that last used it.
+        self._free: dict[int, list[tuple[torch.Tensor, tuple, int]]] = defaultdict(list)
+        self._step = 0
+        self._peak_in_use = 0
         self.reserved_bytes = 0
+        #: The most bytes reserved at once since the pool was made.
+        self.peak_reserved_bytes = 0
         self.in_use_bytes = 0
         self.allocations = 0
+        self.freed_bytes = 0
 
     def acquire(self, nbytes: int) -> tuple[torch.Tensor, tuple]:
         """A uint8 host tensor of at least ``nbytes`` bytes, and the events of the copies that
         last touched it (empty for a new buffer): the next copy into it must wait on them."""
-        size = _round_up(nbytes)
-        bucket = self._free[size]
-        if bucket:
-            buffer, events = bucket.pop()
+        size = _size_class(nbytes)
+        found = self._take_free(size)
+        if found is not None:
+            buffer, events = found
         else:
             with host_allocation():
                 buffer = self._allocate(size)
             mark_host(buffer)
             events = ()
             self.reserved_bytes += size
+            self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
             self.allocations += 1
-        self.in_use_bytes += size
+        self.in_use_bytes += buffer.numel()
+        self._peak_in_use = max(self._peak_in_use, self.in_use_bytes)
         return buffer, events
+
+    def _take_free(self, size: int) -> Optional[tuple[torch.Tensor, tuple]]:
+        """The smallest free buffer of at least ``size`` and at most twice as many bytes."""
+        for cls in sorted(c for c, bucket in self._free.items() if bucket and size <= c <= 2 * size):
+            buffer, events, _ = self._free[cls].pop()
+            return buffer, events
+        return None
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
@@ -79,7 +109,21 @@ class HostPool:
     def release(self, buffer: torch.Tensor, events: tuple = ()) -> None:
         """Give ``buffer`` back with the events of the copies that used it."""
         self.in_use_bytes -= buffer.numel()
-        self._free[buffer.numel()].append((buffer, tuple(e for e in events if e is not None)))
+        self._free[buffer.numel()].append((buffer, tuple(e for e in events if e is not None), self._step))
+
+    def end_step(self) -> None:
+        """Note [Host pool bound]: keep what this step needed at once, drop the rest."""
+        keep = self._peak_in_use
+        for cls in sorted(self._free, reverse=True):
+            bucket = self._free[cls]
+            # Stale first (not used this step: a shape that went away), then the largest.
+            bucket.sort(key=lambda item: item[2], reverse=True)
+            while bucket and self.reserved_bytes > keep and (bucket[-1][2] < self._step or self.reserved_bytes > 2 * keep):
+                buffer, _, _ = bucket.pop()
+                self.reserved_bytes -= buffer.numel()
+                self.freed_bytes += buffer.numel()
+        self._step += 1
+        self._peak_in_use = self.in_use_bytes
 
     def clear(self) -> None:
         """Drop every free buffer. The engine drains its copy streams first; pinned memory is

@@ -12,7 +12,7 @@ Note [What is never offloaded]: whatever is alive before the step anyway — par
 buffers and the tensors the caller tracks (the batch): a copy would cost bandwidth and free
 nothing — tensors smaller than ``min_offload_bytes``, tensors on another device, and tensor
 subclasses or non-strided layouts (their storage is not a plain byte array). These are
-returned to autograd unchanged.
+returned to autograd as they are, detached (Note [No reference cycle]).
 
 Note [One storage, one copy]: several ops often save the same storage (a block's output is
 saved by its last ReLU and by the next block's first conv; ``x`` and ``x.t()`` share one
@@ -20,20 +20,52 @@ storage). The whole storage is copied out once per version of its content and ea
 tensor keeps only its view (dtype, size, stride, offset) into the shared entry. It is copied
 back once too: the device copy is held from its first unpack until every saved tensor that
 refers to it has been unpacked (``pending``), so ``fetched_bytes == offloaded_bytes`` in a
-step with one backward. A second backward over a retained graph fetches again only if the
+step with one backward; reading ``ctx.saved_tensors`` twice counts once per saved tensor
+(``round``). A second backward over a retained graph fetches again only if the
 first one's device copy died.
 
-Note [Prefetch schedule]: when segment ``i``'s backward starts (the gradient of its output
-is ready), the host-to-device copies of segments ``i-1 .. i-k`` are queued, ``k =
+Note [Prefetch schedule]: segment forwards are numbered as they run (``run``, recorded in this
+step's forward: a model may run a segment twice, or the whole model twice per backward, in
+any order of the plan). When the backward of run ``r`` starts (the gradient of its output
+is ready), the host-to-device copies of what runs ``r-1 .. r-k`` offloaded are queued, ``k =
 prefetch_segments``, each entry at most once per step; an unpack whose bytes were not
 prefetched fetches them on demand. Nothing is fetched that no unpack will consume in this
 backward: a prefetch is only ever issued for an entry that has not been fetched yet, so the
 extra device memory of prefetching is bounded by the ``k`` segments' offloaded bytes.
+
+Note [Used in place]: an offloaded storage may still be on the device when backward needs it
+— its copy was still in flight when backward started (the last ``inflight_segments``
+segments), or something else holds it (the batch, a kept segment's saved tensor, the user).
+Then the original is used (and held by the entry until its last unpack, as a fetched copy
+would be) instead of a second device copy: nothing is fetched while its original is alive.
+The version check (Note [Saved version check]) guards that the bytes are still those saved.
+
+Note [Saved version check]: with saved-tensor hooks autograd no longer compares a saved
+tensor's version counter at unpack (it cannot see through the hooks), so the engine does it:
+each saved tensor keeps the version it had when packed and something that shares its version
+counter — the tensor detached when it is not offloaded, else a storage-less alias of it — and
+unpack raises autograd's own RuntimeError, same text, at the same point (the unpack), when an
+in-place operation changed it since. The message names the tensor's current ``grad_fn`` as
+autograd does while the tensor is alive; once nothing holds it (its new ``grad_fn`` is gone
+with it), the op that produced the saved version; and a saved *output* changed in place by
+its new ``grad_fn`` (autograd names the node that saved it: a pack hook cannot tell an output
+from an input).
+
+Note [No reference cycle]: what ``pack`` returns is held by the graph's node; returning the
+saved tensor itself, when an op saves its own output, makes tensor -> grad_fn -> node ->
+tensor a cycle that only backward breaks (a graph dropped without backward, or after
+``retain_graph=True``, would live until the garbage collector runs, with its host buffers).
+Kept tensors are therefore held detached (no ``grad_fn``), and nothing else the engine holds
+per step refers to a graph strongly.
+
+Note [Saved metadata]: dtype, size, stride and storage offset are those of the saved view;
+the lazy conjugate and negative bits are not in the bytes, so they are kept and put back.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import time
 import weakref
@@ -55,6 +87,9 @@ class OffloadCounters:
     offloaded_tensors: int = 0
     deduplicated_tensors: int = 0
     fetched_bytes: int = 0
+    #: Offloaded bytes whose device original was still alive when needed: used in place, not
+    #: fetched (Note [Used in place]); ``fetched + reused == offloaded`` for one backward.
+    reused_bytes: int = 0
     prefetched_bytes: int = 0
     #: Host-measured copy time on CPU (synchronous copies); on CUDA see ``CopyStreams.exposed``.
     copy_ms: float = 0.0
@@ -67,7 +102,7 @@ class _Entry:
 
     __slots__ = (
         "__weakref__", "segment", "nbytes", "buffer", "host", "source", "version", "pool",
-        "d2h_event", "h2d_event", "fetch", "device", "landed", "packs", "pending",
+        "d2h_event", "h2d_event", "fetch", "device", "landed", "packs", "pending", "round",
     )
 
     def __init__(self, segment: int, nbytes: int, buffer: torch.Tensor, pool: HostPool) -> None:
@@ -89,6 +124,8 @@ class _Entry:
         self.landed: Optional[weakref.ref] = None
         self.packs = 0
         self.pending = 0
+        #: Counts the times every saved tensor referring to the entry has been unpacked.
+        self.round = 0
 
     def __del__(self) -> None:
         try:
@@ -97,19 +134,98 @@ class _Entry:
             pass
 
 
-class _Packed:
+class _Saved:
+    """What autograd's own check needs to see an in-place change of a saved tensor (Note [Saved
+    version check]): the version the tensor had when saved and how autograd names it."""
+
+    __slots__ = ("version", "what", "output_nr", "producer", "tensor_ref")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.version = t._version
+        self.what = f"{t.type()} {list(t.size())}"
+        self.output_nr = t.output_nr
+        self.producer = t.grad_fn.name() if t.grad_fn is not None else None
+        # Weakly: autograd names a saved input by its grad_fn at unpack (an in-place change
+        # replaced it), and holding it strongly would keep its graph alive.
+        self.tensor_ref = weakref.ref(t)
+
+    def check(self, current: int) -> None:
+        if current == self.version:
+            return
+        t = self.tensor_ref()
+        fn = t.grad_fn.name() if t is not None and t.grad_fn is not None else self.producer
+        which = f", which is output {self.output_nr} of {re.sub(r'Backward[0-9]*$', '', fn)}," if fn else ""
+        hint = (
+            " Hint: the backtrace further above shows the operation that failed to compute its gradient. "
+            "The variable in question was changed in there or anywhere later. Good luck!"
+            if torch.is_anomaly_enabled()
+            else " Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
+            "with torch.autograd.set_detect_anomaly(True, check_nan=False)."
+        )
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{self.what}]{which} is at version {current}; expected version {self.version} instead.{hint}"
+        )
+
+
+def _version_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor sharing ``t``'s version counter but not its storage (Note [Saved version check])."""
+    version = t._version
+    with torch.no_grad():
+        alias = t.detach()
+        # Without the lazy bits, which would make ``set_`` go through their fallbacks.
+        if alias.is_conj():
+            alias = alias.conj()
+        if alias.is_neg():
+            alias = torch._neg_view(alias)
+        alias.set_(torch.empty(0, dtype=t.dtype, device=t.device).untyped_storage())
+    # ``set_`` bumped the shared counter: put it back, so that autograd's checks of copies of
+    # ``t`` saved outside the hooks and our own comparison see the version ``t`` really has.
+    torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+    return alias
+
+
+class _Kept(_Saved):
+    """What autograd holds for a saved tensor the engine does not offload: the tensor detached
+    (Note [No reference cycle]) and its version."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        super().__init__(t)
+        self.tensor = t.detach()
+
+
+class _Packed(_Saved):
     """What autograd holds instead of an offloaded tensor: a view into an entry."""
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset")
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "conj", "neg", "alias", "round")
 
     def __init__(self, entry: _Entry, t: torch.Tensor) -> None:
+        super().__init__(t)
         self.entry = entry
         self.dtype = t.dtype
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
+        # Note [Saved metadata]: the lazy conjugate and negative bits are not in the bytes.
+        self.conj = t.is_conj()
+        self.neg = t.is_neg()
+        self.alias = _version_alias(t)
+        #: The entry's unpack round this saved tensor was last unpacked in (Note [One storage, one copy]).
+        self.round = -1
         entry.packs += 1
         entry.pending += 1
+
+    def rebuild(self, dst: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            out = torch.empty(0, dtype=self.dtype, device=dst.device)
+            out.set_(dst.untyped_storage(), self.offset, self.size, self.stride)
+            if self.conj:
+                out = out.conj()
+            if self.neg:
+                out = torch._neg_view(out)
+        return out
 
 
 def _as_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -139,7 +255,7 @@ class OffloadEngine:
         self._lock = threading.RLock()
         self._skip_ptrs: frozenset[int] = frozenset()
         self._by_storage: dict[int, weakref.ref] = {}
-        self._by_segment: dict[int, list[weakref.ref]] = {}
+        self._by_run: dict[int, list[weakref.ref]] = {}
         self._backward = False
         # Queued fetches the compute stream has not waited for yet, by id: held here, not only by
         # their entries, so that one is never dropped unwaited (rule 3 of Note [Stream protocol]).
@@ -152,7 +268,7 @@ class OffloadEngine:
         """Start a step; ``skip`` are tensors never offloaded (Note [What is never offloaded])."""
         self._skip_ptrs = frozenset(t.untyped_storage().data_ptr() for t in skip)
         self._by_storage.clear()
-        self._by_segment.clear()
+        self._by_run.clear()
         self._backward = False
         self.counters = OffloadCounters()
 
@@ -161,8 +277,25 @@ class OffloadEngine:
         later: Note [Stream protocol], rule 5). Nothing waits on the host: copies still in flight
         and prefetches nobody consumed retire onto the compute stream."""
         self._settle()
+        self.pool.end_step()  # Note [Host pool bound]
         exposed, self.copies.exposed = self.copies.exposed, Timing(self.copies.ops)
         return self.counters, exposed
+
+    def abort_step(self) -> None:
+        """A step that raised: release everything this step held — sources whose copies are in
+        flight (the compute stream waits on them, rule 2), prefetched device copies nobody
+        consumed (rule 3) and the entries' device copies — without the step's statistics."""
+        self._settle()
+        for ref in self._by_storage.values():
+            entry = ref()
+            if entry is not None:
+                entry.device = None
+                entry.landed = None
+        self._by_storage.clear()
+        self._by_run.clear()
+        self._backward = False
+        self.copies.exposed = Timing(self.copies.ops)
+        self.pool.end_step()
 
     def _settle(self) -> None:
         self.copies.retire()
@@ -174,7 +307,7 @@ class OffloadEngine:
         self._settle()
         self.copies.close()
         self._by_storage.clear()
-        self._by_segment.clear()
+        self._by_run.clear()
         self.pool.clear()
 
     # -- hooks --------------------------------------------------------------------------
@@ -208,7 +341,7 @@ class OffloadEngine:
 
     def _pack(self, segment: int, t: torch.Tensor) -> Any:
         if not self._should_offload(t):
-            return t
+            return _Kept(t)
         storage = t.untyped_storage()
         key = id(storage)
         ref = self._by_storage.get(key)
@@ -218,7 +351,7 @@ class OffloadEngine:
             return _Packed(entry, t)
         entry = self._copy_out(segment, storage, t._version)
         self._by_storage[key] = weakref.ref(entry)
-        self._by_segment.setdefault(segment, []).append(weakref.ref(entry))
+        self._by_run.setdefault(self.copies.ordinal, []).append(weakref.ref(entry))
         return _Packed(entry, t)
 
     def _copy_out(self, segment: int, storage: torch.UntypedStorage, version: int) -> _Entry:
@@ -249,7 +382,7 @@ class OffloadEngine:
         pool, buffer, nbytes = self.pool, entry.buffer, entry.nbytes
         start = time.perf_counter()
         with torch.no_grad():
-            dst, event = self.copies.to_device(
+            dst, event, reusable = self.copies.to_device(
                 entry.host,
                 nbytes,
                 after=(entry.d2h_event,),
@@ -258,33 +391,57 @@ class OffloadEngine:
             )
         if not self.copies.asynchronous:
             self.counters.copy_ms += (time.perf_counter() - start) * 1e3
-        entry.h2d_event = event
+        entry.h2d_event = reusable  # rule 4, after the copy and what follows it
         self.counters.fetched_bytes += nbytes
         return dst, event
 
     def _start_backward(self) -> None:
         if not self._backward:
             self._backward = True
-            self.copies.retire()  # every source's copy is needed from now on
+            # Note [Used in place]: the sources still in flight are handed to their entries
+            # (not dropped and fetched straight back); the compute stream still waits on their
+            # copies before they can ever be freed (rule 2).
+            stashed = self.copies.stashed_ptrs()
+            for ref in list(self._by_storage.values()) if stashed else ():
+                entry = ref()
+                storage = entry.source() if entry is not None and entry.source is not None else None
+                if storage is not None and entry.device is None and storage.data_ptr() in stashed:
+                    self._use_in_place(entry, storage)
+            self.copies.retire()
 
-    def _prefetch_segment(self, segment: int) -> None:
-        for ref in self._by_segment.get(segment, ()):
+    def _use_in_place(self, entry: _Entry, storage: torch.UntypedStorage) -> torch.Tensor:
+        entry.device = _as_bytes(storage, self.device)
+        self.counters.reused_bytes += entry.nbytes
+        return entry.device
+
+    def _prefetch_run(self, run: int) -> None:
+        for ref in self._by_run.get(run, ()):
             entry = ref()
             if entry is None or entry.fetch is not None or entry.device is not None:
                 continue
             if entry.landed is not None and entry.landed() is not None:
                 continue
+            storage = entry.source() if entry.source is not None else None
+            if storage is not None:  # still on the device: held from now, not fetched
+                self._use_in_place(entry, storage)
+                continue
             entry.fetch = next(self._fetch_ids)
             self._fetches[entry.fetch] = self._fetch(entry)
             self.counters.prefetched_bytes += entry.nbytes
 
-    def backward_started(self, segment: int) -> None:
-        """Note [Prefetch schedule]."""
+    @property
+    def run(self) -> int:
+        """The ordinal of the segment forward now running, in this engine's execution order."""
+        return self.copies.ordinal
+
+    def backward_started(self, run: int) -> None:
+        """The backward of the segment forward ``run`` (:attr:`run` during it) starts: Note
+        [Prefetch schedule]."""
         with self._lock:
             self._start_backward()
-            for j in range(segment - 1, segment - self.prefetch_segments - 1, -1):
-                if j in self._by_segment:
-                    self._prefetch_segment(j)
+            for j in range(run - 1, run - self.prefetch_segments - 1, -1):
+                if j in self._by_run:
+                    self._prefetch_run(j)
 
     def _device_bytes(self, entry: _Entry) -> torch.Tensor:
         if entry.device is not None:
@@ -295,6 +452,9 @@ class OffloadEngine:
                 return _as_bytes(storage, self.device)
         fetch = self._fetches.pop(entry.fetch, None) if entry.fetch is not None else None
         entry.fetch = None
+        storage = entry.source() if entry.source is not None else None
+        if fetch is None and storage is not None:
+            return self._use_in_place(entry, storage)
         if fetch is not None:
             dst, event = fetch
         else:
@@ -304,19 +464,21 @@ class OffloadEngine:
         return dst
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Packed):
-            return packed
+        if isinstance(packed, _Kept):
+            packed.check(packed.tensor._version)
+            return packed.tensor
+        packed.check(packed.alias._version)
         entry = packed.entry
         with self._lock:
             self._start_backward()
             dst = self._device_bytes(entry)
-            entry.pending -= 1
+            if packed.round != entry.round:  # a second unpack of one saved tensor counts once
+                packed.round = entry.round
+                entry.pending -= 1
             if entry.pending <= 0 and entry.device is not None:
                 # Note [One storage, one copy]: every saved view has been handed out.
                 entry.landed = weakref.ref(entry.device.untyped_storage())
                 entry.device = None
                 entry.pending = entry.packs  # a second backward unpacks each once more
-        with torch.no_grad():
-            out = torch.empty(0, dtype=packed.dtype, device=self.device)
-            out.set_(dst.untyped_storage(), packed.offset, packed.size, packed.stride)
-        return out
+                entry.round += 1
+        return packed.rebuild(dst)

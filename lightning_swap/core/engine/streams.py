@@ -248,6 +248,11 @@ class CopyStreams:
         self.exposed = Timing(ops)
 
     # -- forward: device to host ---------------------------------------------------------
+    @property
+    def ordinal(self) -> int:
+        """The forward ordinal of the segment now running (what it offloads is tagged with it)."""
+        return self._ordinal
+
     def segment_started(self) -> None:
         """A segment's forward starts: what it offloads is tagged with a new ordinal."""
         self._ordinal += 1
@@ -271,12 +276,15 @@ class CopyStreams:
         for event in after:  # rule 4
             ops.wait(self.d2h, event)
         ops.copy(host, src, self.d2h)
-        if then is not None:
-            with ops.use(self.d2h):
-                then(self.d2h)
-        event = ops.record(self.d2h)
-        self._stash.append((self._ordinal, src, event))  # rule 2
-        return event
+        copied = ops.record(self.d2h)
+        # rule 2: freeing the source waits for the copy only, not for what ``then`` queues
+        # (Note [Two events] in :meth:`to_device`).
+        self._stash.append((self._ordinal, src, copied))
+        if then is None:
+            return copied
+        with ops.use(self.d2h):
+            then(self.d2h)
+        return ops.record(self.d2h)
 
     def retire(self, before: Optional[int] = None) -> None:
         """The compute stream waits on the copies of stashed sources (all, or those of forward
@@ -295,15 +303,23 @@ class CopyStreams:
             self._wait_compute(last)
         self._stash = keep
 
+    def stashed_ptrs(self) -> set[int]:
+        """The data pointers of the sources whose copies are in flight (rule 2)."""
+        return {src.untyped_storage().data_ptr() for _, src, _ in self._stash}
+
     @property
     def inflight_bytes(self) -> int:
         return sum(src.numel() for _, src, _ in self._stash)
 
     # -- backward: host to device --------------------------------------------------------
-    def to_device(self, host: torch.Tensor, nbytes: int, *, after: tuple = (), before: Optional[Callable[[Any], None]] = None, then: Optional[Callable[[Any], None]] = None) -> tuple[torch.Tensor, Any]:
-        """Device bytes holding ``host[:nbytes]`` and the event of the copy (``None`` when done).
+    def to_device(self, host: torch.Tensor, nbytes: int, *, after: tuple = (), before: Optional[Callable[[Any], None]] = None, then: Optional[Callable[[Any], None]] = None) -> tuple[torch.Tensor, Any, Any]:
+        """Device bytes holding ``host[:nbytes]``, the event the compute stream waits on before
+        using them, and the event after which ``host`` may be reused (``None`` when done).
         ``after``: events the copy must follow (the d2h copy that filled ``host``: rule 1);
-        ``before`` / ``then`` queue work on the copy's stream around it."""
+        ``before`` / ``then`` queue work on the copy's stream around it. Note [Two events]:
+        the first event is recorded right after the copy, so that compute never waits for what
+        ``then`` queues (under unified memory, the migration of the buffer back to the CPU);
+        the second after ``then``, since the buffer is not free before that has run."""
         ops = self.ops
         dst = ops.empty(nbytes, self.device)  # on the compute stream: rule 3
         if not self.asynchronous:
@@ -312,7 +328,7 @@ class CopyStreams:
             ops.copy(dst, host, None)
             if then is not None:
                 then(None)
-            return dst, None
+            return dst, None, None
         ops.wait(self.h2d, ops.record(ops.compute_stream()))  # rule 3
         for event in after:  # rule 1
             ops.wait(self.h2d, event)
@@ -320,9 +336,11 @@ class CopyStreams:
             if before is not None:
                 before(self.h2d)
             ops.copy(dst, host, self.h2d)
-            if then is not None:
-                then(self.h2d)
-        return dst, ops.record(self.h2d)
+            landed = ops.record(self.h2d)
+            if then is None:
+                return dst, landed, landed
+            then(self.h2d)
+        return dst, landed, ops.record(self.h2d)
 
     def consume(self, event: Any) -> None:
         """The compute stream waits for a copy's event before using (or dropping) its bytes."""

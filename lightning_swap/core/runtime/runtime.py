@@ -33,6 +33,22 @@ step anyway, running it eagerly (logged), and so do the steps that need the mete
 a plan without rows (Note [Measured rows]), ``auto``'s observed step and its budget check, the
 batch-size finder's trials and the report's timelines. On CUDA the allocator's statistics need
 no mode: every step is measured, compiled.
+
+Note [Direct forward calls]: the offload engine learns where a segment's forward starts and
+ends from the module's forward (pre-)hooks; ``block.forward(x)`` (some codebases, some
+Hugging Face paths) skips them, and every source would then stay on the device until
+backward. The forward an offloading segment is given therefore checks whether its module's
+hooks are running for this call (``_in_call``) and, when not, does their work itself.
+
+Note [A user's checkpoint inside a segment]: a model that checkpoints its own blocks
+(``torch.utils.checkpoint``, Hugging Face's gradient checkpointing) already recomputes them.
+With ``use_reentrant=True`` the block runs again, with grad, inside backward: the engine
+would offload what it recomputes and fetch it straight back, and its forward hooks would
+take the recomputation for a new forward. With ``use_reentrant=False`` the engine's saved-
+tensor hooks would sit inside checkpoint's and win, so the checkpoint would silently stop
+recomputing. Both are respected: nothing is offloaded or counted as a forward while autograd
+runs a backward, and a segment whose forward starts under checkpoint's hooks is left to that
+checkpoint (recomputed), reported once per segment with a warning.
 """
 
 from __future__ import annotations
@@ -163,6 +179,10 @@ class SwapRuntime:
         self._metered = False
         self._logged_unmetered = False
         self._handles: list[Any] = []
+        #: Segments whose module call is running (their forward hooks fired): Note [Direct
+        #: forward calls].
+        self._in_call: set[int] = set()
+        self._reported_checkpoints: set[str] = set()
         self.engine: Optional[OffloadEngine] = None
         #: The stream layer every timing and copy of this runtime goes through (Note [Stream protocol]).
         self.ops = default_ops(self.device)
@@ -197,7 +217,7 @@ class SwapRuntime:
             if self.engine is not None:
                 for index, name in enumerate(self.plan.actions):
                     module = self._modules[name]
-                    self._handles.append(module.register_forward_pre_hook(self._forward_trigger()))
+                    self._handles.append(module.register_forward_pre_hook(self._forward_trigger(index)))
                     self._handles.append(module.register_forward_hook(self._backward_trigger(index)))
             if self.unified is not None and self.unified.mode is UMMode.ALL:
                 self._install_parameter_prefetch()
@@ -319,21 +339,70 @@ class SwapRuntime:
             assert engine is not None
 
             def offloaded(*args: Any, **kwargs: Any) -> Any:
+                if self._user_recomputes(index):
+                    return forward(*args, **kwargs)
                 with engine.hooks(index):
                     return forward(*args, **kwargs)
 
-            return _SegmentForward(module, offloaded)
+            return _SegmentForward(module, self._also_direct(offloaded, index))
         outer = (lambda: engine.hooks(index)) if action is Action.RECOMPUTE_OFFLOAD else None
-        return _SegmentForward(module, checkpointed(module, forward, action, self.timer, outer=outer, name=self._names[index]))
+        fn = checkpointed(module, forward, action, self.timer, outer=outer, name=self._names[index])
+        return _SegmentForward(module, self._also_direct(fn, index) if outer is not None else fn)
 
-    def _forward_trigger(self) -> Any:
+    def _user_recomputes(self, index: int) -> bool:
+        """Note [A user's checkpoint inside a segment]."""
+        if torch._C._current_graph_task_id() != -1:
+            return True  # a reentrant checkpoint recomputing in backward
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or getattr(top[0], "__module__", None) != "torch.utils.checkpoint":
+            return False
+        name = self._names[index]
+        if name not in self._reported_checkpoints:
+            self._reported_checkpoints.add(name)
+            log.warning(
+                "lightning-swap: segment %r runs inside the model's own activation checkpoint "
+                "(torch.utils.checkpoint); that checkpoint recomputes its activations, so the plan's "
+                "offload is not applied to it",
+                name,
+            )
+        return True
+
+    def _also_direct(self, fn: Any, index: int) -> Any:
+        """Note [Direct forward calls]: ``block.forward(x)`` skips the module's forward hooks,
+        which bound what is in flight and trigger the prefetch; the segment's own forward then
+        does what they would have done."""
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if index in self._in_call or torch._C._current_graph_task_id() != -1:
+                return fn(*args, **kwargs)
+            self._segment_started()
+            output = fn(*args, **kwargs)
+            self._segment_ended(output)
+            return output
+
+        return forward
+
+    def _segment_started(self) -> None:
+        if torch.is_grad_enabled():
+            self.engine.segment_started()
+
+    def _segment_ended(self, output: Any) -> None:
+        engine = self.engine
+        if torch.is_grad_enabled():
+            run = engine.run  # this forward's place in the execution order, not the plan's
+            engine.segment_ended()
+            if engine.prefetch_segments > 0:
+                on_backward_start(output, lambda: engine.backward_started(run))
+
+    def _forward_trigger(self, index: int) -> Any:
         """A forward pre-hook on every segment: what is in flight is bounded in segments
         (Note [Stream protocol], rule 2)."""
-        engine = self.engine
 
         def hook(module: nn.Module, args: Any) -> None:
-            if torch.is_grad_enabled():
-                engine.segment_started()
+            if torch._C._current_graph_task_id() != -1:
+                return  # recomputed in backward by a reentrant checkpoint: not a forward
+            self._in_call.add(index)
+            self._segment_started()
 
         return ModuleHook(hook)
 
@@ -341,13 +410,12 @@ class SwapRuntime:
         """A forward hook: the segment's copies to the host may stay in flight only so long
         (Note [Stream protocol]), and its outputs mark when its backward starts (Note [Prefetch
         schedule] in offload.py)."""
-        engine = self.engine
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if torch.is_grad_enabled():
-                engine.segment_ended()
-                if engine.prefetch_segments > 0:
-                    on_backward_start(output, lambda: engine.backward_started(index))
+            if torch._C._current_graph_task_id() != -1:
+                return
+            self._in_call.discard(index)
+            self._segment_ended(output)
 
         return ModuleHook(hook)
 
@@ -437,6 +505,7 @@ class SwapRuntime:
         elif self._metered and self._compiled and not self.meter.is_cuda:
             log.info("lightning-swap: measuring this step's device memory on CPU; the compiled model runs eagerly for it")
         self._step_open = True
+        self._in_call.clear()  # a forward that raised last step left its segment there
         if self._metered:
             self.meter.__enter__()
         counted = self._metered and not self.meter.is_cuda  # the CUDA allocator sees everything by itself
@@ -465,7 +534,10 @@ class SwapRuntime:
         )
 
     def abort_step(self) -> None:
-        """Close the window of a step that failed, with no statistics."""
+        """Close the window of a step that failed, with no statistics; the offload engine lets go
+        of everything the step held (copies in flight, prefetches, device copies)."""
+        if self.engine is not None:
+            self.engine.abort_step()
         if self.meter._open:
             self.meter.__exit__(None, None, None)
         self._step_open = False
@@ -488,6 +560,7 @@ class SwapRuntime:
             offloaded_bytes=counters.offloaded_bytes if counters else 0,
             fetched_bytes=counters.fetched_bytes if counters else 0,
             prefetched_bytes=counters.prefetched_bytes if counters else 0,
+            reused_bytes=counters.reused_bytes if counters else 0,
             offloaded_tensors=counters.offloaded_tensors if counters else 0,
             deduplicated_tensors=counters.deduplicated_tensors if counters else 0,
             host_pool_bytes=self.engine.pool.reserved_bytes if self.engine is not None else 0,

@@ -31,8 +31,8 @@ class StepStats:
     peak_device_bytes: Optional[int]
     #: Bytes copied to host memory in forward (each storage once: Note [One storage, one copy]).
     offloaded_bytes: int
-    #: Bytes copied back to the device in backward, prefetched or on demand; equals
-    #: ``offloaded_bytes`` in a step with one backward.
+    #: Bytes copied back to the device in backward, prefetched or on demand; with
+    #: ``reused_bytes``, equals ``offloaded_bytes`` in a step with one backward.
     fetched_bytes: int
     #: Bytes of ``fetched_bytes`` copied ahead of need (Note [Prefetch schedule]).
     prefetched_bytes: int
@@ -54,6 +54,9 @@ class StepStats:
     #: Managed allocations the ``um_max_bytes`` cap (or the driver) refused during the step: a
     #: refused cuDNN workspace silently changes the convolution algorithm.
     um_refused_allocations: int = 0
+    #: Offloaded bytes whose device original was still alive when backward needed them, used
+    #: in place instead of fetched (Note [Used in place] in ``engine/offload.py``).
+    reused_bytes: int = 0
 
     @property
     def resolved(self) -> bool:
