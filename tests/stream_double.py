@@ -153,6 +153,11 @@ def _schema(func: Any) -> tuple[list[tuple[str, Optional[str]]], list[bool]]:
     return cached
 
 
+#: Ops whose schema marks ``self`` written although they change only its metadata (which storage,
+#: offset, sizes and strides it views): the engine rebuilds saved tensors' views with ``set_``.
+_METADATA_ONLY = frozenset({torch.ops.aten.set_, torch.ops.aten.as_strided_, torch.ops.aten.detach_})
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
@@ -221,6 +226,8 @@ class ComputeStream(TorchDispatchMode):
             self.violations.append(f"compute: {func} issued inside use({self.current.name}); the model runs only copies on side streams")
         self.ticks += 1
         out = func(*args, **kwargs)
+        if func.overloadpacket in _METADATA_ONLY:
+            return out  # re-points a tensor at a storage: no byte is read or written
         arg_kinds, fresh = _schema(func)
         accesses = []
         for i, value in enumerate(args):

@@ -175,7 +175,7 @@ def test_the_engine_streams_see_the_same_model():
         copies.segment_started()
         event = copies.to_host(x.view(torch.uint8), host)
         copies.segment_ended()
-        dst, back = copies.to_device(host, 24, after=(event,))
+        dst, back, _ = copies.to_device(host, 24, after=(event,))
         copies.consume(back)
         got = dst.view(torch.float32).clone()
         copies.close()
