@@ -135,3 +135,17 @@ def test_engine_benchmark_needs_a_gpu_and_its_harness_runs_on_cpu():
         assert f"\n   {method} " in out, method
     assert "Error" not in out, out
     assert "keep / plain:" in out and "recompute / torch checkpoint:" in out
+
+
+def test_compile_budget_benchmark_runs_in_smoke_mode():
+    """``compile_budget.py`` (issue 23): fresh processes for torch.compile under an activation
+    memory budget and for our plan at the same memory, side by side in one table."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "compile_budget.py"), "--smoke"], capture_output=True, text=True,
+                          timeout=600, cwd=BENCHMARKS.parent, env=CPU_ONLY)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("budget f "))
+    assert [c.strip() for c in header.split("|")] == [
+        "budget f", "compile ms", "compile MiB", "ours ms", "ours MiB", "ours / compile time", "our plan",
+    ]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("0.5 |"))
+    assert len(row.split("|")) == 7 and "plain eager:" in proc.stdout
