@@ -365,14 +365,18 @@ OPTIONS = tuple(f.name for f in fields(SwapPlugin))
 
 def _check_option_table() -> None:
     """Note [One option table]: an option of ``SwapConfig`` missing from the plugin (its fields,
-    its parsers, hence its environment variables and file keys) fails at import, naming it."""
-    expected = set(_CONFIG_OPTIONS) | set(_PLUGIN_OPTIONS)
-    for what, names in (("SwapPlugin's fields", set(OPTIONS)), ("the option parsers (_PARSERS)", set(_PARSERS))):
+    its parsers, hence its environment variables and file keys), or with another default, fails
+    at import, naming it."""
+    expected = {f.name for f in fields(SwapConfig)} | set(_PLUGIN_OPTIONS)
+    for what, names in (("SwapPlugin's fields", {f.name for f in fields(SwapPlugin)}), ("the option parsers (_PARSERS)", set(_PARSERS))):
         if names != expected:
             raise TypeError(
                 f"accelerate_swap.plugin: {what} disagree with SwapConfig's fields + {_PLUGIN_OPTIONS}: "
                 f"missing {sorted(expected - names)}, unknown {sorted(names - expected)}."
             )
-
+    ours = {f.name: f.default for f in fields(SwapPlugin)}
+    for f in fields(SwapConfig):
+        if ours[f.name] != f.default:
+            raise TypeError(f"accelerate_swap.plugin: `{f.name}` defaults to {ours[f.name]!r}; SwapConfig's default is {f.default!r}.")
 
 _check_option_table()
