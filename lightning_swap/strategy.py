@@ -482,6 +482,7 @@ def _stats_callback_for(callback_base: type) -> type:
         def __init__(self, strategy: Any) -> None:
             self._strategy = strategy
 
+        @override
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             connector = trainer._logger_connector
             if not trainer.loggers or not connector.should_update_logs:

@@ -172,3 +172,30 @@ def test_a_forced_plan_renders_numbers_measured_in_its_first_step():
     assert " - " not in text and "measured in the plan's first step" in text
     fresh = Plan(actions={"a": Action.KEEP, "b": Action.OFFLOAD})
     assert "not measured yet" in fresh.render() and fresh.render().splitlines()[0].split() == ["segment", "action"]
+
+
+@pytest.mark.parametrize("cls", [CPUSwapStrategy, lightning_swap.DDPCPUSwapStrategy])
+def test_every_overridden_lightning_hook_is_marked_override(cls):
+    """STYLE 3: a method of the swap mixin that Lightning's strategy also defines carries ``@override``."""
+    from lightning.pytorch.strategies import Strategy
+
+    from lightning_swap.strategy import _SwapStrategyMixin
+
+    mixin = vars(_SwapStrategyMixin)
+    hooks = [name for name, fn in mixin.items() if callable(fn) and not name.startswith("__") and hasattr(Strategy, name)]
+    assert len(hooks) >= 8, hooks
+    assert [h for h in hooks if not getattr(mixin[h], "__override__", False)] == []
+    assert getattr(cls._stats_callback_class.on_train_batch_end, "__override__", False)
+
+
+@pytest.mark.parametrize("log_plan", [True, False])
+def test_log_plan_switches_the_strategys_plan_log(log_plan, monkeypatch):
+    """``log_plan`` (a SwapConfig field, Note [One option table]) gates the strategy's rank-zero
+    plan log; the plan is applied and measured either way."""
+    said = []
+    monkeypatch.setattr("lightning_swap.strategy.rank_zero_info", said.append)
+    strategy = CPUSwapStrategy(policy="offload", min_offload_bytes=0, log_plan=log_plan)
+    _, trainer = fit("cnn", strategy, steps=2)
+    logged = [text for text in said if text.startswith("lightning-swap plan")]
+    assert len(logged) == (1 if log_plan else 0), logged
+    assert trainer.strategy.plan.measured and not trainer.strategy.swap_config.log_plan
