@@ -11,24 +11,15 @@ import torch
 import lightning_swap
 from lightning_swap import Action, CPUSwapStrategy, Plan
 
-from .helpers import POLICIES, assert_same_state
+from .helpers import POLICIES, assert_same_state, plain_fit
 from .lit import LitModel, fit
 from .models import MODELS
 
-_PLAIN = {}
-
-
-def _plain(name):
-    if name not in _PLAIN:
-        _PLAIN[name] = fit(name)[0]
-    return _PLAIN[name]
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_trainer_cpu_swap_equals_plain(name, policy):
+def test_trainer_cpu_swap_equalsplain_fit(name, policy):
     module, trainer = fit(name, CPUSwapStrategy(policy=policy, min_offload_bytes=0))
-    assert_same_state(module, _plain(name))
+    assert_same_state(module, plain_fit(name))
     strategy = trainer.strategy
     assert set(strategy.plan.actions.values()) == {Action.parse(policy)}
     stats = strategy.step_stats
@@ -52,7 +43,7 @@ def test_registered_name_and_metrics_logged(tmp_path):
     with open(f"{logger.log_dir}/metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert any(row.get("swap/peak_device_bytes") for row in rows)
-    assert_same_state(module, _plain("cnn"))
+    assert_same_state(module, plain_fit("cnn"))
 
 
 def test_policy_dict_and_segment_names():
@@ -62,7 +53,7 @@ def test_policy_dict_and_segment_names():
     assert actions["model.blocks.0"] is Action.OFFLOAD
     assert actions["model.blocks.1"] is Action.KEEP
     assert actions["model.blocks.2"] is Action.RECOMPUTE
-    assert_same_state(module, _plain("cnn"))
+    assert_same_state(module, plain_fit("cnn"))
     strategy = CPUSwapStrategy(policy="OFFLOAD", segments=["model.blocks.1", "model.blocks.3"], min_offload_bytes=0)
     module, trainer = fit("cnn", strategy)
     assert dict(trainer.strategy.plan.actions) == {"model.blocks.1": Action.OFFLOAD, "model.blocks.3": Action.OFFLOAD}
