@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from .plugin import ENV_CONFIG, FILE_FLAG, SwapPlugin, parse_option
+from .plugin import ENV_CONFIG, FILE_FLAG, OPTIONS, SwapPlugin, parse_option
 
 __all__ = ["build_parser", "main"]
 
@@ -28,9 +28,8 @@ DEFAULT_CONFIG_FILE = "accelerate_swap.yaml"
 _HEADER = """\
 # accelerate-swap configuration, written by `accelerate-swap config`.
 # Use it with:  {env} accelerate launch your_script.py
-# Keys: enabled (the switch), policy, segments, min_offload_bytes, budget_bytes,
-# prefetch_segments, log_plan, log_stats, um, um_max_bytes. ACCELERATE_CPU_SWAP_<KEY>
-# variables override them.
+# Keys: enabled (the switch), {keys}.
+# ACCELERATE_CPU_SWAP_<KEY> variables override them.
 """
 
 
@@ -52,25 +51,52 @@ def _add_config_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     _flag(parser, "config_file", default=DEFAULT_CONFIG_FILE, help=f"where to write (default: ./{DEFAULT_CONFIG_FILE})")
-    _flag(parser, "policy", help="auto (default: the planner, under --budget_bytes) | keep | offload | recompute | selective | recompute_offload, or 'segment.name=action,...'")
-    _flag(parser, "segments", help="comma-separated qualified module names or 'package.module:BlockClass' (default: repeated blocks)")
-    _flag(parser, "min_offload_bytes", help="saved tensors smaller than this stay on the device (e.g. 16KiB)")
-    _flag(parser, "budget_bytes", help="device memory budget for the planner (e.g. 12GiB)")
-    _flag(parser, "prefetch_segments", help="segments prefetched ahead in backward (default: 1 on CUDA, 0 on CPU)")
-    _flag(parser, "um", help="CUDA unified memory: off (default) | offload | all")
-    _flag(parser, "um_max_bytes", help="cap on managed memory with --um on (default: the GPU's free memory)")
-    _flag(parser, "no_log_plan", action="store_true", help="do not log the plan table")
-    _flag(parser, "no_log_stats", action="store_true", help="do not send per-step statistics to accelerator.log")
+    for name in OPTIONS:
+        switch = _switch_flag(name)
+        if switch is not None:  # a yes/no option: one flag that turns its default over
+            _flag(parser, switch, action="store_true", help=_OPTION_HELP[name])
+        else:
+            _flag(parser, name, help=_OPTION_HELP[name])
     _flag(parser, "disabled", action="store_true", help="write `enabled: false` (keep the options, switch the plugin off)")
+
+
+#: Note [One option table]: one flag per option of the plugin (``OPTIONS``, which follows
+#: ``SwapConfig``'s fields); an option without help here fails when the parser is built.
+_OPTION_HELP = {
+    "policy": "auto (default: the planner, under --budget_bytes) | keep | offload | recompute | selective | recompute_offload, or 'segment.name=action,...'",
+    "segments": "comma-separated qualified module names or 'package.module:BlockClass' (default: repeated blocks)",
+    "min_offload_bytes": "saved tensors smaller than this stay on the device (e.g. 16KiB)",
+    "budget_bytes": "device memory budget for the planner (e.g. 12GiB)",
+    "prefetch_segments": "segments prefetched ahead in backward (default: 1 on CUDA, 0 on CPU)",
+    "inflight_segments": "segments whose copies to the host may still run while later segments compute (default 1)",
+    "log_plan": "do not log the plan table",
+    "log_stats": "do not send per-step statistics to accelerator.log",
+    "um": "CUDA unified memory: off (default) | offload | all",
+    "um_max_bytes": "cap on managed memory with --um on (default: the GPU's free memory)",
+}
+_DEFAULTS = SwapPlugin()
+
+
+def _switch_flag(option: str) -> Optional[str]:
+    """The flag of a yes/no option (``no_log_plan`` for one on by default), or ``None``."""
+    default = getattr(_DEFAULTS, option)
+    if not isinstance(default, bool):
+        return None
+    return f"no_{option}" if default else option
 
 
 def _config_from_args(args: argparse.Namespace) -> SwapPlugin:
     options = {}
-    for name in ("policy", "segments", "min_offload_bytes", "budget_bytes", "prefetch_segments", "um", "um_max_bytes"):
+    for name in OPTIONS:
+        switch = _switch_flag(name)
+        if switch is not None:
+            if getattr(args, switch):
+                options[name] = not getattr(_DEFAULTS, name)
+            continue
         raw = getattr(args, name)
         if raw is not None:
             options[name] = parse_option(name, raw, f"--{name}")
-    return SwapPlugin(**options, log_plan=not args.no_log_plan, log_stats=not args.no_log_stats)
+    return SwapPlugin(**options)
 
 
 def write_config_file(plugin: SwapPlugin, path: str | os.PathLike, *, enabled: bool = True) -> Path:
@@ -80,7 +106,8 @@ def write_config_file(plugin: SwapPlugin, path: str | os.PathLike, *, enabled: b
     target = Path(path).expanduser().resolve()
     body = yaml.safe_dump({FILE_FLAG: enabled, **plugin.to_dict()}, sort_keys=False, default_flow_style=False)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(_HEADER.format(env=f"{ENV_CONFIG}={shlex.quote(str(target))}") + body)
+    header = _HEADER.format(env=f"{ENV_CONFIG}={shlex.quote(str(target))}", keys=", ".join(OPTIONS))
+    target.write_text(header + body)
     if SwapPlugin.from_yaml(target).to_dict() != plugin.to_dict():
         raise RuntimeError(f"{target} does not read back as the options written; please report this.")
     return target

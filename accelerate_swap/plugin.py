@@ -89,14 +89,20 @@ def _bytes_parser(*, allow_none: bool, minimum: int) -> Callable[[Any, str], Opt
     return parse
 
 
-def _parse_count(value: Any, source: str) -> Optional[int]:
-    if _is_none(value):
-        return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and re.fullmatch(r"\s*[-+]?[0-9]+\s*", value):
-        return int(value)
-    raise ValueError(f"`{source}` got {value!r}; allowed: an integer >= 0, or none (1 on CUDA, 0 on CPU).")
+def _count_parser(*, allow_none: bool, allowed: str) -> Callable[[Any, str], Optional[int]]:
+    """A whole number from text or YAML (its range is checked by ``SwapConfig``); ``allowed``
+    is what the error offers."""
+
+    def parse(value: Any, source: str) -> Optional[int]:
+        if allow_none and _is_none(value):
+            return None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"\s*[-+]?[0-9]+\s*", value):
+            return int(value)
+        raise ValueError(f"`{source}` got {value!r}; allowed: {allowed}.")
+
+    return parse
 
 
 def _parse_policy(value: Any, source: str) -> PolicyLike:
@@ -164,27 +170,28 @@ def _parse_segments(value: Any, source: str) -> SegmentSpec:
     return tuple(_import_class(s, source) if isinstance(s, str) and ":" in s else s for s in items)
 
 
-#: Every option: its parser from text (environment) or a YAML value.
+#: Every option: its parser from text (environment) or a YAML value. Note [One option table]:
+#: ``SwapConfig``'s fields and the plugin's own options (:data:`_PLUGIN_OPTIONS`); a test checks
+#: that these keys, ``SwapPlugin``'s fields and the CLI's flags are the same set.
 _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "policy": _parse_policy,
     "segments": _parse_segments,
     "min_offload_bytes": _bytes_parser(allow_none=False, minimum=0),
     "budget_bytes": _bytes_parser(allow_none=True, minimum=1),
-    "prefetch_segments": _parse_count,
+    "prefetch_segments": _count_parser(allow_none=True, allowed="an integer >= 0, or none (1 on CUDA, 0 on CPU)"),
+    "inflight_segments": _count_parser(allow_none=False, allowed="an integer >= 0"),
     "log_plan": _parse_bool,
     "log_stats": _parse_bool,
     "um": lambda v, s: UMMode.parse(v, field=s).value,
     "um_max_bytes": _bytes_parser(allow_none=True, minimum=1),
 }
-#: Options that ``SwapConfig`` holds (the rest are the plugin's own).
-_CONFIG_OPTIONS = (
-    "policy", "segments", "min_offload_bytes", "budget_bytes", "prefetch_segments", "log_plan", "um", "um_max_bytes",
-)
+#: Options that ``SwapConfig`` holds, read from its fields (what ``to_config`` hands over).
+_CONFIG_OPTIONS = tuple(f.name for f in fields(SwapConfig))
+#: The plugin's own options, which the core does not see.
+_PLUGIN_OPTIONS = ("log_stats",)
 #: What an option needs beside it to be checked alone (its cross-field rule is checked when
 #: the whole plugin is built).
 _ALONE: dict[str, dict[str, Any]] = {"um_max_bytes": {"um": "all"}}
-#: Every option's name, in the order of ``SwapPlugin``'s fields.
-OPTIONS = tuple(_PARSERS)
 
 
 def parse_option(option: str, raw: Any, source: str) -> Any:
@@ -249,6 +256,9 @@ class SwapPlugin:
     budget_bytes: Optional[ByteSize] = None
     #: Segments prefetched ahead in backward; ``None``: 1 on CUDA, 0 on CPU.
     prefetch_segments: Optional[int] = None
+    #: Segments whose copies to the host may still run while later segments compute; 0 waits
+    #: for each segment's copies before the next.
+    inflight_segments: int = 1
     #: Log the plan table (``logging``, level INFO) when it is applied.
     log_plan: bool = True
     #: Send each step's statistics to ``accelerator.log`` (``swap/...`` keys) when trackers are set up.
@@ -347,3 +357,26 @@ class SwapPlugin:
                 text = "none" if value is None else str(value)
             env[env_name(name)] = text
         return env
+
+
+#: Every option's name, in the order of ``SwapPlugin``'s fields.
+OPTIONS = tuple(f.name for f in fields(SwapPlugin))
+
+
+def _check_option_table() -> None:
+    """Note [One option table]: an option of ``SwapConfig`` missing from the plugin (its fields,
+    its parsers, hence its environment variables and file keys), or with another default, fails
+    at import, naming it."""
+    expected = {f.name for f in fields(SwapConfig)} | set(_PLUGIN_OPTIONS)
+    for what, names in (("SwapPlugin's fields", {f.name for f in fields(SwapPlugin)}), ("the option parsers (_PARSERS)", set(_PARSERS))):
+        if names != expected:
+            raise TypeError(
+                f"accelerate_swap.plugin: {what} disagree with SwapConfig's fields + {_PLUGIN_OPTIONS}: "
+                f"missing {sorted(expected - names)}, unknown {sorted(names - expected)}."
+            )
+    ours = {f.name: f.default for f in fields(SwapPlugin)}
+    for f in fields(SwapConfig):
+        if ours[f.name] != f.default:
+            raise TypeError(f"accelerate_swap.plugin: `{f.name}` defaults to {ours[f.name]!r}; SwapConfig's default is {f.default!r}.")
+
+_check_option_table()

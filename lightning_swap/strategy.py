@@ -8,17 +8,20 @@ must subclass that package's own ``Strategy``).
 
 from __future__ import annotations
 
-import logging
 import gc
+import inspect
+import logging
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import MISSING, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
+import lightning.pytorch as _lightning_pytorch
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
-from .core import PolicyLike
+from .core import AUTO, PolicyLike
 from .core import is_out_of_memory
 from .core import Plan, format_bytes
 from .core import tensors_in
@@ -40,32 +43,50 @@ class _SwapStrategyMixin:
 
     _stats_callback_class: type = None  # set per Lightning package
 
-    def _init_swap(
+    def __init__(
         self,
-        *,
-        policy: PolicyLike,
-        segments: SegmentSpec,
-        min_offload_bytes: ByteSize,
-        budget_bytes: Optional[ByteSize],
-        prefetch_segments: Optional[int],
-        inflight_segments: int,
-        log_stats: bool,
-        device_given: bool,
+        policy: PolicyLike = AUTO,
+        segments: SegmentSpec = None,
+        min_offload_bytes: ByteSize = DEFAULT_MIN_OFFLOAD_BYTES,
+        budget_bytes: Optional[ByteSize] = None,
+        prefetch_segments: Optional[int] = None,
+        log_stats: bool = True,
         report: bool = False,
         um: str = "off",
         um_max_bytes: Optional[ByteSize] = None,
+        inflight_segments: int = 1,
+        log_plan: bool = True,
+        **strategy_kwargs: Any,
     ) -> None:
-        self.swap_config = SwapConfig(
-            log_plan=False,  # logged here, on rank zero only
+        """The swap options of both strategies, defined once (Note [One option table]: every
+        ``SwapConfig`` field, plus the adapter's own ``log_stats`` and ``report``; checked at
+        import by :func:`_check_option_table`); ``strategy_kwargs`` go to Lightning's strategy
+        (:meth:`_strategy_kwargs` says how)."""
+        base_kwargs, device_given = self._strategy_kwargs(strategy_kwargs)
+        super().__init__(**base_kwargs)
+        config = SwapConfig(
             policy=policy,
             segments=segments,
             min_offload_bytes=min_offload_bytes,
             budget_bytes=budget_bytes,
             prefetch_segments=prefetch_segments,
             inflight_segments=inflight_segments,
+            log_plan=log_plan,
             um=um,
             um_max_bytes=um_max_bytes,
         )
+        self._init_swap(config, log_stats=log_stats, report=report, device_given=device_given)
+
+    @staticmethod
+    def _strategy_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Lightning's strategy's keyword arguments, and whether the user chose the device."""
+        raise NotImplementedError  # each strategy class says
+
+    def _init_swap(self, config: SwapConfig, *, log_stats: bool, report: bool, device_given: bool) -> None:
+        #: The session's options. Its ``log_plan`` is off: the strategy logs the plan itself, on
+        #: rank zero only, when :attr:`log_plan` (the user's ``log_plan``) is on.
+        self.swap_config = config.with_options(log_plan=False)
+        self.log_plan = config.log_plan
         self.unified_memory: Optional[UnifiedMemory] = None
         if not isinstance(log_stats, bool):
             raise ValueError(f"`log_stats` must be True or False; got {log_stats!r}.")
@@ -118,6 +139,7 @@ class _SwapStrategyMixin:
                 self._root_device = torch.device("cuda", torch.cuda.current_device())
 
     # -- hooks --------------------------------------------------------------------------
+    @override
     def setup_environment(self) -> None:
         """Unified memory is installed here: after the device is chosen and set, before
         ``setup`` moves the model to it (``um="all"`` must precede every CUDA allocation)."""
@@ -134,6 +156,7 @@ class _SwapStrategyMixin:
                     f"at most {self.unified_memory.memory.max_bytes} bytes managed"
                 )
 
+    @override
     def setup(self, trainer: Any) -> None:
         self._pick_device(trainer)
         super().setup(trainer)
@@ -193,6 +216,8 @@ class _SwapStrategyMixin:
         previous, self._logged_plan = self._logged_plan, plan
         if previous is not None and dict(previous.actions) == dict(plan.actions) and not why:
             return
+        if not self.log_plan:  # after the bookkeeping above: "logged" also means "measured rows read"
+            return
         text = f"lightning-swap plan ({plan.summary()}){': ' + why if why else ''}\n{plan.render()}"
         trainer = getattr(self.lightning_module, "_trainer", None)
         bar = getattr(trainer, "progress_bar_callback", None) if trainer is not None else None
@@ -202,6 +227,7 @@ class _SwapStrategyMixin:
         else:
             rank_zero_info(text)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         session = self._session
         if session is None:
@@ -326,6 +352,7 @@ class _SwapStrategyMixin:
             label=f"plain (the observed first step + the steady state's {format_bytes(forward)} of gradients and optimizer state)",
         )
 
+    @override
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         session = self._session
         observing = session is not None and session.observing
@@ -357,15 +384,18 @@ class _SwapStrategyMixin:
             session.backward_done()
         return out
 
+    @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         out = super().optimizer_step(*args, **kwargs)
         self._end_swap_step()  # the closure (forward, backward) and the optimizer step are over
         return out
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._end_swap_step()  # a step without an optimizer step (accumulation) ends here
         super().on_train_batch_start(batch, batch_idx)
 
+    @override
     def on_train_end(self) -> None:
         self._end_swap_step()
         super().on_train_end()
@@ -394,6 +424,7 @@ class _SwapStrategyMixin:
             session.plan = measured
             self._log_plan(measured)
 
+    @override
     def teardown(self) -> None:
         if self._recorder is not None:  # a step that never reached backward
             self._recorder.__exit__(None, None, None)
@@ -451,6 +482,7 @@ def _stats_callback_for(callback_base: type) -> type:
         def __init__(self, strategy: Any) -> None:
             self._strategy = strategy
 
+        @override
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             connector = trainer._logger_connector
             if not trainer.loggers or not connector.should_update_logs:
@@ -480,6 +512,8 @@ _SWAP_ARGS_DOC = """
             prefetch_segments: segments prefetched ahead in backward (default 1 on CUDA, 0 on CPU).
             inflight_segments: segments whose copies to the host may still run while later
                 segments compute (default 1); their device memory is released after that.
+            log_plan: log the plan table (on rank zero, through the progress bar when one
+                is drawing) when a plan is applied.
             log_stats: send ``swap/...`` metrics (plain floats) to the loggers every
                 ``log_every_n_steps``.
             report: once training is in its steady state, draw one plain and one planned
@@ -498,47 +532,19 @@ def _build_single(base: type, callback_base: type, name: str) -> type:
     class CPUSwapStrategy(_SwapStrategyMixin, base):
         strategy_name = "cpu_swap"
 
-        def __init__(
-            self,
-            policy: PolicyLike = "auto",
-            segments: SegmentSpec = None,
-            min_offload_bytes: ByteSize = DEFAULT_MIN_OFFLOAD_BYTES,
-            budget_bytes: Optional[ByteSize] = None,
-            prefetch_segments: Optional[int] = None,
-            log_stats: bool = True,
-            report: bool = False,
-            um: str = "off",
-            um_max_bytes: Optional[ByteSize] = None,
-            inflight_segments: int = 1,
-            device: Any = None,
-            accelerator: Any = None,
-            checkpoint_io: Any = None,
-            precision_plugin: Any = None,
-        ) -> None:
-            super().__init__(
-                device=device if device is not None else "cpu",
-                accelerator=accelerator,
-                checkpoint_io=checkpoint_io,
-                precision_plugin=precision_plugin,
-            )
-            self._init_swap(
-                policy=policy,
-                segments=segments,
-                min_offload_bytes=min_offload_bytes,
-                budget_bytes=budget_bytes,
-                prefetch_segments=prefetch_segments,
-                inflight_segments=inflight_segments,
-                log_stats=log_stats,
-                device_given=device is not None,
-                report=report,
-                um=um,
-                um_max_bytes=um_max_bytes,
-            )
+        @staticmethod
+        def _strategy_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+            # Lightning builds a registered strategy without a device: CPU until the
+            # accelerator is known (``_pick_device``).
+            device = kwargs.pop("device", None)
+            return {"device": device if device is not None else "cpu", **kwargs}, device is not None
 
     CPUSwapStrategy.__doc__ = (
         "Single-device training with activations kept, offloaded to CPU RAM or recomputed.\n\n"
         "        Args:" + _SWAP_ARGS_DOC + "\n"
-        "            device: by default ``cuda:<first device>`` with a CUDA accelerator, else CPU.\n"
+        "            **strategy_kwargs: passed to Lightning's ``SingleDeviceStrategy``: ``device`` (by default\n"
+        "                ``cuda:<first device>`` with a CUDA accelerator, else CPU), ``accelerator``,\n"
+        "                ``checkpoint_io``, ``precision_plugin``.\n"
     )
     return _finish(CPUSwapStrategy, callback_base, name)
 
@@ -547,39 +553,14 @@ def _build_ddp(base: type, callback_base: type, name: str) -> type:
     class DDPCPUSwapStrategy(_SwapStrategyMixin, base):
         strategy_name = "ddp_cpu_swap"
 
-        def __init__(
-            self,
-            policy: PolicyLike = "auto",
-            segments: SegmentSpec = None,
-            min_offload_bytes: ByteSize = DEFAULT_MIN_OFFLOAD_BYTES,
-            budget_bytes: Optional[ByteSize] = None,
-            prefetch_segments: Optional[int] = None,
-            log_stats: bool = True,
-            report: bool = False,
-            um: str = "off",
-            um_max_bytes: Optional[ByteSize] = None,
-            inflight_segments: int = 1,
-            **ddp_kwargs: Any,
-        ) -> None:
-            super().__init__(**ddp_kwargs)
-            self._init_swap(
-                policy=policy,
-                segments=segments,
-                min_offload_bytes=min_offload_bytes,
-                budget_bytes=budget_bytes,
-                prefetch_segments=prefetch_segments,
-                inflight_segments=inflight_segments,
-                log_stats=log_stats,
-                device_given=True,  # DDP places each rank on its own device already
-                report=report,
-                um=um,
-                um_max_bytes=um_max_bytes,
-            )
+        @staticmethod
+        def _strategy_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+            return kwargs, True  # DDP places each rank on its own device already
 
     DDPCPUSwapStrategy.__doc__ = (
         "Lightning's DDP with the same runtime on every rank; the plan is solved on rank 0 and broadcast.\n\n"
         "        Args:" + _SWAP_ARGS_DOC + "\n"
-        "            **ddp_kwargs: passed to Lightning's ``DDPStrategy``.\n"
+        "            **strategy_kwargs: passed to Lightning's ``DDPStrategy``.\n"
     )
     return _finish(DDPCPUSwapStrategy, callback_base, name)
 
@@ -614,8 +595,31 @@ def _pytorch_lightning() -> Any:
     return pytorch_lightning
 
 
-import lightning.pytorch as _lightning_pytorch  # noqa: E402
+#: The strategies' own options beside ``SwapConfig``'s fields (Note [One option table]).
+_ADAPTER_OPTIONS = ("log_stats", "report")
 
+
+def _check_option_table() -> None:
+    """Note [One option table]: the strategies' swap keyword arguments are ``SwapConfig``'s
+    fields, with its defaults, plus :data:`_ADAPTER_OPTIONS`; a field added to the config but
+    not here fails at import, naming it."""
+    params = dict(inspect.signature(_SwapStrategyMixin.__init__).parameters)
+    names = set(params) - {"self", "strategy_kwargs"}
+    expected = {f.name for f in fields(SwapConfig)} | set(_ADAPTER_OPTIONS)
+    if names != expected:
+        raise TypeError(
+            f"lightning_swap.strategy: the strategies' options disagree with SwapConfig's fields + {_ADAPTER_OPTIONS}: "
+            f"missing {sorted(expected - names)}, unknown {sorted(names - expected)}."
+        )
+    for f in fields(SwapConfig):
+        default = f.default if f.default is not MISSING else f.default_factory()
+        if params[f.name].default != default:
+            raise TypeError(
+                f"lightning_swap.strategy: `{f.name}` defaults to {params[f.name].default!r}; SwapConfig's default is {default!r}."
+            )
+
+
+_check_option_table()
 CPUSwapStrategy, DDPCPUSwapStrategy = _classes_for(_lightning_pytorch, "")
 _pl = _pytorch_lightning()
 PLCPUSwapStrategy, PLDDPCPUSwapStrategy = _classes_for(_pl, "PL") if _pl is not None else (None, None)

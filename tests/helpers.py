@@ -1,6 +1,8 @@
-"""Training loops used by several test files."""
+"""Training loops, cached plain baselines and small builders used by several test files."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -9,6 +11,17 @@ from lightning_swap.core import SwapRuntime, find_segments, resolve_policy
 from .models import MODELS
 
 POLICIES = ["keep", "offload", "recompute", "selective", "recompute_offload"]
+
+#: ``L.Trainer`` keyword arguments that keep a test's output and disk quiet: no logger, no
+#: checkpoint, no progress bar, no model summary.
+QUIET_TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def swap_runtime(model: torch.nn.Module, policy, *, device, **kwargs) -> SwapRuntime:
+    """A runtime (not installed) applying ``policy`` to ``model``'s automatic segments on
+    ``device`` (required: Note [Tests say which device they mean]); ``kwargs`` go to
+    :class:`SwapRuntime` (``min_offload_bytes``, ``prefetch_segments``, ...)."""
+    return SwapRuntime(model, resolve_policy(policy, find_segments(model)), device=device, **kwargs)
 
 
 def train_core(
@@ -33,13 +46,8 @@ def train_core(
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     runtime = None
     if policy is not None:
-        runtime = SwapRuntime(
-            model,
-            resolve_policy(policy, find_segments(model)),
-            device=device,
-            min_offload_bytes=min_offload_bytes,
-            prefetch_segments=prefetch_segments,
-            unified=unified,
+        runtime = swap_runtime(
+            model, policy, device=device, min_offload_bytes=min_offload_bytes, prefetch_segments=prefetch_segments, unified=unified
         ).install()
     stats, grads = [], {}
     torch.manual_seed(seed + 1)  # dropout masks
@@ -66,3 +74,18 @@ def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
     assert sa.keys() == sb.keys()
     different = [k for k in sa if not torch.equal(sa[k], sb[k])]
     assert not different, f"differs from plain training: {different}"
+
+
+@functools.cache
+def plain_core(name: str) -> tuple:
+    """``train_core(name, None)``, once per process: the baseline the runtime's results are
+    compared with (callers only read it)."""
+    return train_core(name, None)
+
+
+@functools.cache
+def plain_fit(name: str) -> torch.nn.Module:
+    """The LightningModule after plain ``fit(name)``, once per process (callers only read it)."""
+    from .lit import fit  # here: the core's tests need no Lightning
+
+    return fit(name)[0]

@@ -6,6 +6,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from .helpers import QUIET_TRAINER
 from .models import MODELS
 
 
@@ -36,16 +37,7 @@ class LitModel(L.LightningModule):
 def fit(name: str, strategy="auto", *, steps: int = 3, batch_size: int = 4, samples: int | None = None, **trainer_kwargs):
     L.seed_everything(0, verbose=False)
     module = LitModel(name, batch_size=batch_size, samples=samples if samples is not None else max(32, batch_size * steps))
-    kwargs = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    kwargs = dict(accelerator="cpu", devices=1, max_steps=steps, num_sanity_val_steps=0, **QUIET_TRAINER)
     kwargs.update(trainer_kwargs)
     trainer = L.Trainer(strategy=strategy, **kwargs)
     trainer.fit(module)

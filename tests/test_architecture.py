@@ -262,3 +262,28 @@ def test_public_api_is_unchanged():
         "Action", "AcceleratedSwapSession", "BatchSearchError", "ENV_CONFIG", "ENV_FLAG", "ENV_PREFIX", "Plan", "ScaleResult",
         "StepStats", "SwapAccelerator", "SwapPlugin", "find_batch_size",
     ])
+
+
+def _readme_layout_bullets() -> dict[str, set[str]]:
+    """README's ``## Layout``: the core's folder each sub-bullet describes (``""`` for the
+    vocabulary, directly in ``core/``) -> the ``*.py`` files it names."""
+    import re
+
+    readme = (CORE.parents[1] / "README.md").read_text()
+    section = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    core = section.split("- `lightning_swap/core/`", 1)[1].split("\n- ", 1)[0]
+    out: dict[str, set[str]] = {}
+    for bullet in core.split("\n  - ")[1:]:
+        folder = "" if bullet.startswith("vocabulary") else re.match(r"`(\w+)/`", bullet).group(1)
+        out[folder] = set(re.findall(r"`(\w+\.py)`", bullet))
+    return out
+
+
+def test_readme_layout_matches_the_core_tree():
+    """README's layout names each core module under its own layer, and no module that is not there."""
+    tree: dict[str, set[str]] = {}
+    for path in CORE.rglob("*.py"):
+        if path.name != "__init__.py":
+            parts = path.relative_to(CORE).parts
+            tree.setdefault(parts[0] if len(parts) > 1 else "", set()).add(path.name)
+    assert _readme_layout_bullets() == tree

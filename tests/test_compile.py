@@ -36,7 +36,7 @@ from lightning_swap.core import resolve_policy
 from lightning_swap.core.config import SwapConfig
 from lightning_swap.core.scale.session import SwapSession
 
-from .helpers import assert_same_state
+from .helpers import QUIET_TRAINER, assert_same_state, swap_runtime
 
 STEPS = 3
 
@@ -244,7 +244,7 @@ def test_one_graph_break_per_segment_that_acts(plan, resumed):
 def test_fullgraph_whole_model_with_an_action_is_refused_clearly():
     model = torch.compile(Net(), backend=Counting(), fullgraph=True)
     with pytest.raises(ValueError, match=r"compiled with fullgraph=True.*compile each block on its own"):
-        SwapRuntime(model, resolve_policy("recompute", find_segments(model)), device="cpu").install()
+        swap_runtime(model, "recompute", device="cpu").install()
     with pytest.raises(ValueError, match=r"fullgraph=True.*offload engine"):  # its hooks are on KEEP segments too
         SwapRuntime(model, {"blocks.0": Action.KEEP, "blocks.1": Action.OFFLOAD}, device="cpu").install()
     assert "forward" not in model._orig_mod.blocks[0].__dict__  # nothing left installed
@@ -271,7 +271,7 @@ def test_compiled_after_install_is_rewrapped(how):
     backend = Counting()
     torch.manual_seed(0)
     model = Net()
-    runtime = SwapRuntime(model, resolve_policy("offload", find_segments(model)), device="cpu", min_offload_bytes=0).install()
+    runtime = swap_runtime(model, "offload", device="cpu", min_offload_bytes=0).install()
     try:
         if how == "torch.compile":
             model.compile(backend=backend)
@@ -316,7 +316,7 @@ def test_inductor_regional_recompute_matches_inductor_plain():
         _compile(model, "regional", backend)
         runtime = None
         if policy is not None:
-            runtime = SwapRuntime(model, resolve_policy(policy, find_segments(model)), device="cpu").install()
+            runtime = swap_runtime(model, policy, device="cpu").install()
         try:
             for x, y in _batches(2):
                 runs = backend.runs
@@ -354,7 +354,7 @@ def test_remove_restores_the_compiled_module(how, policy):
     compiled = _compile(model, how, Counting())
     before = _snapshot(compiled)
     outer = compiled.__dict__.get("forward"), compiled.__dict__.get("_compiled_call_impl")
-    runtime = SwapRuntime(compiled, resolve_policy(policy, find_segments(compiled)), device="cpu").install()
+    runtime = swap_runtime(compiled, policy, device="cpu").install()
     x, y = _batches(1)[0]
     runtime.begin_step([x, y])
     nn.functional.mse_loss(compiled(x), y).backward()
@@ -476,8 +476,7 @@ def _fit(compile_in: str, strategy, steps: int = 5):
     module = Lit(compile_in, backend)
     given = torch.compile(module, backend=backend) if compile_in == "before fit" else module
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, num_sanity_val_steps=0, **QUIET_TRAINER,
     )
     plans = PlansSeen()
     trainer.callbacks.append(plans)

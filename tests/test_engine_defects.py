@@ -20,6 +20,7 @@ from lightning_swap.core.engine.host_pool import HostPool
 from lightning_swap.core.engine.offload import OffloadEngine
 from lightning_swap.core.engine.streams import CopyStreams, override_stream_ops
 
+from .helpers import swap_runtime
 from .models import MODELS
 from .stream_double import DoubleFactory, StreamDouble
 
@@ -296,7 +297,7 @@ def _soak(steps):
     offloaded, reserved, rss = [], [], []
     markers = []
     model.blocks[0].register_forward_pre_hook(lambda m, args: (_probed(args[0], markers),))
-    with SwapRuntime(model, resolve_policy("offload", find_segments(model)), device="cpu", min_offload_bytes=0) as rt:
+    with swap_runtime(model, "offload", device="cpu", min_offload_bytes=0) as rt:
         for step in range(steps):
             x, y = data(4 + step % 6)  # batch sizes cycling 4..9
             rt.begin_step([x, y])

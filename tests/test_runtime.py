@@ -10,22 +10,13 @@ from torch.utils.checkpoint import checkpoint
 from lightning_swap import Action, SwapRuntime, find_segments
 from lightning_swap.core import DeviceMemoryMeter, resolve_policy
 
-from .helpers import POLICIES, assert_same_state, train_core
+from .helpers import POLICIES, assert_same_state, plain_core, swap_runtime, train_core
 from .models import MODELS, mlp_chain
-
-_PLAIN = {}
-
-
-def _plain(name):
-    if name not in _PLAIN:
-        _PLAIN[name] = train_core(name, None)
-    return _PLAIN[name]
-
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_weights_buffers_and_grads_equal_plain(name, policy):
-    plain, _, plain_grads = _plain(name)
+def test_weights_buffers_and_grads_equalplain_core(name, policy):
+    plain, _, plain_grads = plain_core(name)
     model, stats, grads = train_core(name, policy)
     assert_same_state(model, plain)
     assert grads.keys() == plain_grads.keys()
@@ -39,7 +30,7 @@ def test_weights_buffers_and_grads_equal_plain(name, policy):
 
 
 def test_prefetch_path_on_cpu_is_exact():
-    plain, _, _ = _plain("resnet18")
+    plain, _, _ = plain_core("resnet18")
     model, stats, _ = train_core("resnet18", "offload", prefetch_segments=2)
     assert_same_state(model, plain)
     assert stats[-1].prefetched_bytes > 0
@@ -86,7 +77,7 @@ def _mlp_peak(policy, width=64, depth=6, batch=2048):
     model = mlp_chain(width=width, depth=depth)
     x = torch.randn(batch, width)
     y = torch.randint(0, 10, (batch,))
-    with SwapRuntime(model, resolve_policy(policy, find_segments(model)), min_offload_bytes=0, device="cpu") as runtime:
+    with swap_runtime(model, policy, min_offload_bytes=0, device="cpu") as runtime:
         runtime.begin_step([x, y])
         nn.functional.cross_entropy(model(x), y).backward()
         return runtime.end_step()
@@ -187,7 +178,7 @@ def test_retain_graph_backward_twice_with_offload():
     model = mlp_chain(width=32, depth=3)
     x = torch.randn(64, 32)
     expected = torch.autograd.grad(model(x).sum(), list(model.parameters()))
-    with SwapRuntime(model, resolve_policy("offload", find_segments(model)), min_offload_bytes=0, device="cpu"):
+    with swap_runtime(model, "offload", min_offload_bytes=0, device="cpu"):
         loss = model(x).sum()
         first = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
         second = torch.autograd.grad(loss, list(model.parameters()))
@@ -208,7 +199,7 @@ def test_no_grad_forward_runs_plainly():
     x = torch.randn(4, 16)
     expected = model(x)
     for policy in ("offload", "recompute", "selective", "recompute_offload"):
-        with SwapRuntime(model, resolve_policy(policy, find_segments(model)), device="cpu"), torch.no_grad():
+        with swap_runtime(model, policy, device="cpu"), torch.no_grad():
             assert torch.equal(model(x), expected)
 
 
@@ -228,7 +219,7 @@ def test_runtime_leaves_no_trace(policy):
     model = MODELS["resnet18"][0]()
     keys = list(model.state_dict())
     hooks = _hook_counts(model)
-    runtime = SwapRuntime(model, resolve_policy(policy, find_segments(model)), min_offload_bytes=0, device="cpu").install()
+    runtime = swap_runtime(model, policy, min_offload_bytes=0, device="cpu").install()
     assert list(model.state_dict()) == keys
     x, y = MODELS["resnet18"][1](2)
     runtime.begin_step([x])
@@ -260,7 +251,7 @@ def test_host_pool_buffers_are_reused_across_steps():
     model = build()
     x, y = data(4)
     allocations, reserved = [], []
-    with SwapRuntime(model, resolve_policy("offload", find_segments(model)), min_offload_bytes=0, device="cpu") as runtime:
+    with swap_runtime(model, "offload", min_offload_bytes=0, device="cpu") as runtime:
         for _ in range(3):
             runtime.begin_step([x, y])
             loss_fn(model(x), y).backward()
@@ -317,7 +308,7 @@ def test_copies_of_a_planned_model_run_their_own_weights():
     model = mlp_chain(width=16, depth=3)
     x = torch.randn(4, 16)
     # prefetch_segments=1: the runtime's module hooks (forward and backward triggers) are copied too
-    with SwapRuntime(model, resolve_policy("recompute_offload", find_segments(model)), min_offload_bytes=0, prefetch_segments=1, device="cpu"):
+    with swap_runtime(model, "recompute_offload", min_offload_bytes=0, prefetch_segments=1, device="cpu"):
         twin = copy.deepcopy(model)
         buffer = io.BytesIO()
         torch.save(model, buffer)

@@ -15,6 +15,7 @@ from lightning_swap.core import profile
 from lightning_swap.core.decide.costmodel import simulate
 from lightning_swap.core.scale.batch_search import ScaleConfig, TrialMeasurement, search_batch_size
 
+from .helpers import QUIET_TRAINER
 from .lit import LitModel
 from .models import MODELS
 
@@ -251,11 +252,8 @@ def _trainer(strategy, finder, **kwargs):
         accelerator="cpu",
         strategy=strategy,
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[finder],
+        **QUIET_TRAINER,
     )
     options.update(kwargs)
     return L.Trainer(**options)

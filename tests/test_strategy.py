@@ -11,24 +11,15 @@ import torch
 import lightning_swap
 from lightning_swap import Action, CPUSwapStrategy, Plan
 
-from .helpers import POLICIES, assert_same_state
+from .helpers import POLICIES, assert_same_state, plain_fit
 from .lit import LitModel, fit
 from .models import MODELS
 
-_PLAIN = {}
-
-
-def _plain(name):
-    if name not in _PLAIN:
-        _PLAIN[name] = fit(name)[0]
-    return _PLAIN[name]
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_trainer_cpu_swap_equals_plain(name, policy):
+def test_trainer_cpu_swap_equalsplain_fit(name, policy):
     module, trainer = fit(name, CPUSwapStrategy(policy=policy, min_offload_bytes=0))
-    assert_same_state(module, _plain(name))
+    assert_same_state(module, plain_fit(name))
     strategy = trainer.strategy
     assert set(strategy.plan.actions.values()) == {Action.parse(policy)}
     stats = strategy.step_stats
@@ -52,7 +43,7 @@ def test_registered_name_and_metrics_logged(tmp_path):
     with open(f"{logger.log_dir}/metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert any(row.get("swap/peak_device_bytes") for row in rows)
-    assert_same_state(module, _plain("cnn"))
+    assert_same_state(module, plain_fit("cnn"))
 
 
 def test_policy_dict_and_segment_names():
@@ -62,7 +53,7 @@ def test_policy_dict_and_segment_names():
     assert actions["model.blocks.0"] is Action.OFFLOAD
     assert actions["model.blocks.1"] is Action.KEEP
     assert actions["model.blocks.2"] is Action.RECOMPUTE
-    assert_same_state(module, _plain("cnn"))
+    assert_same_state(module, plain_fit("cnn"))
     strategy = CPUSwapStrategy(policy="OFFLOAD", segments=["model.blocks.1", "model.blocks.3"], min_offload_bytes=0)
     module, trainer = fit("cnn", strategy)
     assert dict(trainer.strategy.plan.actions) == {"model.blocks.1": Action.OFFLOAD, "model.blocks.3": Action.OFFLOAD}
@@ -172,3 +163,30 @@ def test_a_forced_plan_renders_numbers_measured_in_its_first_step():
     assert " - " not in text and "measured in the plan's first step" in text
     fresh = Plan(actions={"a": Action.KEEP, "b": Action.OFFLOAD})
     assert "not measured yet" in fresh.render() and fresh.render().splitlines()[0].split() == ["segment", "action"]
+
+
+@pytest.mark.parametrize("cls", [CPUSwapStrategy, lightning_swap.DDPCPUSwapStrategy])
+def test_every_overridden_lightning_hook_is_marked_override(cls):
+    """STYLE 3: a method of the swap mixin that Lightning's strategy also defines carries ``@override``."""
+    from lightning.pytorch.strategies import Strategy
+
+    from lightning_swap.strategy import _SwapStrategyMixin
+
+    mixin = vars(_SwapStrategyMixin)
+    hooks = [name for name, fn in mixin.items() if callable(fn) and not name.startswith("__") and hasattr(Strategy, name)]
+    assert len(hooks) >= 8, hooks
+    assert [h for h in hooks if not getattr(mixin[h], "__override__", False)] == []
+    assert getattr(cls._stats_callback_class.on_train_batch_end, "__override__", False)
+
+
+@pytest.mark.parametrize("log_plan", [True, False])
+def test_log_plan_switches_the_strategys_plan_log(log_plan, monkeypatch):
+    """``log_plan`` (a SwapConfig field, Note [One option table]) gates the strategy's rank-zero
+    plan log; the plan is applied and measured either way."""
+    said = []
+    monkeypatch.setattr("lightning_swap.strategy.rank_zero_info", said.append)
+    strategy = CPUSwapStrategy(policy="offload", min_offload_bytes=0, log_plan=log_plan)
+    _, trainer = fit("cnn", strategy, steps=2)
+    logged = [text for text in said if text.startswith("lightning-swap plan")]
+    assert len(logged) == (1 if log_plan else 0), logged
+    assert trainer.strategy.plan.measured and not trainer.strategy.swap_config.log_plan

@@ -224,8 +224,9 @@ def test_pretend_gpu_plugin_refuses_the_automatic_choices_only():
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
     from . import pretend_gpu
+    from .helpers import QUIET_TRAINER
 
-    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    quiet = QUIET_TRAINER
     before = (_AcceleratorConnector.__dict__["_choose_auto_accelerator"], PartialState.__dict__["default_device"])
     restore = pretend_gpu.install()
     try:

@@ -30,7 +30,7 @@ from lightning_swap.core.engine.unified.pool_routing import _FREE, _MALLOC, _Man
 from lightning_swap.core.engine.unified.memory import ManagedMemory, UnifiedMemory, refusal
 from lightning_swap.core.config import check_um_max_bytes
 
-from .helpers import assert_same_state, train_core
+from .helpers import QUIET_TRAINER, assert_same_state, plain_core, swap_runtime, train_core
 from .lit import LitModel
 from .models import MODELS
 
@@ -158,10 +158,7 @@ def test_strategy_refuses_on_cpu_before_touching_the_model(mode):
         strategy=CPUSwapStrategy(um=mode, um_max_bytes=1 << 20),
         accelerator="cpu",
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
     )
     with pytest.raises(UnifiedMemoryError, match=f"um='{mode}' needs a CUDA device"):
         trainer.fit(module)
@@ -261,13 +258,6 @@ def test_allocator_callback_never_raises_into_cpp():
 
 
 # -- um="offload": managed host buffers in the offload engine ----------------------------------
-_PLAIN: dict[str, tuple] = {}
-
-
-def _plain(name: str):
-    if name not in _PLAIN:
-        _PLAIN[name] = train_core(name, None)
-    return _PLAIN[name]
 
 
 @pytest.mark.parametrize("policy", ["offload", "recompute_offload"])
@@ -275,7 +265,7 @@ def _plain(name: str):
 def test_managed_offload_equals_plain_and_cleans_up(name, policy):
     unified, runtime = fake_unified()
     model, stats, grads = train_core(name, policy, unified=unified)
-    plain_model, _, plain_grads = _plain(name)
+    plain_model, _, plain_grads = plain_core(name)
     # (a) the same training as plain
     assert_same_state(model, plain_model)
     assert all(torch.equal(grads[k], plain_grads[k]) for k in plain_grads)
@@ -337,7 +327,7 @@ def test_cap_turns_into_a_clear_out_of_memory_error_and_nothing_leaks():
     model = build()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = data(512)
-    with SwapRuntime(model, resolve_policy("offload", find_segments(model)), min_offload_bytes=0, unified=unified, device="cpu"):
+    with swap_runtime(model, "offload", min_offload_bytes=0, unified=unified, device="cpu"):
         with pytest.raises(torch.OutOfMemoryError, match="would exceed um_max_bytes=65536"):
             loss_fn(model(x), y).backward()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -394,13 +384,13 @@ def test_all_mode_does_not_prefetch_while_everything_fits():
     _params_in_managed_memory(model, unified)
     unified._device_total = unified.memory.managed_bytes + 1  # the device holds all of it
     x, y = data(8)
-    with SwapRuntime(model, resolve_policy("keep", find_segments(model)), unified=unified, device="cpu") as rt:
+    with swap_runtime(model, "keep", unified=unified, device="cpu") as rt:
         rt.begin_step([x, y])
         loss_fn(model(x), y).backward()
         assert rt.end_step().um_prefetched_bytes == 0
     assert runtime.of("prefetch") == []
     unified._device_total = 0  # now it does not fit: prefetch starts
-    with SwapRuntime(model, resolve_policy("keep", find_segments(model)), unified=unified, device="cpu") as rt:
+    with swap_runtime(model, "keep", unified=unified, device="cpu") as rt:
         rt.begin_step([x, y])
         loss_fn(model(x), y).backward()
         assert rt.end_step().um_prefetched_bytes > 0

@@ -16,6 +16,7 @@ from lightning_swap.core.scale.batch_search import ScaleConfig, predict_batch_si
 from lightning_swap.core.config import SwapConfig
 from lightning_swap.core.units import parse_bytes
 
+from .helpers import QUIET_TRAINER
 from .lit import LitModel, fit
 from .models import CNN, MODELS
 from .test_accelerate import fresh_state  # noqa: F401 - a fixture
@@ -160,10 +161,7 @@ def test_lightning_finder_takes_12gib_and_searches_with_it(tmp_path):
         accelerator="cpu",
         strategy=CPUSwapStrategy(min_offload_bytes=0),
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=[finder],
         default_root_dir=tmp_path,
     )
