@@ -1,0 +1,85 @@
+"""Issue 20: ``policy="auto"`` within the budget on every step, the first included (Note
+[Observe only what fits]), and the minimum it names is the lowest-memory plan's measured peak."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from lightning_swap import Action, CPUSwapStrategy, InfeasibleBudgetError
+
+from .lit import LitModel, fit
+
+
+class _AdamW(LitModel):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+_BATCH = {"mlp": 64, "gpt": 16, "cnn": 16}
+
+
+def _fit(name, strategy, steps=4, **kwargs):
+    from tests import lit
+
+    original, lit.LitModel = lit.LitModel, _AdamW
+    try:
+        return fit(name, strategy, batch_size=_BATCH[name], steps=steps, **kwargs)
+    finally:
+        lit.LitModel = original
+
+
+def _peaks(trainer):
+    return [s.peak_device_bytes for s in trainer.strategy.stats_history]
+
+
+@functools.cache
+def _forced(name, policy, accumulate=1):
+    _, trainer = _fit(name, CPUSwapStrategy(policy=policy, min_offload_bytes=0), accumulate_grad_batches=accumulate)
+    return max(_peaks(trainer))
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
+def test_every_step_within_the_budget_from_the_smallest_to_above_plain(name):
+    plain, least = _forced(name, "keep"), _forced(name, "recompute_offload")
+    for budget in (int(1.03 * least), int(0.5 * (least + plain)), plain, int(1.2 * plain)):
+        _, trainer = _fit(name, CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0), steps=5)
+        peaks = _peaks(trainer)
+        assert len(peaks) == 5 and max(peaks) <= budget, (name, budget, peaks)
+        for row in trainer.strategy.plan.rows:
+            if row.action not in (Action.KEEP, Action.OFFLOAD) and row.recomputed_bytes > 0:
+                assert row.added_ms > 0, row  # a segment that recomputes never costs 0 ms
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_a_budget_well_above_plain_keeps_everything(name):
+    # Plain is observed only once a bound on its peak fits (Note [Observe only what fits]); the
+    # bound is loose by up to a third (the CNN's), so this holds at 1.2x for these two models.
+    budget = int(1.2 * _forced(name, "keep"))
+    _, trainer = _fit(name, CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0), steps=5)
+    assert set(trainer.strategy.plan.actions.values()) == {Action.KEEP}
+    assert max(_peaks(trainer)) <= budget
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
+def test_the_minimum_is_the_lowest_memory_plans_peak_and_raised_before_a_step_is_over(name):
+    least = _forced(name, "recompute_offload")
+    budget = least // 2
+    with pytest.raises(InfeasibleBudgetError) as info:
+        _fit(name, CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0))
+    assert abs(info.value.min_budget_bytes - least) <= 0.05 * least, (info.value.min_budget_bytes, least)
+    _, trainer = _fit(name, CPUSwapStrategy(budget_bytes=int(1.03 * least), min_offload_bytes=0))
+    assert max(_peaks(trainer)) <= int(1.03 * least)
+
+
+def test_accumulation_minimum_is_at_most_plains_peak():
+    plain = _forced("cnn", "keep", 2)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        _fit("cnn", CPUSwapStrategy(budget_bytes=1 << 16, min_offload_bytes=0), accumulate_grad_batches=2)
+    least = info.value.min_budget_bytes
+    assert least <= plain
+    budget = (least + plain) // 2
+    _, trainer = _fit("cnn", CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0), steps=4, accumulate_grad_batches=2)
+    assert max(_peaks(trainer)) <= budget
