@@ -83,3 +83,30 @@ def test_accumulation_minimum_is_at_most_plains_peak():
     budget = (least + plain) // 2
     _, trainer = _fit("cnn", CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0), steps=4, accumulate_grad_batches=2)
     assert max(_peaks(trainer)) <= budget
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("seed", range(4))
+def test_no_action_is_free_and_ties_go_to_keep(seed, device_type):
+    """Note [An action is never free]: measured costs of 0 (noise) and a forward made only of
+    heavy ops still price recomputation at its forward; a budget everything fits keeps all."""
+    import dataclasses
+
+    from lightning_swap.core import simulate, solve
+
+    from .test_solver import random_chain
+
+    chain = random_chain(seed, 6, device_type=device_type)
+    zeroed = tuple(
+        dataclasses.replace(s, recompute_ms=0.0, selective_ms=-0.5, heavy_forward_ms=s.forward_ms) for s in chain.segments
+    )
+    profile = dataclasses.replace(chain, segments=zeroed)
+    plan = solve(profile, budget_bytes=10 * profile.peak_bytes)
+    assert set(plan.actions.values()) == {Action.KEEP}
+    for action in (Action.RECOMPUTE, Action.SELECTIVE, Action.RECOMPUTE_OFFLOAD, Action.OFFLOAD):
+        prediction = simulate(profile, [action] * len(zeroed))
+        for row, s in zip(prediction.rows, zeroed):
+            assert f"{row.added_ms:.2f}" != "0.00", (action, row)
+            if action is not Action.OFFLOAD and action is not Action.SELECTIVE:
+                assert row.added_ms >= s.forward_ms, (action, row)
+        assert prediction.step_ms > simulate(profile, [Action.KEEP] * len(zeroed)).step_ms
