@@ -325,5 +325,10 @@ class AutoPlanner:
         """Every process, after applying ``plan``: what it was made for, and a check is due."""
         self._signature = _signature(self.session.model, states)
         self._planned_state = state_bytes(self.session.model, states)
-        self._check_pending = plan.predicted_peak_bytes is not None and plan is not getattr(self, "_last_plan", None)
-        self._last_plan = plan
+        # By value, with the state it was made for: on the other processes every broadcast plan
+        # is a new object (unpickled), and an identity test there made every step a check, a
+        # broadcast rank 0 never entered. A plan kept after its check comes back equal in the
+        # same state; a re-plan is new in value or made for another state.
+        made_for = (plan, self._planned_state)
+        self._check_pending = plan.predicted_peak_bytes is not None and made_for != getattr(self, "_last_plan", None)
+        self._last_plan = made_for

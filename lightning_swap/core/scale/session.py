@@ -117,7 +117,7 @@ class SwapSession:
                 return kind
             if kind == "plan":
                 plan = plan_on_main(lambda: self.auto.plan(states))
-                if plan is not self.plan:
+                if plan != self.plan:  # by value: other processes get a new object each time
                     self.apply(plan)
                 self.auto.applied(plan, states)
         self.begin_step(track, measure=measure)
