@@ -325,6 +325,8 @@ class SwapAccelerator(Accelerator):
             if error is not None:
                 raise error
             raise RuntimeError(f"the main process could not plan the model: {body}")
+        if not isinstance(body, Plan):
+            return body  # another decision taken on the main process (Note [Observe only what fits])
         plan: Plan = body
         # the planner lists segments in execution order, the forced plan in the model's order
         if sorted(plan.segments) != sorted(session.segments):

@@ -242,7 +242,7 @@ class _SwapStrategyMixin:
         )
         if kind == "observe" and self.report and self._plain_timeline is None and session.observing:
             self._recorder = TimelineRecorder(
-                self.lightning_module, session.segments, session.auto.observing.meter, "plain (the observed first step)"
+                self.lightning_module, session.segments, session.auto.observing.meter, "plain (the observed step)"
             ).__enter__()
         elif kind == "plan":
             self._log_plan(session.plan)
@@ -264,8 +264,9 @@ class _SwapStrategyMixin:
             raise
 
     def _plan_after_out_of_memory(self, exc: BaseException) -> None:
-        """Note [The observed step does not fit]: the first step runs without a plan so that it
-        can be observed; when even that is out of memory, the step is profiled in fake mode
+        """Note [The observed step does not fit]: the observed step runs without a plan, and only
+        once the guard steps bound its peak within the budget (Note [Observe only what fits]);
+        when it is out of memory all the same (a last resort, not the path), the step is profiled in fake mode
         (the user's ``training_step`` runs once more, on fake tensors, with ``self.log`` silenced
         and the RNG, buffers and gradients restored), planned, and run again from the RNG state
         it started with. The user's side effects of the failed attempt and of the fake one (a
@@ -294,12 +295,12 @@ class _SwapStrategyMixin:
             prof = self._plan_on_main(fake_profile)
         except Exception as err:
             raise RuntimeError(
-                "lightning-swap: the first training step, which policy='auto' runs without a plan to observe it, "
+                "lightning-swap: the training step that policy='auto' runs without a plan to observe it "
                 f"is out of memory on {self.root_device}, and profiling it on fake tensors failed too ({type(err).__name__}: "
                 f"{err}). Choose a policy for it instead, e.g. CPUSwapStrategy(policy='recompute_offload'), or a smaller batch."
             ) from exc
         rank_zero_warn(
-            "lightning-swap: the first training step is out of memory without a plan; it was profiled on fake tensors "
+            "lightning-swap: the observed training step is out of memory without a plan; it was profiled on fake tensors "
             "(training_step ran once more, with self.log silenced) and runs again under the plan. Side effects of "
             "the failed attempt (counters, metric updates) were not undone."
         )

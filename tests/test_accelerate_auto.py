@@ -51,12 +51,11 @@ def test_auto_fits_a_simulated_budget_and_equals_plain(fresh_state):
     budget = int(0.6 * max(peaks))  # the steady-state plain peak, less 40%
     accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=budget, min_offload_bytes=0))
     auto, peaks, plans = _train(accelerator, [8] * 4)
-    # Note [Auto policy in Accelerate]: the first step is observed (no plan; its statistics are
-    # the observation's); the second plans for the steady state; the third checks that plan
-    # against the second's measured peak and keeps it.
-    assert plans[0] is None and peaks[0] > budget  # the observed step: every segment kept
-    steady = plans[1]
-    assert plans[2] is steady and plans[3] is steady
+    # Note [Observe only what fits]: plain does not fit, so no step is observed plainly: every
+    # step runs within the budget, the first included, under the lowest-memory plan.
+    assert None not in peaks and max(peaks) <= budget, peaks
+    steady = plans[-1]
+    assert dict(plans[2].actions) == dict(steady.actions) == dict(plans[3].actions)
     assert set(steady.actions.values()) != {Action.KEEP}
     assert steady.predicted_peak_bytes <= budget and steady.batch_size == 8
     assert max(peaks[1:]) <= budget
@@ -102,12 +101,17 @@ def test_auto_replans_for_a_new_batch_shape(fresh_state):
     """A smaller batch keeps the plan (it fits); a batch of another shape is observed again."""
     accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=1 << 40, min_offload_bytes=0))
     small = _images(6)[0][:, :, :12, :12].contiguous(), _images(6)[1]
-    _, _, plans, profiles = _train(accelerator, [8, 8, 5, small, small], with_profiles=True)
-    assert plans[0] is None and plans[1] is not None and plans[2] is plans[1] and plans[3] is None
-    assert plans[4] is not None and plans[4] is not plans[1]
-    assert profiles[1] is profiles[2] and profiles[1].batch_size == 8
-    # a new image size: observed again (the observation ends with the step's optimizer step)
-    assert profiles[3] is profiles[4] and profiles[3] is not profiles[2] and profiles[3].batch_size == 6
+    _, _, plans, profiles = _train(accelerator, [8, 8, 8, 8, 5, small, small, small], with_profiles=True)
+    # Note [Observe only what fits]: guard steps until the state stops growing (two: the momentum
+    # appears in the first), the third observed (plain fits 1 TiB), the fourth planned.
+    guard = {Action.RECOMPUTE_OFFLOAD}
+    assert set(plans[0].actions.values()) == set(plans[1].actions.values()) == guard
+    assert plans[2] is None and plans[3] is not None and plans[4] is plans[3]
+    assert profiles[3] is profiles[4] and profiles[3].batch_size == 8
+    # The new shape: one guard step (the state is steady already), observed, planned.
+    assert set(plans[5].actions.values()) == guard and plans[6] is None
+    assert plans[7] is not None and plans[7] is not plans[3] and profiles[7].batch_size == 6
+    assert profiles[7] is profiles[6] and profiles[7] is not profiles[4]  # observed again
     accelerator.free_memory()
 
 

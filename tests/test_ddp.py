@@ -58,3 +58,33 @@ def test_batch_finder_agrees_across_ddp_ranks(tmp_path):
     assert ranks[0]["plan"] == ranks[1]["plan"]
     assert ranks[0]["batch"] >= 16
     assert all(r["peak"] <= budget for r in ranks)
+
+
+@pytest.mark.slow
+def test_auto_ranks_take_the_same_decisions_within_the_budget(tmp_path):
+    """Note [Observe only what fits]: under DDP every rank enters the guard's verdict together
+    and takes rank 0's decision; every step of every rank is within the budget, the first
+    included, at a budget plain does not fit and at one it does."""
+    from lightning_swap import CPUSwapStrategy
+
+    from .lit import fit
+
+    _, trainer = fit("cnn", CPUSwapStrategy(policy="keep", min_offload_bytes=0), batch_size=4, steps=3)
+    plain = max(s.peak_device_bytes for s in trainer.strategy.stats_history)
+    budgets = [int(0.7 * plain), 1 << 40]
+    out = tmp_path / "auto.pt"
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), "--auto-budgets", *map(str, budgets)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(f"{out}.rank{r}", weights_only=False) for r in (0, 1)]
+    for budget in budgets:
+        assert ranks[0][budget]["plan"] == ranks[1][budget]["plan"]
+        # (rank 1 does not trace the observed step, so it has no record of that one)
+        assert len(ranks[0][budget]["peaks"]) == 6 and len(ranks[1][budget]["peaks"]) >= 5
+        for r in ranks:
+            assert max(r[budget]["peaks"]) <= budget, (budget, r[budget]["peaks"])
+    assert set(ranks[0][budgets[1]]["plan"].values()) == {"keep"}
+    assert set(ranks[0][budgets[0]]["plan"].values()) != {"keep"}

@@ -24,9 +24,12 @@ def main():
     parser.add_argument("--model", default="cnn")
     parser.add_argument("--policies", nargs="+", default=["offload"])
     parser.add_argument("--finder-budget", type=int, default=0, help="run SwapBatchSizeFinder under this budget instead")
+    parser.add_argument("--auto-budgets", type=int, nargs="*", default=[], help="train policy='auto' under each budget instead")
     args = parser.parse_args()
     if args.finder_budget:
         return find(args)
+    if args.auto_budgets:
+        return auto(args)
     results = {}
     for policy in [None, *args.policies]:
         L.seed_everything(0, verbose=False)
@@ -84,6 +87,27 @@ def find(args):
         },
         f"{args.out}.rank{rank}",
     )
+
+
+def auto(args):
+    """Every rank saves, per budget, its plan and every step's measured peak under policy="auto"
+    (Note [Observe only what fits]: the guard steps' verdict is broadcast from rank 0)."""
+    results = {}
+    for budget in args.auto_budgets:
+        L.seed_everything(0, verbose=False)
+        module = LitModel(args.model, batch_size=4)
+        strategy = DDPCPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=6, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(module)
+        results[budget] = {
+            "plan": {k: a.value for k, a in trainer.strategy.plan.actions.items()},
+            "peaks": [s.peak_device_bytes for s in trainer.strategy.stats_history],
+        }
+        rank = trainer.global_rank
+    torch.save(results, f"{args.out}.rank{rank}")
 
 
 if __name__ == "__main__":

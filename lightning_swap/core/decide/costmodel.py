@@ -107,13 +107,25 @@ def copied_bytes(s: SegmentProfile, a: Action) -> int:
     return 0
 
 
+#: Note [An action is never free]: the least any action but ``KEEP`` adds to a step (hooks,
+#: bookkeeping, a copy's launch). Measured costs are differences of two noisy timings and came
+#: out at 0 (issue 20: ``selective`` chosen at a budget everything fits, its row ``+0.00 ms``):
+#: recomputation is floored at the forward of the ops it runs again (the whole segment's for
+#: ``RECOMPUTE``; the ops outside the heavy ones for ``SELECTIVE``), and every action at this,
+#: so that among plans of equal predicted time the one that does less (keep first) wins.
+MIN_ACTION_MS = 0.01
+
+
 def recompute_ms(s: SegmentProfile, a: Action) -> float:
     """What recomputing ``s`` under ``a`` adds: measured on the device when the profile timed the
-    action (:mod:`.costs`), else its forward (``SELECTIVE``: less the time in heavy ops)."""
+    action (:mod:`.costs`), never less than the forward of the ops it runs again (Note [An
+    action is never free]); ``OFFLOAD``'s floor (its copies are priced in :func:`simulate`)."""
     if a in (Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD):
-        return s.recompute_ms if s.recompute_ms is not None else s.forward_ms
+        return max(s.recompute_ms or 0.0, s.forward_ms, MIN_ACTION_MS)
     if a is Action.SELECTIVE:
-        return s.selective_ms if s.selective_ms is not None else max(s.forward_ms - s.heavy_forward_ms, 0.0)
+        return max(s.selective_ms or 0.0, s.forward_ms - s.heavy_forward_ms, MIN_ACTION_MS)
+    if a is Action.OFFLOAD:
+        return MIN_ACTION_MS
     return 0.0
 
 

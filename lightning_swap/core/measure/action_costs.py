@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -94,9 +95,9 @@ def measure_action_costs(
     ops: StreamOps,
     *,
     device: torch.device,
-    repeats: int = 2,
+    repeats: int = 3,
 ) -> dict[str, ActionCosts]:
-    """Time every segment in ``calls`` kept, recomputed and selectively recomputed (the fastest
+    """Time every segment in ``calls`` kept, recomputed and selectively recomputed (the median
     of ``repeats`` runs after one warm-up). Note [Timing a segment leaves no trace]."""
     out: dict[str, ActionCosts] = {}
     with torch.no_grad():
@@ -117,7 +118,9 @@ def measure_action_costs(
                 try:
                     _run(module, forward, call, ops)  # warm-up (allocator, kernels, compiled graphs)
                     runs = [_run(module, forward, call, ops) for _ in range(repeats)]
-                    best[action] = min(runs, key=sum)
+                    # Medians, not minima: a minimum of a shared machine's timings is its luckiest
+                    # run, and a lucky KEEP against an unlucky RECOMPUTE misprices both (issue 20).
+                    best[action] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
                 except Exception as exc:  # noqa: BLE001 - an action that cannot run here is not timed
                     log.debug("timing %s under %s failed: %s", name, action.value, exc)
                     best[action] = None

@@ -8,6 +8,7 @@ and call :meth:`~SwapSession.begin_step` / :meth:`~SwapSession.end_step` from th
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from ..actions import Action, allowed_actions, resolve_policy
 from ..errors import is_out_of_memory
-from .auto import AutoPlanner
+from .auto import VERDICT, AutoPlanner
 from ..decide.plan import Plan
 from ..engine.streams import SyncOps, Timing
 from ..runtime.stats import StatsHistory, StepStats, StepRecord
@@ -101,12 +102,22 @@ class SwapSession:
         kind = "run"
         if self.auto is not None and not self._pinned:
             kind = self.auto.kind(batch, states)
+            if kind == VERDICT:  # Note [Observe only what fits]: rank 0 decides for every rank
+                self.auto.take_verdict(plan_on_main(lambda: self.auto.guard_verdict(states)))
+                kind = self.auto.kind(batch, states)
+                if kind == "run" and self.plan is not None:  # the lowest-memory plan stays: its peak is measured
+                    least, batch_size = self.auto.guard_measured
+                    self.plan = replace(self.plan, predicted_peak_bytes=least, budget_bytes=self.budget_bytes(), batch_size=batch_size)
+            if kind == "guard":
+                self.apply(self.auto.begin_guard(batch, states))
+                self.begin_step(track, measure=True)
+                return kind
             if kind == "observe":  # the other processes run the same step plainly
                 self.auto.begin_observe(batch, track, states, is_main=is_main)
                 return kind
             if kind == "plan":
                 plan = plan_on_main(lambda: self.auto.plan(states))
-                if plan is not self.plan:
+                if plan != self.plan:  # by value: other processes get a new object each time
                     self.apply(plan)
                 self.auto.applied(plan, states)
         self.begin_step(track, measure=measure)
@@ -118,7 +129,14 @@ class SwapSession:
             self.auto.observing.backward_begins()
 
     def step_done(self) -> None:
-        """The whole step (optimizer step included) is over: an observed step becomes the profile."""
+        """The whole step (optimizer step included) is over: an observed step becomes the profile,
+        a guard step's measurements bound plain's peak (Note [Observe only what fits])."""
+        if self.auto is not None and self.auto.guarding and self.runtime is not None:
+            stats = self.records.newest()
+            measured = self.runtime.measured_plan(wait=True)
+            self.auto.end_guard(stats.peak_device_bytes if stats is not None else None, measured.rows if measured else None)
+            if measured is not None:
+                self.plan = measured
         if self.observing:
             try:
                 profile = self.auto.finish_observe()
@@ -242,6 +260,8 @@ class SwapSession:
     def backward_done(self) -> None:
         """The loss's backward is over (what follows, the optimizer step, is its own window in
         an observed step)."""
+        if self.auto is not None and self.auto.guarding and self.runtime is not None and self.runtime.measuring:
+            self.auto.guard_backward_done(self.runtime.meter.peak_bytes)
         if self.observing and not self.auto.observing.backward_over:
             self.auto.observing.backward_done()
 
