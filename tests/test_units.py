@@ -145,7 +145,7 @@ def test_swap_config_names_the_field(kwargs, field):
 def test_strategy_takes_12gib_and_plans_with_it():
     strategy = CPUSwapStrategy(budget_bytes="12GiB", min_offload_bytes="0B")
     assert strategy.swap_config.budget_bytes == 12 * GiB and strategy.swap_config.min_offload_bytes == 0
-    _, trainer = fit("gpt", strategy, steps=2)
+    _, trainer = fit("gpt", strategy, steps=3)  # guard, observe, plan (Note [Observe only what fits])
     assert trainer.strategy.swap_session.budget_bytes() == 12 * GiB
     assert trainer.strategy.plan.budget_bytes == 12 * GiB  # the planner's budget
 
@@ -186,7 +186,7 @@ def test_plugin_from_env_takes_12gib_and_plans_with_it(fresh_state, monkeypatch)
     torch.manual_seed(0)
     model = accelerator.prepare(CNN())
     x, y = MODELS["cnn"][1](4)
-    for _ in range(2):  # the first step is observed, the second planned (Note [Auto: observe, plan, check])
+    for _ in range(3):  # guard, observe, plan (Notes [Observe only what fits], [Auto: observe, plan, check])
         accelerator.backward(F.cross_entropy(model(x), y))
     assert accelerator.swap_session.budget_bytes() == 12 * GiB
     assert accelerator.swap_plan.budget_bytes == 12 * GiB

@@ -190,6 +190,11 @@ class AutoPlanner:
         if guard["peak"] > budget or (plain is not None and least > budget):
             raise InfeasibleBudgetError(budget_bytes=budget, min_budget_bytes=least, batch_size=guard["key"][1])
         if plain is None:
+            # The same bound on the predicted steady peak: when even that fits, plain is observed
+            # at once rather than after a second guard step (a budget far above plain's peak runs
+            # one step under the lowest-memory plan, not two).
+            if least + guard["held"] <= budget:
+                return "observe", least + guard["held"], least
             return _GUARD, None, least
         return ("observe" if plain <= budget else "run"), plain, least
 
