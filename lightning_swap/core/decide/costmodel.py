@@ -55,14 +55,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from ..actions import Action
 from ..config import check_inflight_segments
 from .plan import PlanRow
 from ..measure.model_profile import ModelProfile, SegmentProfile
 
-__all__ = ["Prediction", "SegmentCosts", "backward_need", "copy_window", "on_demand", "segment_costs", "simulate"]
+__all__ = ["Prediction", "SegmentCosts", "backward_need", "copy_window", "copy_window_of", "on_demand", "segment_costs", "simulate"]
 
 
 def held_in(s: SegmentProfile, a: Action) -> bool:
@@ -271,6 +271,13 @@ def copy_window(prefetch_segments: Optional[int], inflight_segments: int, *, ove
         raise ValueError(f"`prefetch_segments` must be an int >= 0 or None; got {prefetch_segments!r}.")
     inflight_segments = check_inflight_segments(inflight_segments)
     return prefetch_segments, inflight_segments if overlap else 0
+
+
+def copy_window_of(config: Any) -> dict[str, Any]:
+    """The keywords of :func:`simulate` / ``solve`` / ``min_budget_bytes`` that a
+    :class:`~lightning_swap.core.config.SwapConfig` sets (Note [Copy windows]): pass
+    ``**copy_window_of(config)`` where a plan is made for a session's runtime."""
+    return {"prefetch_segments": config.prefetch_segments, "inflight_segments": config.inflight_segments}
 
 
 def on_demand(i: int, n: int, prefetch: int, *, overlap: bool) -> bool:
