@@ -164,3 +164,37 @@ def test_a_plan_made_for_no_prefetch_can_exceed_its_budget_under_a_deep_one() ->
     measured = max(case.peaks(acts, 3, 1, steps=2))
     assert measured > 1.5 * shallow
     assert measured <= deep <= 1.05 * measured
+
+
+# -- through the Lightning strategy ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt_plain():
+    from lightning_swap import CPUSwapStrategy
+
+    from .lit import fit
+
+    plain, trainer = fit("gpt", CPUSwapStrategy(policy="keep", min_offload_bytes=0), batch_size=16, steps=3)
+    return plain, max(s.peak_device_bytes for s in trainer.strategy.stats_history[1:])
+
+
+@pytest.mark.parametrize("prefetch, inflight", [(0, 1), (1, 2), (2, 3), (3, 1)])
+def test_strategy_auto_plans_for_its_window_and_stays_within_budget(gpt_plain, prefetch: int, inflight: int) -> None:
+    """``CPUSwapStrategy(policy="auto", prefetch_segments=p, inflight_segments=i)``: the session
+    hands its window to the planner, so every planned step fits (the first is observed)."""
+    from lightning_swap import CPUSwapStrategy
+
+    from .helpers import assert_same_state
+    from .lit import fit
+
+    plain, plain_peak = gpt_plain
+    budget = int(0.6 * plain_peak)
+    strategy = CPUSwapStrategy(
+        policy="auto", budget_bytes=budget, min_offload_bytes=0, prefetch_segments=prefetch, inflight_segments=inflight,
+    )
+    module, trainer = fit("gpt", strategy, batch_size=16, steps=3)
+    plan = trainer.strategy.plan
+    peaks = [s.peak_device_bytes for s in trainer.strategy.stats_history]
+    assert plan.predicted_peak_bytes <= budget and set(plan.actions.values()) != {Action.KEEP}
+    assert max(peaks[1:]) <= budget, (peaks, budget, plan.summary())
+    assert abs(plan.predicted_peak_bytes - peaks[-1]) <= 0.05 * peaks[-1], (plan.predicted_peak_bytes, peaks)
+    assert_same_state(module, plain)
