@@ -23,7 +23,7 @@ from .batch_search import ScaleConfig, ScaleResult, TrialMeasurement, predict_ba
 if TYPE_CHECKING:
     from .session import SwapSession
 
-__all__ = ["Collectives", "RunSteps", "search_for_loop"]
+__all__ = ["Collectives", "RunSteps", "adopt_search_profile", "search_for_loop"]
 
 log = logging.getLogger(__name__)
 
@@ -170,3 +170,15 @@ def _trial_runner(session: "SwapSession", run_steps: RunSteps, config: ScaleConf
         return TrialMeasurement(peak_bytes=int(peak), step_ms=float(step_ms))
 
     return run_trial
+
+
+def adopt_search_profile(session: "SwapSession", batch: Optional[Callable[[], Any]] = None, *, found: bool = True) -> None:
+    """After a batch-size search (found or not): the session starts afresh, and under
+    ``policy="auto"``, when the search ``found`` a batch, training plans from the search's
+    steady-state profile — at ``batch()``'s shape when given, else at the profile's own batch —
+    instead of observing a step of the size found without a plan (Note [Auto: observe, plan,
+    check]). Both adapters' finders end with this."""
+    searched = session._profile  # the search's own, not auto's (SwapSession.profile prefers auto's)
+    session.reset()
+    if session.auto is not None and searched is not None and found:
+        session.auto.set_profile(searched, batch() if batch is not None else None, steady=True)
