@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_map
 from lightning_swap.core import is_out_of_memory
 from lightning_swap.core import StepStats
 from lightning_swap.core import BatchSearchError, ScaleConfig, ScaleResult
-from lightning_swap.core import Collectives, search_for_loop
+from lightning_swap.core import Collectives, adopt_search_profile, search_for_loop
 from lightning_swap.core import ByteSize, parse_bytes
 
 from .accelerator import SwapAccelerator
@@ -106,15 +106,34 @@ def find_batch_size(
             (``wrapper.result.render()`` states the comparison).
     """
     config = ScaleConfig(
-        mode=mode,
-        margin=margin,
-        min_batch_size=min_batch_size,
-        max_batch_size=max_batch_size,
-        steps_per_trial=steps_per_trial,
-        max_trials=max_trials,
-        candidates=candidates,
+        mode=mode, margin=margin, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
+        steps_per_trial=steps_per_trial, max_trials=max_trials, candidates=candidates,
     )
     budget_bytes = parse_bytes(budget_bytes, field="budget_bytes", allow_none=True)
+    _check_arguments(accelerator, model, optimizer, make_batch, step_fn)
+    profile_batch_size = _profile_batch_size(profile_batch_size, config)
+    search = functools.partial(_search, accelerator, model, optimizer, make_batch, step_fn, budget_bytes, config, profile_batch_size)
+    decorate = functools.partial(_decorate, search=search, accelerator=accelerator, config=config)
+    return decorate if function is None else decorate(function)
+
+
+def _decorate(train: Callable[..., Any], *, search: Callable[[], ScaleResult], accelerator: SwapAccelerator, config: ScaleConfig) -> Callable[..., Any]:
+    """``train`` wrapped: each call searches, then calls ``train(batch_size, ...)`` with the batch found."""
+    if not callable(train):
+        raise ValueError(f"`function` must be callable (the training function); got {train!r}.")
+
+    @functools.wraps(train)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = search()
+        wrapper.result = result
+        log.info("find_batch_size:\n%s", result.render())
+        return _call_with_fallback(train, accelerator, result.batch_size, config, args, kwargs)
+
+    wrapper.result = None
+    return wrapper
+
+
+def _check_arguments(accelerator: Any, model: Any, optimizer: Any, make_batch: Any, step_fn: Any) -> None:
     if not isinstance(accelerator, SwapAccelerator) or not accelerator.swap_enabled:
         raise ValueError(
             "`accelerator` must be a SwapAccelerator with the swap plugin switched on "
@@ -127,6 +146,10 @@ def find_batch_size(
     for name, fn in (("make_batch", make_batch), ("step_fn", step_fn)):
         if not callable(fn):
             raise ValueError(f"`{name}` must be callable; got {fn!r}.")
+
+
+def _profile_batch_size(profile_batch_size: Optional[int], config: ScaleConfig) -> int:
+    """The batch the search profiles at (default :data:`DEFAULT_PROFILE_BATCH_SIZE`, clipped)."""
     if profile_batch_size is None:
         profile_batch_size = min(max(DEFAULT_PROFILE_BATCH_SIZE, config.min_batch_size), config.max_batch_size)
     _check_positive(profile_batch_size, "profile_batch_size")
@@ -135,21 +158,7 @@ def find_batch_size(
             f"`profile_batch_size` ({profile_batch_size}) must lie in [min_batch_size, max_batch_size] "
             f"= [{config.min_batch_size}, {config.max_batch_size}]."
         )
-    def decorate(train: Callable[..., Any]) -> Callable[..., Any]:
-        if not callable(train):
-            raise ValueError(f"`function` must be callable (the training function); got {train!r}.")
-
-        @functools.wraps(train)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            result = _search(accelerator, model, optimizer, make_batch, step_fn, budget_bytes, config, profile_batch_size)
-            wrapper.result = result
-            log.info("find_batch_size:\n%s", result.render())
-            return _call_with_fallback(train, accelerator, result.batch_size, config, args, kwargs)
-
-        wrapper.result = None
-        return wrapper
-
-    return decorate if function is None else decorate(function)
+    return profile_batch_size
 
 
 # -- the search ----------------------------------------------------------------------------------
@@ -225,6 +234,36 @@ def _search(
     def batch_of(batch_size: int) -> Any:
         return send_to_device(make_batch(batch_size), accelerator.device)
 
+    accelerator._swap_searching = True
+    try:
+        with _restored(accelerator, inner, optimizer), session.planning_suspended():
+            return search_for_loop(
+                session,
+                budget,
+                _step_runner(accelerator, model, optimizer, batch_of, step_fn),
+                step_fn,
+                make_batch=batch_of,
+                profile_batch_size=profile_batch_size,
+                config=config,
+                track=lambda: [getattr(o, "optimizer", o).state for o in accelerator._optimizers],
+                collectives=_collectives(accelerator),
+                base_batch_size=profile_batch_size,
+            )
+    finally:
+        accelerator._swap_searching = False
+        # The next training forward plans from the search's steady-state profile at its own
+        # batch size, instead of observing a step of that size without a plan.
+        adopt_search_profile(session)
+        _free_device_memory(accelerator)
+
+
+def _step_runner(
+    accelerator: SwapAccelerator, model: nn.Module, optimizer: Any, batch_of: Callable[[int], Any],
+    step_fn: Callable[[nn.Module, Any], torch.Tensor],
+) -> Callable[[int, int], list[StepStats]]:
+    """``run_steps`` for :func:`search_for_loop`: the user's step, ``steps`` times."""
+    session = accelerator.swap_session
+
     def run_steps(batch_size: int, steps: int) -> list[StepStats]:
         out = []
         for _ in range(steps):
@@ -243,30 +282,7 @@ def _search(
         optimizer.zero_grad(set_to_none=True)
         return out
 
-    accelerator._swap_searching = True
-    try:
-        with _restored(accelerator, inner, optimizer), session.planning_suspended():
-            return search_for_loop(
-                session,
-                budget,
-                run_steps,
-                step_fn,
-                make_batch=batch_of,
-                profile_batch_size=profile_batch_size,
-                config=config,
-                track=lambda: [getattr(o, "optimizer", o).state for o in accelerator._optimizers],
-                collectives=_collectives(accelerator),
-                base_batch_size=profile_batch_size,
-            )
-    finally:
-        accelerator._swap_searching = False
-        searched = session._profile
-        session.reset()
-        if session.auto is not None and searched is not None:
-            # The next training forward plans from the search's steady-state profile at its own
-            # batch size, instead of observing a step of that size without a plan.
-            session.auto.set_profile(searched, None, steady=True)
-        _free_device_memory(accelerator)
+    return run_steps
 
 
 def _free_device_memory(accelerator: SwapAccelerator) -> None:

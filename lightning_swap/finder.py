@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -24,7 +25,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from .core import Collectives, search_for_loop
+from .core import Collectives, adopt_search_profile, search_for_loop
 from .core import ScaleConfig, ScaleResult
 from .core import ByteSize, parse_bytes
 from .strategy import _SwapStrategyMixin
@@ -176,6 +177,45 @@ def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:
     _reset_params(trainer, config.steps_per_trial)
     if trainer.progress_bar_callback:
         trainer.progress_bar_callback.disable()
+    make_batch, run_steps = _loop(trainer, finder, params)
+    # The user's batch, clipped to the searched range: profiled there, and in mode="throughput"
+    # the batch plain training is measured at, the reference the answer must match or beat.
+    base_batch = min(max(start_batch, config.min_batch_size), config.max_batch_size)
+    result: Optional[ScaleResult] = None
+    try:
+        result = search_for_loop(
+            session,
+            budget,
+            run_steps,
+            strategy.profile_step_fn(),
+            make_batch=make_batch,
+            profile_batch_size=base_batch,
+            config=config,
+            track=lambda: [o.state for o in strategy.optimizers],
+            collectives=_collectives(strategy),
+            base_batch_size=base_batch,
+        )
+        lightning_setattr(trainer.lightning_module, finder._batch_arg_name, result.batch_size)
+        rank_zero_info(f"SwapBatchSizeFinder:\n{result.render()}")
+    finally:
+        _restore_params(trainer, params)
+        if trainer.progress_bar_callback:
+            trainer.progress_bar_callback.enable()
+        trainer._checkpoint_connector.restore(ckpt_path)
+        strategy.barrier("SwapBatchSizeFinder.restore")  # every rank has read it before rank 0 deletes it
+        strategy.remove_checkpoint(ckpt_path)
+        # Training plans from the search's steady-state profile at the batch found: it never
+        # runs a step of that size without a plan (Note [Auto: observe, plan, check]).
+        found = result
+        adopt_search_profile(session, lambda: make_batch(found.batch_size), found=found is not None)
+    return result
+
+
+def _loop(trainer: Any, finder: SwapBatchSizeFinder, params: dict) -> tuple[Callable[[int], Any], Callable[[int, int], list]]:
+    """``make_batch`` and ``run_steps`` for :func:`search_for_loop`, through Lightning's own fit loop."""
+    strategy = trainer.strategy
+    session = strategy.swap_session
+    config = finder.scale_config
 
     def use_batch_size(batch_size: int) -> None:
         lightning_setattr(trainer.lightning_module, finder._batch_arg_name, batch_size)
@@ -199,35 +239,4 @@ def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:
             garbage_collection_cuda()
         return session.records.since(mark, wait=True)  # between trials the host may wait
 
-    # The user's batch, clipped to the searched range: profiled there, and in mode="throughput"
-    # the batch plain training is measured at, the reference the answer must match or beat.
-    base_batch = min(max(start_batch, config.min_batch_size), config.max_batch_size)
-    try:
-        result = search_for_loop(
-            session,
-            budget,
-            run_steps,
-            strategy.profile_step_fn(),
-            make_batch=make_batch,
-            profile_batch_size=base_batch,
-            config=config,
-            track=lambda: [o.state for o in strategy.optimizers],
-            collectives=_collectives(strategy),
-            base_batch_size=base_batch,
-        )
-        lightning_setattr(trainer.lightning_module, finder._batch_arg_name, result.batch_size)
-        rank_zero_info(f"SwapBatchSizeFinder:\n{result.render()}")
-    finally:
-        _restore_params(trainer, params)
-        if trainer.progress_bar_callback:
-            trainer.progress_bar_callback.enable()
-        trainer._checkpoint_connector.restore(ckpt_path)
-        strategy.barrier("SwapBatchSizeFinder.restore")  # every rank has read it before rank 0 deletes it
-        strategy.remove_checkpoint(ckpt_path)
-        searched = session._profile
-        session.reset()
-        if session.auto is not None and searched is not None and "result" in locals():
-            # Training plans from the search's steady-state profile at the batch found: it never
-            # runs a step of that size without a plan (Note [Auto: observe, plan, check]).
-            session.auto.set_profile(searched, make_batch(result.batch_size), steady=True)
-    return result
+    return make_batch, run_steps

@@ -34,7 +34,7 @@ from .runtime.stats import StepStats
 from .scale.batch_search import (
     BatchSearchError, ScaleConfig, ScaleResult, TrialMeasurement, predict_batch_size, search_batch_size,
 )
-from .scale.loop_search import Collectives, search_for_loop
+from .scale.loop_search import Collectives, adopt_search_profile, search_for_loop
 from .scale.session import SwapSession
 from .segments import SegmentSpec, find_segments
 from .tensors import tensors_in
@@ -86,6 +86,7 @@ __all__ = [
     "profile",
     "resolve_policy",
     "search_batch_size",
+    "adopt_search_profile",
     "search_for_loop",
     "simulate",
     "solve",

@@ -15,6 +15,16 @@ fewest kept bytes is always kept: the future constraints only grow with kept byt
 that fits is still found whenever one exists. Thinning can cost optimality (a bucket's worth
 of memory); below ``max_states`` the DP is exact. Either way the chosen plan is re-evaluated
 by :func:`~.costmodel.simulate`, whose numbers the plan reports, and never exceeds the budget.
+
+Note [Deep copy windows]: with ``prefetch_segments`` or ``inflight_segments`` above one, a
+window's bytes depend on the actions of segments further back than the previous one, which the
+DP's state does not hold. The DP then counts, for those older segments, the most any allowed
+action copies (:attr:`_Chain.most`): an upper bound, so whatever the DP picks fits when
+simulated, but a plan that fits only with the true older actions may be missed. So ``solve``
+and ``min_budget_bytes`` also try the uniform plans and, when the DP found nothing, the DP's
+least-peak plan, each checked by :func:`~.costmodel.simulate` (exact for any window), and keep
+the best that fits. With both settings at most one (the runtime's defaults) the state sees
+every segment the windows reach and the DP is exact as before.
 """
 
 from __future__ import annotations
@@ -27,10 +37,13 @@ from typing import Optional
 import numpy as np
 
 from ..actions import Action
-from .costmodel import SegmentCosts, backward_need, boundary_kept, copied_bytes, forward_own, internal_kept, recompute_ms, segment_costs, simulate
+from .costmodel import (
+    SegmentCosts, backward_need, boundary_kept, copied_bytes, copy_window, forward_own, internal_kept, on_demand, recompute_ms,
+    Prediction, segment_costs, simulate,
+)
 from ..errors import InfeasibleBudgetError
 from .plan import Plan
-from ..measure.model_profile import ModelProfile
+from ..measure.model_profile import ModelProfile, SegmentProfile
 
 __all__ = ["brute_force", "min_budget_bytes", "solve"]
 
@@ -57,48 +70,75 @@ def _allowed(actions: Optional[Iterable[Action]]) -> tuple[Action, ...]:
 
 
 class _Chain:
-    """Per-transition numbers of the cost model, precomputed for the DP."""
+    """Per-transition numbers of the cost model, precomputed for the DP (Note [Deep copy windows])."""
 
-    def __init__(self, profile: ModelProfile, costs: SegmentCosts, acts: tuple[Action, ...]) -> None:
+    def __init__(self, profile: ModelProfile, costs: SegmentCosts, acts: tuple[Action, ...], window: tuple[int, int]) -> None:
         segs = profile.segments
-        self.n = len(segs)
+        self.n = n = len(segs)
         self.acts = acts
         k = len(acts)
-        n = self.n
-        overlap = profile.copies_overlap
-        d2h, h2d = profile.d2h_bytes_per_ms, profile.h2d_bytes_per_ms
+        self.overlap = profile.copies_overlap
+        self.prefetch, self.inflight = window
+        self.copies = [[copied_bytes(s, a) for a in acts] for s in segs]
+        #: The most any allowed action copies, per segment: the bound for segments the state forgot.
+        self.most = [max(row) for row in self.copies]
         # [i, p, a]: p == k is "no previous segment" (i == 0).
         self.fwd_need = np.zeros((n, k + 1, k), dtype=np.int64)
         self.bwd_need = np.zeros((n, k + 1, k), dtype=np.int64)
         self.add_kept = np.zeros((n, k + 1, k), dtype=np.int64)
         self.add_ms = np.zeros((n, k + 1, k), dtype=np.float64)
-        copies = [[copied_bytes(s, a) for a in acts] for s in segs]
         for i, s in enumerate(segs):
             prev = segs[i - 1] if i else None
             for pi in range(k + 1):
                 p = acts[pi] if pi < k else None
-                if (i == 0) != (p is None):
-                    continue
-                in_flight = copies[i - 1][pi] if (overlap and p is not None) else 0
-                for ai, a in enumerate(acts):
-                    self.fwd_need[i, pi, ai] = costs.forward_base_bytes[i] + forward_own(s, a, overlap=overlap) + in_flight
-                    self.bwd_need[i, pi, ai] = backward_need(costs.backward_base_bytes[i], prev, p, s, a, on_demand=not overlap) + in_flight
-                    self.add_kept[i, pi, ai] = internal_kept(s, a) + boundary_kept(prev, p, s, a)
-                    ms = recompute_ms(s, a)
-                    vol = copies[i][ai]
-                    if overlap:
-                        window = segs[i + 1].forward_ms if i + 1 < n else profile.tail_ms
-                        ms += max(0.0, vol / d2h - window)
-                        if p is not None and copies[i - 1][pi]:
-                            ms += max(0.0, copies[i - 1][pi] / h2d - s.backward_ms - recompute_ms(s, a))
-                        if i == n - 1:
-                            ms += vol / h2d
-                    else:
-                        ms += vol / d2h + vol / h2d
-                    self.add_ms[i, pi, ai] = ms
+                if (i == 0) == (p is None):
+                    self._fill(profile, costs, i, prev, pi, p)
         self.tail_need = np.array(
-            [costs.tail_base_bytes + (copies[-1][ai] if overlap and n else 0) for ai in range(k)], dtype=np.int64
+            [costs.tail_base_bytes + (self._window(n, k, ai, self.inflight) if n else 0) for ai in range(k)], dtype=np.int64
         )
+
+    def _window(self, i: int, pi: int, last: int, depth: int) -> int:
+        """Bytes copied by segments ``i-depth .. i-1``: segment ``i-1`` under the action the
+        state knows (``pi``; ``last`` when ``i`` is past the end), the older ones bounded."""
+        if depth == 0 or i == 0:
+            return 0
+        known = self.copies[i - 1][last if i == self.n else pi]
+        return known + sum(self.most[max(i - depth, 0):i - 1])
+
+    def _fill(self, profile: ModelProfile, costs: SegmentCosts, i: int, prev: Optional[SegmentProfile], pi: int, p: Optional[Action]) -> None:
+        segs, n = profile.segments, self.n
+        s = segs[i]
+        in_flight = self._window(i, pi, pi, self.inflight)
+        prefetched = self._window(i, pi, pi, self.prefetch)
+        demand = on_demand(i, n, self.prefetch, overlap=self.overlap)
+        for ai, a in enumerate(self.acts):
+            self.fwd_need[i, pi, ai] = costs.forward_base_bytes[i] + forward_own(s, a, overlap=self.overlap) + in_flight
+            self.bwd_need[i, pi, ai] = backward_need(costs.backward_base_bytes[i], prev, p, s, a, on_demand=demand) + prefetched
+            self.add_kept[i, pi, ai] = internal_kept(s, a) + boundary_kept(prev, p, s, a)
+            self.add_ms[i, pi, ai] = self._ms(profile, i, pi, p, ai, a)
+
+    def _ms(self, profile: ModelProfile, i: int, pi: int, p: Optional[Action], ai: int, a: Action) -> float:
+        """The time segment ``i`` adds (exact for one segment in flight and one prefetched;
+        otherwise an estimate: the plan's numbers come from ``simulate``)."""
+        segs, n, s = profile.segments, self.n, profile.segments[i]
+        ms = recompute_ms(s, a)
+        vol = self.copies[i][ai]
+        if not self.overlap:
+            return ms + vol / profile.d2h_bytes_per_ms + vol / profile.h2d_bytes_per_ms
+        hidden = sum(t.forward_ms for t in segs[i + 1:i + 1 + self.inflight])
+        if i + self.inflight >= n and self.inflight:
+            hidden += profile.tail_ms
+        ms += max(0.0, vol / profile.d2h_bytes_per_ms - hidden)
+        if p is not None and self.copies[i - 1][pi] and self.prefetch:
+            ms += max(0.0, self.copies[i - 1][pi] / profile.h2d_bytes_per_ms - s.backward_ms - recompute_ms(s, a))
+        if i == n - 1 or not self.prefetch:
+            ms += vol / profile.h2d_bytes_per_ms
+        return ms
+
+    @property
+    def exact(self) -> bool:
+        """Does the state (previous action) see every segment the windows reach?"""
+        return self.prefetch <= 1 and self.inflight <= 1
 
 
 def _pareto(kept: np.ndarray, score: np.ndarray, max_states: int, width: float) -> np.ndarray:
@@ -167,16 +207,71 @@ def _dp(chain: _Chain, budget: Optional[int], fixed_peak: int, *, minimise_peak:
     return picks[::-1], score
 
 
-def min_budget_bytes(profile: ModelProfile, *, actions: Optional[Iterable[Action]] = None, max_states: int = DEFAULT_MAX_STATES) -> int:
-    """The smallest predicted peak of any plan: the least budget ``solve`` can meet."""
+def _min_peak_plan(profile: ModelProfile, costs: SegmentCosts, chain: _Chain, max_states: int) -> tuple[list[Action], Prediction]:
+    """The plan of least predicted peak: the DP's, or where the DP only bounds the copy windows
+    (Note [Deep copy windows]) the least of it and the uniform plans, as simulated."""
+    acts, window = chain.acts, (chain.prefetch, chain.inflight)
+    result = _dp(chain, None, costs.fixed_peak_bytes, minimise_peak=True, max_states=max_states)
+    assert result is not None  # without a budget every plan is allowed
+    picks = [acts[a] for a in result[0]]
+    best = (picks, simulate(profile, picks, costs, prefetch_segments=window[0], inflight_segments=window[1]))
+    if not chain.exact:
+        for action in acts:
+            uniform = [action] * chain.n
+            candidate = simulate(profile, uniform, costs, prefetch_segments=window[0], inflight_segments=window[1])
+            if candidate.peak_bytes < best[1].peak_bytes:
+                best = (uniform, candidate)
+    return best
+
+
+def min_budget_bytes(
+    profile: ModelProfile,
+    *,
+    actions: Optional[Iterable[Action]] = None,
+    max_states: int = DEFAULT_MAX_STATES,
+    prefetch_segments: Optional[int] = None,
+    inflight_segments: int = 1,
+) -> int:
+    """The smallest predicted peak of any plan: the least budget ``solve`` can meet.
+    ``prefetch_segments`` / ``inflight_segments``: as the runtime will run (Note [Copy windows])."""
     acts = _allowed(actions)
     costs = segment_costs(profile)
     if not profile.segments:
         return costs.fixed_peak_bytes
-    result = _dp(_Chain(profile, costs, acts), None, costs.fixed_peak_bytes, minimise_peak=True, max_states=max_states)
-    assert result is not None  # without a budget every plan is allowed
-    picks, _ = result
-    return simulate(profile, [acts[a] for a in picks], costs).peak_bytes
+    window = copy_window(prefetch_segments, inflight_segments, overlap=profile.copies_overlap)
+    return _min_peak_plan(profile, costs, _Chain(profile, costs, acts, window), max_states)[1].peak_bytes
+
+
+def _fastest_fitting(
+    profile: ModelProfile, costs: SegmentCosts, chain: _Chain, budget_bytes: int, max_states: int
+) -> Optional[tuple[list[Action], Prediction]]:
+    """The DP's plan, or a uniform one that is faster (Note [Never slower than a uniform plan]),
+    or where the DP is not exact and found none, the least-peak plan if it fits; all simulated."""
+    window = {"prefetch_segments": chain.prefetch, "inflight_segments": chain.inflight}
+    best: Optional[tuple[list[Action], Prediction]] = None
+    if costs.fixed_peak_bytes > budget_bytes:
+        return None
+    if not profile.segments:
+        return [], simulate(profile, [], costs, **window)
+    result = _dp(chain, budget_bytes, costs.fixed_peak_bytes, minimise_peak=False, max_states=max_states)
+    if result is not None:
+        picks = [chain.acts[a] for a in result[0]]
+        best = (picks, simulate(profile, picks, costs, **window))
+    # Note [Never slower than a uniform plan]: the plans a user writes by hand (every segment
+    # kept, checkpointed, selective, offloaded...) are candidates too. The DP is exact below
+    # ``max_states`` and they are in its search space, but thinning may lose one; comparing
+    # costs n simulations and makes "auto is at least as fast as the fastest uniform plan that
+    # fits", in prediction, a guarantee rather than a property of the search.
+    candidates = [[action] * chain.n for action in chain.acts]
+    if best is None and not chain.exact:
+        candidates.append(_min_peak_plan(profile, costs, chain, max_states)[0])
+    for plan in candidates:
+        if best is not None and plan == best[0]:
+            continue
+        candidate = simulate(profile, plan, costs, **window)
+        if candidate.peak_bytes <= budget_bytes and (best is None or candidate.step_ms < best[1].step_ms - 1e-9):
+            best = (plan, candidate)
+    return best
 
 
 def solve(
@@ -186,12 +281,16 @@ def solve(
     batch_size: Optional[int] = None,
     actions: Optional[Iterable[Action]] = None,
     max_states: int = DEFAULT_MAX_STATES,
+    prefetch_segments: Optional[int] = None,
+    inflight_segments: int = 1,
 ) -> Plan:
     """The plan with the least predicted step time whose predicted peak fits ``budget_bytes``.
 
     ``batch_size`` (default: the profile's) rescales the profile (Note [Batch scaling]);
-    ``actions`` restricts the actions considered. Raises :class:`InfeasibleBudgetError`, with
-    the least budget any plan fits, when none fits.
+    ``actions`` restricts the actions considered; ``prefetch_segments`` / ``inflight_segments``
+    are the runtime's settings the plan will run under (Note [Copy windows]; ``None``: the
+    runtime's default for the device). Raises :class:`InfeasibleBudgetError`, with the least
+    budget any plan fits, when none fits.
     """
     budget_bytes = _check_int(budget_bytes, "budget_bytes")
     if batch_size is not None:
@@ -199,29 +298,14 @@ def solve(
         profile = profile.at_batch(batch_size)
     max_states = _check_int(max_states, "max_states")
     acts = _allowed(actions)
+    window = copy_window(prefetch_segments, inflight_segments, overlap=profile.copies_overlap)
     costs = segment_costs(profile)
-    result = None
-    if costs.fixed_peak_bytes <= budget_bytes and profile.segments:
-        result = _dp(_Chain(profile, costs, acts), budget_bytes, costs.fixed_peak_bytes, minimise_peak=False, max_states=max_states)
-    if result is None and profile.segments or costs.fixed_peak_bytes > budget_bytes:
-        raise InfeasibleBudgetError(
-            budget_bytes=budget_bytes, min_budget_bytes=min_budget_bytes(profile, actions=acts, max_states=max_states),
-            batch_size=profile.batch_size,
-        )
-    picks = [acts[a] for a in result[0]] if result is not None else []
-    prediction = simulate(profile, picks, costs)
-    # Note [Never slower than a uniform plan]: the plans a user writes by hand (every segment
-    # kept, checkpointed, selective, offloaded...) are candidates too. The DP is exact below
-    # ``max_states`` and they are in its search space, but thinning may lose one; comparing
-    # costs n simulations and makes "auto is at least as fast as the fastest uniform plan that
-    # fits", in prediction, a guarantee rather than a property of the search.
-    for action in acts:
-        uniform = [action] * len(profile.segments)
-        if uniform == picks or not uniform:
-            continue
-        candidate = simulate(profile, uniform, costs)
-        if candidate.peak_bytes <= budget_bytes and candidate.step_ms < prediction.step_ms - 1e-9:
-            picks, prediction = uniform, candidate
+    chain = _Chain(profile, costs, acts, window)
+    found = _fastest_fitting(profile, costs, chain, budget_bytes, max_states)
+    if found is None:
+        least = min_budget_bytes(profile, actions=acts, max_states=max_states, prefetch_segments=window[0], inflight_segments=window[1])
+        raise InfeasibleBudgetError(budget_bytes=budget_bytes, min_budget_bytes=least, batch_size=profile.batch_size)
+    picks, prediction = found
     if prediction.peak_bytes > budget_bytes:  # the DP and the simulator disagree: a bug
         raise AssertionError(f"planner chose a plan predicted at {prediction.peak_bytes} bytes over the budget {budget_bytes}")
     plan = Plan(
@@ -236,14 +320,20 @@ def solve(
     return plan
 
 
-def brute_force(profile: ModelProfile, *, budget_bytes: int, actions: Optional[Iterable[Action]] = None) -> Optional[tuple[tuple[Action, ...], float, int]]:
+def brute_force(
+    profile: ModelProfile,
+    *,
+    budget_bytes: int,
+    actions: Optional[Iterable[Action]] = None,
+    prefetch_segments: Optional[int] = None,
+    inflight_segments: int = 1,
+) -> Optional[tuple[tuple[Action, ...], float, int]]:
     """Reference for tests: every plan simulated; the fastest that fits (actions, ms, peak), or None."""
     acts = _allowed(actions)
     costs = segment_costs(profile)
     best = None
     for combo in itertools.product(acts, repeat=len(profile.segments)):
-        pred = simulate(profile, combo, costs)
+        pred = simulate(profile, combo, costs, prefetch_segments=prefetch_segments, inflight_segments=inflight_segments)
         if pred.peak_bytes <= budget_bytes and (best is None or pred.step_ms < best[1] - 1e-9):
             best = (combo, pred.step_ms, pred.peak_bytes)
     return best
-

@@ -121,6 +121,17 @@ class _CompiledForward(_SegmentForward):
         return self.fn(*args, **kwargs)
 
 
+def _prefetch_for(device: torch.device, prefetch_segments: Optional[int]) -> int:
+    """``prefetch_segments`` checked; ``None`` is one segment on CUDA and none on CPU, where
+    nothing overlaps, so fetching ahead only raises the peak (Note [Copy windows] in
+    decide/costmodel.py models both)."""
+    if prefetch_segments is None:
+        return 1 if device.type == "cuda" else 0
+    if isinstance(prefetch_segments, bool) or not isinstance(prefetch_segments, int) or prefetch_segments < 0:
+        raise ValueError(f"`prefetch_segments` must be an int >= 0; got {prefetch_segments!r}.")
+    return prefetch_segments
+
+
 class SwapRuntime:
     """Applies ``plan`` (or a mapping from segment name to action) to ``model``.
 
@@ -149,12 +160,7 @@ class SwapRuntime:
             first = next(model.parameters(), None)
             device = first.device if first is not None else torch.device("cpu")
         self.device = normalize_device(device)
-        if prefetch_segments is None:
-            # On CPU nothing overlaps, so fetching ahead only raises the peak.
-            prefetch_segments = 1 if self.device.type == "cuda" else 0
-        if isinstance(prefetch_segments, bool) or not isinstance(prefetch_segments, int) or prefetch_segments < 0:
-            raise ValueError(f"`prefetch_segments` must be an int >= 0; got {prefetch_segments!r}.")
-        self.prefetch_segments = prefetch_segments
+        self.prefetch_segments = _prefetch_for(self.device, prefetch_segments)
         self.inflight_segments = check_inflight_segments(inflight_segments)
         for name, action in self.plan.actions.items():
             if not isinstance(action, Action):

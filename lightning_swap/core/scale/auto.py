@@ -38,6 +38,7 @@ from ..measure.observe import ObservedStep
 from ..decide.plan import Plan, format_bytes
 from ..measure.model_profile import ModelProfile
 from ..tensors import gradient_bytes, infer_batch_size, state_bytes, storage_bytes, tensors_in
+from ..decide.costmodel import copy_window_of
 from ..decide.solver import min_budget_bytes, solve
 
 __all__ = ["AutoPlanner"]
@@ -313,8 +314,8 @@ class AutoPlanner:
         effective = budget - self.correction_bytes
         try:
             if effective <= 0:
-                raise InfeasibleBudgetError(budget_bytes=budget, min_budget_bytes=min_budget_bytes(profile), batch_size=profile.batch_size)
-            plan = solve(profile, budget_bytes=effective)
+                raise InfeasibleBudgetError(budget_bytes=budget, min_budget_bytes=min_budget_bytes(profile, **copy_window_of(session.config)), batch_size=profile.batch_size)
+            plan = solve(profile, budget_bytes=effective, **copy_window_of(session.config))
         except InfeasibleBudgetError as err:
             raise InfeasibleBudgetError(
                 budget_bytes=budget, min_budget_bytes=err.min_budget_bytes + self.correction_bytes, batch_size=profile.batch_size,

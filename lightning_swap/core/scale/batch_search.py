@@ -259,10 +259,13 @@ def _rate(trial: Trial) -> str:
 RunTrial = Callable[[int, Plan], TrialMeasurement]
 
 
-def _planner(profile: ModelProfile, actions: Optional[tuple[Action, ...]]) -> Callable[[int, int], Optional[Plan]]:
+def _planner(profile: ModelProfile, actions: Optional[tuple[Action, ...]], window: dict) -> Callable[[int, int], Optional[Plan]]:
+    """``window``: the runtime's ``prefetch_segments`` / ``inflight_segments`` the plans will run
+    under (Note [Copy windows] in decide/costmodel.py)."""
+
     def plan_at(batch_size: int, budget_bytes: int) -> Optional[Plan]:
         try:
-            return solve(profile, budget_bytes=budget_bytes, batch_size=batch_size, actions=actions)
+            return solve(profile, budget_bytes=budget_bytes, batch_size=batch_size, actions=actions, **window)
         except InfeasibleBudgetError:
             return None
 
@@ -343,28 +346,29 @@ def _shrink(effective: int, trial: Trial) -> int:
     return int(effective / ratio * 0.98)
 
 
-def search_batch_size(
-    profile: ModelProfile,
-    budget_bytes: ByteSize,
-    run_trial: RunTrial,
-    config: ScaleConfig = ScaleConfig(),
-    *,
-    actions: Optional[tuple[Action, ...]] = None,
-    base_batch_size: Optional[int] = None,
-) -> ScaleResult:
-    """Search the batch size (see the module docstring).
+@dataclass
+class _Search:
+    """What both search algorithms share: the trial runner, the planner and the trials so far."""
 
-    ``profile`` must be scalable (profiled with ``scale=True``); ``run_trial(batch, plan)``
-    applies the plan, runs ``config.steps_per_trial`` real steps at that batch, and returns a
-    :class:`TrialMeasurement` (or raises out-of-memory); the caller restores model and
-    optimizer state. ``actions`` restricts the planner (a forced single-action policy).
+    profile: ModelProfile
+    budget_bytes: int
+    run_trial: RunTrial
+    config: ScaleConfig
+    actions: Optional[tuple[Action, ...]]
+    base_batch_size: Optional[int]
+    plan_at: Callable[[int, int], Optional[Plan]]
+    effective: int
+    start: float
+    trials: list[Trial]
 
-    ``base_batch_size``: the batch the user configured, in ``[min_batch_size,
-    max_batch_size]``. In ``mode="throughput"`` plain training at it is measured and the answer
-    is never slower (Note [A throughput search that can only win]); without it the answer is the
-    fastest measured candidate, with no reference. ``mode="max"`` only records it.
-    """
-    budget_bytes = parse_bytes(budget_bytes, field="budget_bytes")
+    def result(self, best: Trial, note: str = "") -> ScaleResult:
+        return ScaleResult(
+            best.batch_size, best.plan, self.config.mode, self.budget_bytes, tuple(self.trials), time.perf_counter() - self.start,
+            self.base_batch_size, note,
+        )
+
+
+def _check_base_batch_size(base_batch_size: Optional[int], config: ScaleConfig) -> None:
     if base_batch_size is not None and (
         isinstance(base_batch_size, bool)
         or not isinstance(base_batch_size, int)
@@ -374,87 +378,132 @@ def search_batch_size(
             f"`base_batch_size` must be None or an int in [min_batch_size, max_batch_size] = "
             f"[{config.min_batch_size}, {config.max_batch_size}]; got {base_batch_size!r}."
         )
-    start = time.perf_counter()
-    effective = int(budget_bytes * (1 - config.margin))
-    trials: list[Trial] = []
-    hi = config.max_batch_size
-    plan_at = _planner(profile, actions)
-    if config.mode == "max":
-        best: Optional[Trial] = None
-        bisecting = False  # an out-of-memory error without a measured peak: bisect like Lightning
-        while len(trials) < config.max_trials:
-            lo = best.batch_size + 1 if best is not None else config.min_batch_size
-            cap = hi
-            if bisecting:
-                cap = min(hi, (lo - 1 + hi + 1) // 2) if best is not None else min(hi, max(lo, (lo + hi) // 2))
-            batch = _largest_feasible(plan_at, effective, lo, cap)
-            if batch is None:
-                break
-            plan = plan_at(batch, effective)
-            assert plan is not None
-            trial = _attempt(run_trial, batch, plan, budget_bytes)
-            trials.append(trial)
-            log.info("batch-size trial %d: %s", batch, trial.reason or "fits")
-            if not trial.failed:
-                best = trial
-                if not bisecting:  # the prediction is confirmed: done
-                    break
-                continue
-            hi = batch - 1
-            if trial.measured_peak_bytes is None:
-                bisecting = True
-            else:
-                effective = _shrink(effective, trial)
-        if best is not None:
-            return ScaleResult(
-                best.batch_size, best.plan, config.mode, budget_bytes, tuple(trials), time.perf_counter() - start, base_batch_size
-            )
-    else:  # Note [A throughput search that can only win]
-        plain, plain_note = _plain_plan(profile, base_batch_size, budget_bytes, actions)
-        if plain is not None:
-            trials.append(_attempt(run_trial, base_batch_size, plain, budget_bytes, plain=True))
-            log.info("throughput search: plain at batch %d: %s", base_batch_size, trials[-1].reason or "fits")
-        top = _largest_feasible(plan_at, effective, config.min_batch_size, hi)
-        if top is not None:
-            sizes = {top, config.min_batch_size}
-            if base_batch_size is not None and base_batch_size <= top:
-                sizes.add(base_batch_size)
-            b = config.min_batch_size
-            while b < top:
-                sizes.add(b)
-                b *= 2
-            scored = []
-            for b in sorted(sizes):
-                plan = plan_at(b, effective)
-                if plan is None or not plan.predicted_step_ms:
-                    continue
-                if plain is not None and b == base_batch_size and plan.actions == plain.actions:
-                    continue  # plain itself, measured already: a second run would only add noise
-                scored.append((b / plan.predicted_step_ms, b, plan))
-            # With plain measured, batches above the base are timed first (the Note says why).
-            above = plain is not None and base_batch_size is not None
-            scored.sort(key=lambda s: (above and s[1] <= base_batch_size, -s[0], -s[1]))
-            for _, b, plan in scored[: max(0, min(config.candidates, config.max_trials - len(trials)))]:
-                trials.append(_attempt(run_trial, b, plan, budget_bytes))
-        ok = [t for t in trials if not t.failed]
-        if ok:  # the best measured samples/s; plain on a tie, then the larger batch
-            best = max(ok, key=lambda t: (t.samples_per_s or 0.0, t.plain, t.batch_size))
-            result = ScaleResult(
-                best.batch_size, best.plan, config.mode, budget_bytes, tuple(trials), time.perf_counter() - start,
-                base_batch_size, plain_note,
-            )
-            log.info("throughput search: %s", result.comparison())
-            return result
+
+
+def search_batch_size(
+    profile: ModelProfile,
+    budget_bytes: ByteSize,
+    run_trial: RunTrial,
+    config: ScaleConfig = ScaleConfig(),
+    *,
+    actions: Optional[tuple[Action, ...]] = None,
+    base_batch_size: Optional[int] = None,
+    prefetch_segments: Optional[int] = None,
+    inflight_segments: int = 1,
+) -> ScaleResult:
+    """Search the batch size (see the module docstring).
+
+    ``profile`` must be scalable (profiled with ``scale=True``); ``run_trial(batch, plan)``
+    applies the plan, runs ``config.steps_per_trial`` real steps at that batch, and returns a
+    :class:`TrialMeasurement` (or raises out-of-memory); the caller restores model and
+    optimizer state. ``actions`` restricts the planner (a forced single-action policy);
+    ``prefetch_segments`` / ``inflight_segments`` are the runtime's settings the trials run
+    under (Note [Copy windows] in decide/costmodel.py).
+
+    ``base_batch_size``: the batch the user configured, in ``[min_batch_size,
+    max_batch_size]``. In ``mode="throughput"`` plain training at it is measured and the answer
+    is never slower (Note [A throughput search that can only win]); without it the answer is the
+    fastest measured candidate, with no reference. ``mode="max"`` only records it.
+    """
+    budget_bytes = parse_bytes(budget_bytes, field="budget_bytes")
+    _check_base_batch_size(base_batch_size, config)
+    window = {"prefetch_segments": prefetch_segments, "inflight_segments": inflight_segments}
+    search = _Search(
+        profile=profile, budget_bytes=budget_bytes, run_trial=run_trial, config=config, actions=actions,
+        base_batch_size=base_batch_size, plan_at=_planner(profile, actions, window),
+        effective=int(budget_bytes * (1 - config.margin)), start=time.perf_counter(), trials=[],
+    )
+    found = _search_max(search) if config.mode == "max" else _search_throughput(search)
+    if found is not None:
+        return found
     need = ""
     try:
-        solve(profile, budget_bytes=effective, batch_size=config.min_batch_size, actions=actions)
+        solve(profile, budget_bytes=search.effective, batch_size=config.min_batch_size, actions=actions, **window)
     except InfeasibleBudgetError as err:
         need = f" Batch {config.min_batch_size} needs a budget of at least {format_bytes(err.min_budget_bytes)}."
     raise BatchSearchError(
         f"No batch size in [{config.min_batch_size}, {config.max_batch_size}] trained within "
-        f"{format_bytes(budget_bytes)} (margin {config.margin:.0%}) after {len(trials)} trial run(s).{need}",
-        trials=tuple(trials),
+        f"{format_bytes(budget_bytes)} (margin {config.margin:.0%}) after {len(search.trials)} trial run(s).{need}",
+        trials=tuple(search.trials),
     )
+
+
+def _search_max(search: _Search) -> Optional[ScaleResult]:
+    """``mode="max"``: the largest batch predicted to fit, confirmed by a trial; a failed trial
+    lowers the ceiling and the estimate (Note [Recovering from a failed trial])."""
+    config, trials = search.config, search.trials
+    hi = config.max_batch_size
+    best: Optional[Trial] = None
+    bisecting = False  # an out-of-memory error without a measured peak: bisect like Lightning
+    while len(trials) < config.max_trials:
+        lo = best.batch_size + 1 if best is not None else config.min_batch_size
+        cap = hi
+        if bisecting:
+            cap = min(hi, (lo - 1 + hi + 1) // 2) if best is not None else min(hi, max(lo, (lo + hi) // 2))
+        batch = _largest_feasible(search.plan_at, search.effective, lo, cap)
+        if batch is None:
+            break
+        plan = search.plan_at(batch, search.effective)
+        assert plan is not None
+        trial = _attempt(search.run_trial, batch, plan, search.budget_bytes)
+        trials.append(trial)
+        log.info("batch-size trial %d: %s", batch, trial.reason or "fits")
+        if not trial.failed:
+            best = trial
+            if not bisecting:  # the prediction is confirmed: done
+                break
+            continue
+        hi = batch - 1
+        if trial.measured_peak_bytes is None:
+            bisecting = True
+        else:
+            search.effective = _shrink(search.effective, trial)
+    return search.result(best) if best is not None else None
+
+
+def _throughput_candidates(search: _Search, top: int, plain: Optional[Plan]) -> list[tuple[float, int, Plan]]:
+    """(predicted samples/s, batch, plan) at powers of two up to ``top``, ``top`` and the base."""
+    config, base = search.config, search.base_batch_size
+    sizes = {top, config.min_batch_size}
+    if base is not None and base <= top:
+        sizes.add(base)
+    b = config.min_batch_size
+    while b < top:
+        sizes.add(b)
+        b *= 2
+    scored = []
+    for b in sorted(sizes):
+        plan = search.plan_at(b, search.effective)
+        if plan is None or not plan.predicted_step_ms:
+            continue
+        if plain is not None and b == base and plan.actions == plain.actions:
+            continue  # plain itself, measured already: a second run would only add noise
+        scored.append((b / plan.predicted_step_ms, b, plan))
+    # With plain measured, batches above the base are timed first (the Note says why).
+    above = plain is not None and base is not None
+    scored.sort(key=lambda s: (above and s[1] <= base, -s[0], -s[1]))
+    return scored
+
+
+def _search_throughput(search: _Search) -> Optional[ScaleResult]:
+    """``mode="throughput"``: Note [A throughput search that can only win]."""
+    config, trials, base = search.config, search.trials, search.base_batch_size
+    plain, plain_note = _plain_plan(search.profile, base, search.budget_bytes, search.actions)
+    if plain is not None:
+        trials.append(_attempt(search.run_trial, base, plain, search.budget_bytes, plain=True))
+        log.info("throughput search: plain at batch %d: %s", base, trials[-1].reason or "fits")
+    top = _largest_feasible(search.plan_at, search.effective, config.min_batch_size, config.max_batch_size)
+    if top is not None:
+        scored = _throughput_candidates(search, top, plain)
+        for _, b, plan in scored[: max(0, min(config.candidates, config.max_trials - len(trials)))]:
+            trials.append(_attempt(search.run_trial, b, plan, search.budget_bytes))
+    ok = [t for t in trials if not t.failed]
+    if not ok:
+        return None
+    # The best measured samples/s; plain on a tie, then the larger batch.
+    result = search.result(max(ok, key=lambda t: (t.samples_per_s or 0.0, t.plain, t.batch_size)), plain_note)
+    log.info("throughput search: %s", result.comparison())
+    return result
 
 
 # -- predictions only --------------------------------------------------------------------------
@@ -464,6 +513,8 @@ def predict_batch_size(
     config: ScaleConfig = ScaleConfig(),
     *,
     actions: Optional[tuple[Action, ...]] = None,
+    prefetch_segments: Optional[int] = None,
+    inflight_segments: int = 1,
 ) -> Optional[Plan]:
     """The plan at the largest batch in ``[config.min_batch_size, config.max_batch_size]``
     predicted to fit ``budget_bytes·(1-config.margin)`` (its ``batch_size`` is that batch), or
@@ -474,7 +525,7 @@ def predict_batch_size(
     """
     budget_bytes = parse_bytes(budget_bytes, field="budget_bytes")
     effective = int(budget_bytes * (1 - config.margin))
-    plan_at = _planner(profile, actions)
+    plan_at = _planner(profile, actions, {"prefetch_segments": prefetch_segments, "inflight_segments": inflight_segments})
     batch = _largest_feasible(plan_at, effective, config.min_batch_size, config.max_batch_size)
     return None if batch is None else plan_at(batch, effective)
 

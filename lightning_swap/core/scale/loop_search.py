@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..actions import Action
+from ..decide.costmodel import copy_window_of
 from ..decide.plan import Plan
 from ..measure.profiler import StepFn
 from ..runtime.stats import StepStats
@@ -22,7 +23,7 @@ from .batch_search import ScaleConfig, ScaleResult, TrialMeasurement, predict_ba
 if TYPE_CHECKING:
     from .session import SwapSession
 
-__all__ = ["Collectives", "RunSteps", "search_for_loop"]
+__all__ = ["Collectives", "RunSteps", "adopt_search_profile", "search_for_loop"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,33 @@ def search_for_loop(
     calls ``session.reset()`` so the next training step plans for the batch found.
     """
     actions = session.allowed_actions()  # a per-segment policy cannot be searched: fail early
+    window = copy_window_of(session.config)  # the trials run under the session's runtime settings
+    prof = _profile_for_search(
+        session, run_steps, step_fn, make_batch=make_batch, profile_batch_size=profile_batch_size,
+        track=track, collectives=collectives, predict=lambda p: predict_batch_size(p, budget_bytes, config, actions=actions, **window),
+    )
+    base = profile_batch_size if base_batch_size is None else base_batch_size
+    run_trial = _trial_runner(session, run_steps, config, collectives)
+    result = search_batch_size(prof, budget_bytes, run_trial, config, actions=actions, base_batch_size=base, **window)
+    agreed = int(collectives.reduce_min(result.batch_size))
+    if agreed != result.batch_size:  # another process found less: its batch wins
+        result = dataclasses.replace(result, batch_size=agreed)
+    return result
+
+
+def _profile_for_search(
+    session: "SwapSession",
+    run_steps: RunSteps,
+    step_fn: StepFn,
+    *,
+    make_batch: Callable[[int], Any],
+    profile_batch_size: int,
+    track: Callable[[], Any],
+    collectives: Collectives,
+    predict: Callable[[Any], Any],
+) -> Any:
+    """Steps 1 and 2 of :func:`search_for_loop`: warm up, profile (again near the answer
+    ``predict`` gives), broadcast; every process's ``session.profile`` is the result."""
     session.apply(Plan(actions={name: Action.RECOMPUTE_OFFLOAD for name in session.segments}), pinned=True)
     try:
         run_steps(profile_batch_size, 1)
@@ -107,7 +135,7 @@ def search_for_loop(
     # process alone profiles.
     batch = make_batch(profile_batch_size)
     prof = session.measure(batch, step_fn, track()) if collectives.is_main else None
-    top = predict_batch_size(prof, budget_bytes, config, actions=actions) if collectives.is_main else None
+    top = predict(prof) if collectives.is_main else None
     top_size = collectives.broadcast(top.batch_size if top is not None else 0)
     if top_size > 2 * profile_batch_size:  # Note [Profile near the answer]
         log.info("re-profiling at batch %d, near the predicted answer", top_size)
@@ -115,6 +143,11 @@ def search_for_loop(
         prof = session.measure(batch, step_fn, track()) if collectives.is_main else None
     prof = collectives.broadcast(prof)
     session.profile = prof  # every process: the adapter may plan training from it afterwards
+    return prof
+
+
+def _trial_runner(session: "SwapSession", run_steps: RunSteps, config: ScaleConfig, collectives: Collectives) -> Callable[[int, Plan], TrialMeasurement]:
+    """Step 3 of :func:`search_for_loop`: one trial = the plan applied pinned, ``run_steps``."""
 
     def run_trial(batch_size: int, plan: Plan) -> TrialMeasurement:
         session.apply(plan, pinned=True)
@@ -136,9 +169,16 @@ def search_for_loop(
         step_ms = collectives.reduce_max(statistics.median([s.step_ms for s in warm]))
         return TrialMeasurement(peak_bytes=int(peak), step_ms=float(step_ms))
 
-    base = profile_batch_size if base_batch_size is None else base_batch_size
-    result = search_batch_size(prof, budget_bytes, run_trial, config, actions=actions, base_batch_size=base)
-    agreed = int(collectives.reduce_min(result.batch_size))
-    if agreed != result.batch_size:  # another process found less: its batch wins
-        result = dataclasses.replace(result, batch_size=agreed)
-    return result
+    return run_trial
+
+
+def adopt_search_profile(session: "SwapSession", batch: Optional[Callable[[], Any]] = None, *, found: bool = True) -> None:
+    """After a batch-size search (found or not): the session starts afresh, and under
+    ``policy="auto"``, when the search ``found`` a batch, training plans from the search's
+    steady-state profile — at ``batch()``'s shape when given, else at the profile's own batch —
+    instead of observing a step of the size found without a plan (Note [Auto: observe, plan,
+    check]). Both adapters' finders end with this."""
+    searched = session._profile  # the search's own, not auto's (SwapSession.profile prefers auto's)
+    session.reset()
+    if session.auto is not None and searched is not None and found:
+        session.auto.set_profile(searched, batch() if batch is not None else None, steady=True)
