@@ -113,6 +113,9 @@ class AcceleratedSwapSession(SwapSession):
         self._post_hook: Optional[RemovableHandle] = None
         #: The running forward began an observed step (its failure is the fallback's business).
         self._observed_forward = False
+        #: The fallback's own failure in the forward hook, where torch only warns: the next
+        #: training forward raises it.
+        self._fallback_error: Optional[BaseException] = None
         self._optimizer_hooks: dict[int, RemovableHandle] = {}
         #: A step's backward is over; the step ends after the optimizer step (a post-hook on each
         #: prepared optimizer) or, without one (accumulation), at the next forward.
@@ -159,6 +162,9 @@ class AcceleratedSwapSession(SwapSession):
         self.finish_pending_step()
         if not (module.training and torch.is_grad_enabled()):
             return None
+        if self._fallback_error is not None:
+            error, self._fallback_error = self._fallback_error, None
+            raise error
         states = self._states()
         track = [args, kwargs, states]
         if self.auto is not None and not self._planning_suspended:
@@ -176,7 +182,10 @@ class AcceleratedSwapSession(SwapSession):
         if observed and output is None and error is not None:
             self.abort_step()
             if is_out_of_memory(error):
-                self.plan_after_observed_out_of_memory(error)
+                try:
+                    self.plan_after_observed_out_of_memory(error)
+                except RuntimeError as failed:  # fake mode failed too (its message says what to do)
+                    self._fallback_error = failed
         return None
 
     def plan_after_observed_out_of_memory(self, exc: BaseException) -> None:

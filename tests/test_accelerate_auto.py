@@ -122,14 +122,17 @@ class RunsOutUnplanned(TinyGPT):
     BatchNorm: the failed attempt's side effects on running statistics would stay, as the
     Note says side effects do.)"""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, fake_fails: bool = False) -> None:
         super().__init__()
         self.where = where
+        self.fake_fails = fake_fails
         self.accelerator = None
 
     def forward(self, x):
         from torch._subclasses.fake_tensor import FakeTensor
 
+        if self.fake_fails and isinstance(x, FakeTensor):
+            raise RuntimeError("this forward cannot run on fake tensors (injected by the test)")
         out = super().forward(x)
         session = self.accelerator.swap_session if self.accelerator is not None else None
         if session is None or session.runtime is not None or isinstance(x, FakeTensor) or not torch.is_grad_enabled():
@@ -176,6 +179,20 @@ def test_an_observed_step_out_of_memory_is_planned_in_fake_mode_and_its_retry_eq
     assert failures == [None]
     assert accelerator.swap_session.profile.fake and accelerator.swap_plan.predicted_peak_bytes is not None
     assert_same_state(accelerator.unwrap_model(model), plain)
+    accelerator.free_memory()
+    assert _clean(accelerator.unwrap_model(model))
+
+
+def test_when_fake_mode_fails_too_the_retry_says_what_to_do(fresh_state):
+    accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=1 << 40, min_offload_bytes=0))
+    model = accelerator.prepare(RunsOutUnplanned("forward", fake_fails=True))
+    model.accelerator = accelerator
+    x, y = _tokens(8)
+    accelerator.backward(lm_loss(model(x), y))  # the guard step
+    with pytest.raises(torch.OutOfMemoryError):
+        model(x)  # observed: out of memory, and its fake-mode profile fails
+    with pytest.raises(RuntimeError, match=r"fake tensors failed too .*SwapPlugin\(policy='recompute_offload'\)"):
+        model(x)  # the retry raises the fallback's error instead of planning from nothing
     accelerator.free_memory()
     assert _clean(accelerator.unwrap_model(model))
 
