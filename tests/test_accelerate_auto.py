@@ -59,10 +59,12 @@ def test_auto_fits_a_simulated_budget_and_equals_plain(fresh_state):
     assert set(steady.actions.values()) != {Action.KEEP}
     assert steady.predicted_peak_bytes <= budget and steady.batch_size == 8
     assert max(peaks[1:]) <= budget
-    # the observed step was the real one, the user's loss included: the prediction is close, and
-    # errs on the safe side (this CNN's offloaded backward: ~6% over on CPU)
+    # the plan comes from steps measured under plans (the guard's, then its own first step:
+    # Notes [A step measured under a plan], [A plan's first step refines its profile]), the
+    # user's loss included: the prediction errs on the safe side (this CNN's offloaded segments,
+    # measured alone, fetch a storage their neighbour shares: ~21% over on CPU)
     error = (steady.predicted_peak_bytes - peaks[-1]) / peaks[-1]
-    assert -0.02 <= error <= 0.10, (steady.predicted_peak_bytes, peaks)
+    assert 0.0 <= error <= 0.25, (steady.predicted_peak_bytes, peaks)
     assert_same_state(auto, plain)  # torch.equal on every weight and buffer
     accelerator.free_memory()
     assert _clean(auto)
@@ -102,10 +104,10 @@ def test_auto_replans_for_a_new_batch_shape(fresh_state):
     accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=1 << 40, min_offload_bytes=0))
     small = _images(6)[0][:, :, :12, :12].contiguous(), _images(6)[1]
     _, _, plans, profiles = _train(accelerator, [8, 8, 8, 8, 5, small, small, small], with_profiles=True)
-    # Note [Observe only what fits]: one guard step (the lowest-memory plan; its bound on plain's
-    # peak, the momentum that appeared in it included, is far within 1 TiB), the second observed,
-    # the third planned; the smaller batch keeps the plan.
-    guard = {Action.RECOMPUTE_OFFLOAD}
+    # Note [Observe only what fits]: one guard step (the lowest-memory plan: on CPU every segment
+    # offloaded; its bound on plain's peak, the momentum that appeared in it included, is far
+    # within 1 TiB), the second observed, the third planned; the smaller batch keeps the plan.
+    guard = {Action.OFFLOAD}
     assert set(plans[0].actions.values()) == guard and plans[1] is None
     assert plans[2] is not None and plans[3] is plans[2] and plans[4] is plans[2]
     assert profiles[1] is profiles[2] is profiles[4] and profiles[4].batch_size == 8

@@ -43,7 +43,7 @@ def _forced(name, policy, accumulate=1):
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
 def test_every_step_within_the_budget_from_the_smallest_to_above_plain(name):
-    plain, least = _forced(name, "keep"), _forced(name, "recompute_offload")
+    plain, least = _forced(name, "keep"), _least_forced(name)
     for budget in (int(1.03 * least), int(0.5 * (least + plain)), plain, int(1.2 * plain)):
         _, trainer = _fit(name, CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0), steps=5)
         peaks = _peaks(trainer)
@@ -63,13 +63,20 @@ def test_a_budget_well_above_plain_keeps_everything(name):
     assert max(_peaks(trainer)) <= budget
 
 
+def _least_forced(name):
+    """The least any forced policy is measured to run in (on CPU ``offload``'s for the GPT and the
+    CNN, below ``recompute_offload``'s: Note [Observe only what fits])."""
+    return min(_forced(name, policy) for policy in ("offload", "recompute", "selective", "recompute_offload"))
+
+
 @pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
 def test_the_minimum_is_the_lowest_memory_plans_peak_and_raised_before_a_step_is_over(name):
-    least = _forced(name, "recompute_offload")
+    least = _least_forced(name)
     budget = least // 2
     with pytest.raises(InfeasibleBudgetError) as info:
         _fit(name, CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0))
-    assert abs(info.value.min_budget_bytes - least) <= 0.05 * least, (info.value.min_budget_bytes, least)
+    # within 5% of the lowest-memory plan's measured peak, and not above any forced policy's
+    assert 0.95 * least <= info.value.min_budget_bytes <= least, (info.value.min_budget_bytes, least)
     _, trainer = _fit(name, CPUSwapStrategy(budget_bytes=int(1.03 * least), min_offload_bytes=0))
     assert max(_peaks(trainer)) <= int(1.03 * least)
 

@@ -141,11 +141,14 @@ class DeviceMemoryMeter:
             return torch.cuda.memory_allocated(self.device)
         return self._current
 
-    def reset_peak(self) -> None:
-        """Restart the peak from the bytes alive now."""
+    def reset_peak(self, *, after_next_change: bool = False) -> None:
+        """Restart the peak from the bytes alive now; ``after_next_change`` (CPU): from the bytes
+        alive after the next allocation or free, leaving out the level now (a window that opens
+        while its caller still holds what it is about to drop: Note [The tail opens holding the
+        last input] in ``measure/trace.py``)."""
         if self.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._peak = self._current
+        self._peak = 0 if after_next_change and not self.is_cuda else self._current
 
     # -- CPU tracking -------------------------------------------------------------------
     def track(self, tensors: Iterable[Any]) -> None:
@@ -184,6 +187,7 @@ class DeviceMemoryMeter:
             if entry is not None and entry[0] is ref:
                 del self._storages[key]
                 self._current -= entry[1]
+                self._peak = max(self._peak, self._current)  # a peak restarted after the next change
                 for listener in self.listeners:
                     listener(self._current)
 

@@ -104,6 +104,11 @@ class ModelProfile:
     #: Peak bytes of the optimizer step (after the backward), when the profiled step included
     #: it (a real step observed by the adapters): foreach AdamW's parameter-sized temporaries.
     optimizer_peak_bytes: int = 0
+    #: The tail's two parts as measured, where the meter tells them apart (CPU): the level as it
+    #: opens and its peak after that (``tail_peak_bytes`` is the larger); -1: not apart (Note
+    #: [The tail opens holding the last input] in ``trace.py``; used by ``decide/under_plan.py``).
+    tail_start_bytes: int = -1
+    tail_rest_bytes: int = -1
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -140,6 +145,25 @@ class ModelProfile:
             self, segments=segments, static_bytes=self.static_bytes + f, prefix_forward_peak_bytes=self.prefix_forward_peak_bytes + f,
             prefix_backward_peak_bytes=self.prefix_backward_peak_bytes + b, tail_peak_bytes=self.tail_peak_bytes + max(f, b),
             peak_bytes=self.peak_bytes + max(f, b), reference=reference,
+        )
+
+    def with_times(self, compute: float, recompute: float, copy: float) -> "ModelProfile":
+        """This profile with its times multiplied by measured factors (Note [Re-plan from the
+        steady state] in ``scale/auto.py``): every forward, backward and the plain step by
+        ``compute``, the measured costs of recomputation by ``recompute``, and the copy
+        bandwidths divided by ``copy``."""
+        segments = tuple(
+            dataclasses.replace(
+                s, **{f: getattr(s, f) * compute for f in _SCALED_MS_FIELDS},
+                **{f: getattr(s, f) * recompute for f in _MEASURED_MS_FIELDS if getattr(s, f) is not None},
+            )
+            for s in self.segments
+        )
+        reference = self.reference.with_times(compute, recompute, copy) if self.reference is not None else None
+        return dataclasses.replace(
+            self, segments=segments, prefix_ms=self.prefix_ms * compute, tail_ms=self.tail_ms * compute,
+            step_ms=self.step_ms * compute, d2h_bytes_per_ms=self.d2h_bytes_per_ms / copy,
+            h2d_bytes_per_ms=self.h2d_bytes_per_ms / copy, reference=reference,
         )
 
     def at_batch(self, batch_size: int) -> "ModelProfile":

@@ -11,23 +11,42 @@ context, the user's own loss and optimizer step included) and observe it
 (:mod:`.costs`, no user code), and the plan for the steps that follow is solved from that
 profile, shifted to the steady state (Note [Steady-state shift] in ``profiler.py``). The user's
 step runs exactly as often as in plain training.
+
+The same machinery observes a step run under a plan (``under``: ``auto``'s guard step, under
+the lowest-memory plan): the windows are measured as the step ran, each segment the plan does
+not keep is measured alone (Note [A segment measured alone] in ``action_costs.py``), and the
+profile's windows are the plan's, for ``decide/under_plan.py`` to turn into plain's (Note [A
+step measured under a plan]).
+
+Note [Planning costs a few steps]: what the observation adds to training is the segments'
+runs on their own (Note [Timing a segment leaves no trace]): each costs a segment's forward
+and backward, so their number is the cost. Issue 20 measured 14-26 s added to an 8-step run of
+~1.9 s steps when every segment was timed plain, recomputed and selectively recomputed, four
+runs each (about twelve steps' worth). Now: plain three times (a median), ``SELECTIVE`` once,
+``RECOMPUTE`` not at all (its price is its forward's), a forward without saving (its working
+bytes) and, under a plan, one traced run of each segment the plan does not keep — a few steps'
+worth; the steady state's measurements correct the prices afterwards (Note [Re-plan from the
+steady state] in ``scale/auto.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from .action_costs import measure_action_costs
-from .model_profile import ModelProfile
-from ..tensors import infer_batch_size
-from .profiler import assemble
-from ..tensors import tensors_in
+from ..actions import Action
 from ..engine.streams import StreamOps, default_ops
-from .trace import StepTracer
+from ..tensors import infer_batch_size, tensors_in
+from .action_costs import ActionCosts, measure_action_costs
+from .model_profile import ModelProfile
+from .profiler import assemble
+from .trace import StepTrace, StepTracer
 
 __all__ = ["ObservedStep"]
 
@@ -38,9 +57,13 @@ class ObservedStep:
     """One real training step, traced while it runs, and the profile it yields.
 
     ``begin()`` before the forward, ``backward_begins()`` before the loss's backward,
-    ``backward_done()`` after it, ``finish()`` once the step (optimizer step included) is over;
+    ``backward_done()`` after it, ``close()`` once the step (optimizer step included) is over
+    (it ends the trace: before any mode opened earlier is closed), ``finish()`` for the profile;
     ``abort()`` on failure. ``track`` is what is alive before the step besides the model (the
-    batch, the optimizer state), nested in containers.
+    batch, the optimizer state), nested in containers. ``under``: the plan the step runs under
+    (``None``: plain; the profile's windows are then the plan's: Note [A step measured under a
+    plan]); ``costs``: the segments' :class:`~.action_costs.ActionCosts` measured already (on
+    this batch shape), not measured again.
     """
 
     def __init__(
@@ -55,15 +78,20 @@ class ObservedStep:
         modules: Optional[dict[str, nn.Module]] = None,
         ops: Optional[StreamOps] = None,
         time_actions: bool = True,
+        under: Optional[Mapping[str, Action]] = None,
+        costs: Optional[dict[str, ActionCosts]] = None,
     ) -> None:
         self.model = model
         self.names = list(names)
         self.device = device
         self.min_offload_bytes = min_offload_bytes
+        self.batch = batch
         self.batch_size = infer_batch_size(batch)
         self.ops = ops if ops is not None else default_ops(device)
         self.modules = modules if modules is not None else dict(model.named_modules())
         self.time_actions = time_actions
+        self.under = None if under is None else dict(under)
+        self.costs = costs
         params = list(model.parameters())
         static = [*params, *model.buffers(), *(p.grad for p in params if p.grad is not None), *tensors_in([batch, track])]
         self.tracer = StepTracer(
@@ -72,6 +100,7 @@ class ObservedStep:
         )
         self.open = False
         self.backward_over = False
+        self.trace: Optional[StepTrace] = None
 
     @property
     def meter(self):
@@ -94,30 +123,102 @@ class ObservedStep:
             self.open = False
             self.tracer.abort()
 
-    def finish(self) -> ModelProfile:
-        """Close the trace, time each segment's actions, and build the profile."""
-        self.open = False
-        trace = self.tracer.finish()
+    def close(self) -> None:
+        """The step is over: the trace ends here (its modes closed), the profile is built later."""
+        if self.open:
+            self.open = False
+            self.tracer.rec.mark("stop")
+            self.trace = self.tracer.finish()
+
+    @property
+    def acting(self) -> list[str]:
+        """The segments the step's plan does not keep (none for a plain step)."""
+        return [n for n in self.names if self.under is not None and self.under.get(n, Action.KEEP) is not Action.KEEP]
+
+    def finish(self) -> Optional[ModelProfile]:
+        """Close the trace, time each segment's actions (unless ``costs`` were given), and build
+        the profile; ``None`` when a segment the plan does not keep could not be measured alone."""
+        self.close()
+        trace, n = self.trace, len(self.names)
         marks = trace.marks
-        n = len(self.names)
         end = marks.get("end", 0.0)
         fwd = {i: max(marks.get(("fe", i), 0.0) - marks.get(("fs", i), 0.0), 0.0) for i in range(n)}
         bwd = {i: max(marks.get(("be", i), end) - marks.get(("bs", i), end), 0.0) for i in range(n)}
-        outside = max(end - sum(fwd.values()) - sum(bwd.values()), 0.0)
-        measured: dict[int, tuple[Optional[float], Optional[float], int]] = {}
-        if self.time_actions and trace.inputs:
+        # Outside the segments: the rest of the step, its optimizer step included ("stop"), as a
+        # step's measured time (StepStats.step_ms) covers it.
+        outside = max(marks.get("stop", end) - sum(fwd.values()) - sum(bwd.values()), 0.0)
+        if self.costs is None and self.time_actions and trace.inputs:
             calls = {self.names[i]: call for i, call in trace.inputs.items()}
-            costs = measure_action_costs(self.model, self.modules, calls, self.ops, device=self.device)
-            for i, name in enumerate(self.names):
-                c = costs.get(name)
-                if c is not None:
-                    fwd[i], bwd[i] = c.forward_ms, c.backward_ms
-                    measured[i] = (c.recompute_ms, c.selective_ms, c.released_working_bytes)
+            self.costs = measure_action_costs(
+                self.model, self.modules, calls, self.ops, device=self.device, alone=self.acting,
+                min_offload_bytes=self.min_offload_bytes,
+            )
+        costs = self.costs or {}
+        if any(costs.get(name) is None or costs[name].alone is None for name in self.acting):
+            log.debug("observed a step under a plan, but not every segment it does not keep was measured alone")
+            return None
+        measured: dict[int, tuple[Optional[float], Optional[float], int]] = {}
+        for i, name in enumerate(self.names):
+            c = costs.get(name)
+            if c is not None:
+                fwd[i], bwd[i] = c.forward_ms, c.backward_ms
+                measured[i] = (c.recompute_ms, c.selective_ms, c.released_working_bytes)
+        alone = {name: costs[name].alone for name in self.acting}
+        _splice_alone(trace, {self.names.index(name): own for name, own in alone.items()})
         heavy = {i: fwd[i] * trace.heavy_op_ms.get(i, 0.0) / max(trace.all_op_ms.get(i, 0.0), 1e-9) for i in range(n)}
         step_ms = outside + sum(fwd.values()) + sum(bwd.values())
         profile = assemble(
             trace, self.model, self.names, batch_size=self.batch_size, device=self.device, fake=False,
             min_offload_bytes=self.min_offload_bytes, fwd=fwd, bwd=bwd, heavy=heavy, step_ms=step_ms, measured=measured,
         )
+        profile = _with_alone_working(profile, trace, self.names, alone)
         log.debug("observed a step at batch %d: peak %d bytes, %.1f ms", self.batch_size, profile.peak_bytes, step_ms)
         return profile
+
+
+def _splice_alone(trace: StepTrace, alone: dict[int, StepTrace]) -> None:
+    """Note [A segment measured alone]: what each segment measured alone saves (and its heavy
+    ops' outputs) becomes its region's in the step's trace: its input and output storages are
+    the step's, the rest new keys (negative: the step's are positive). An input alive before
+    the step (the batch) is not saved by it, as the step's own trace would have it."""
+    fresh = itertools.count(-1, -1)
+    for i, own in alone.items():
+        if i in trace.static_inputs and 0 in own.input_key:
+            static = own.input_key[0][0]
+            own.saved.get(0, {}).pop(static, None)
+            own.heavy.get(0, {}).pop(static, None)
+        mapping = {}
+        for keys_of in ("input_key", "output_key"):
+            mine, real = getattr(own, keys_of).get(0), getattr(trace, keys_of).get(i)
+            if mine is not None and real is not None:
+                mapping.setdefault(mine[0], real[0])
+
+        def key(k: int) -> int:
+            if k not in mapping:
+                mapping[k] = next(fresh)
+            return mapping[k]
+
+        trace.saved[i] = {key(k): b for k, b in own.saved.get(0, {}).items()}
+        trace.heavy[i] = {key(k): b for k, b in own.heavy.get(0, {}).items()}
+
+
+def _with_alone_working(profile: ModelProfile, trace: StepTrace, names: list[str], alone: dict[str, StepTrace]) -> ModelProfile:
+    """Note [A step measured under a plan] in ``decide/under_plan.py``: for each segment measured
+    alone, its working bytes above its windows' starts (its rise when kept), and its windows'
+    peaks as ``start under the plan + that rise``; the on-demand offload estimate stays the same
+    distance below the backward's peak as alone."""
+    segments = list(profile.segments)
+    for pos, s in enumerate(segments):
+        own = alone.get(s.name)
+        if own is None:
+            continue
+        i = names.index(s.name)
+        fwd, bwd = own.window_peak.get(("fwd", 0), 0), own.window_peak.get(("bwd", 0), 0)
+        rise_f, rise_b = max(0, fwd - own.fwd_start_bytes.get(0, fwd)), max(0, bwd - own.bwd_start_bytes.get(0, bwd))
+        start_f = trace.fwd_start_bytes.get(i, s.forward_peak_bytes - s.forward_working_bytes)
+        start_b = trace.bwd_start_bytes.get(i, s.backward_peak_bytes - s.backward_working_bytes)
+        segments[pos] = dataclasses.replace(
+            s, forward_working_bytes=rise_f, backward_working_bytes=rise_b, forward_peak_bytes=start_f + rise_f,
+            backward_peak_bytes=start_b + rise_b, offload_backward_peak_bytes=start_b + rise_b + min(0, own.offload_bwd_peak.get(0, bwd) - bwd),
+        )
+    return dataclasses.replace(profile, segments=tuple(segments))

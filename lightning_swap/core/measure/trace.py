@@ -98,10 +98,14 @@ class StepTrace:
     est_all_ms: dict[Any, float] = field(default_factory=lambda: defaultdict(float))
     static_bytes: int = 0
     peak_bytes: int = 0
+    #: Bytes alive as the tail opens (Note [The tail opens holding the last input]).
+    tail_start_bytes: int = -1
     #: Milliseconds from the step's start to each segment boundary (``StepTracer`` with ``ops``).
     marks: dict[Any, float] = field(default_factory=dict)
     #: What each segment was called with (``StepTracer(capture_inputs=True)``).
     inputs: dict[int, "CapturedCall"] = field(default_factory=dict)
+    #: Segments whose input is alive before the step (the batch): never saved by the step.
+    static_inputs: set[int] = field(default_factory=set)
 
 
 #: Tensors up to this size are kept by value for re-running a segment; larger ones by shape only.
@@ -239,17 +243,26 @@ class _Recorder:
     def resolve_marks(self) -> dict[Any, float]:
         """Milliseconds from the step's start to each mark (one wait for the last event)."""
         ops, marks = self.ops, self.marks
-        if "end" in marks:
-            ops.synchronize(marks["end"])  # the profiling step's one wait: its times are needed now
+        last = marks.get("stop", marks.get("end"))  # "stop": the whole step's end (the optimizer step's)
+        if last is not None:
+            ops.synchronize(last)  # the profiling step's one wait: its times are needed now
         start = marks["start"]
         return {k: ops.elapsed_ms(start, e) for k, e in marks.items()}
 
     # -- windows ------------------------------------------------------------------------
     def switch(self, window: Any) -> None:
+        """Note [The tail opens holding the last input]: the tail opens in the last segment's
+        forward hook, while its caller still references the segment's input; kept, that input is
+        saved and stays, but under a plan that moves it to the host it is freed a moment later.
+        So the tail's opening level is recorded on its own and, on CPU, the tail's peak counts the
+        levels after it: a step measured under a plan (``decide/under_plan.py``) then tells the
+        tail that plan leaves from its forward's last instant, where plain's peak may be."""
         peak = self.meter.peak_bytes
         self.trace.peak_bytes = max(self.trace.peak_bytes, peak)
         self.trace.window_peak[self.window] = max(self.trace.window_peak.get(self.window, 0), peak)
-        self.meter.reset_peak()
+        if window == "tail":
+            self.trace.tail_start_bytes = self.meter.current_bytes
+        self.meter.reset_peak(after_next_change=window == "tail")
         self.window = window
 
     # -- forward hooks ------------------------------------------------------------------
@@ -267,6 +280,8 @@ class _Recorder:
             x = _first_tensor(args)
             if x is not None and (s := _storage(x)) is not None:
                 self.trace.input_key[i] = (self.keys.key(s), s.nbytes())
+                if id(s) in self.param_storages:
+                    self.trace.static_inputs.add(i)
                 if x.requires_grad:
                     self.handles.append(x.register_hook(self._on_bwd_end(i)))
 

@@ -14,6 +14,7 @@ from values]).
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, Callable, Optional
@@ -35,7 +36,7 @@ from ..runtime.runtime import SwapRuntime
 from ..runtime.stats import StatsHistory, StepRecord, StepStats
 from ..segments import find_segments, resolve_modules
 from ..tensors import device_budget_bytes, normalize_device, tensors_in
-from .auto import AutoPlanner, BatchKey, StepInputs, StepKind
+from .auto import REVISIT_AFTER_STEPS, AutoPlanner, BatchKey, StepInputs, StepKind
 from .collectives import Collectives
 from .fallback import fake_profile_on_main, restore_rng_state, rng_state
 from .steady_state import StateSizes, steady_plain_timeline
@@ -93,13 +94,19 @@ class SwapSession:
         #: step observed last (every process: Note [The observed step does not fit]).
         self.observation: Optional[ObservedStep] = None
         self._observed_call: Optional[tuple[Any, Any, tuple]] = None
+        #: A step being observed under its plan (the main process): a guard step (Note [Observe
+        #: only what fits]) or the first step of a plan made from a guard's profile (Note [A plan's
+        #: first step refines its profile]); and the segments' measured costs on the batch they
+        #: were measured on (by name).
+        self._under: Optional[ObservedStep] = None
+        self._guard_costs: Optional[tuple[BatchKey, dict]] = None
         #: ``policy="auto"``'s decisions (Note [Auto: observe, plan, check]); ``None`` for a forced policy.
         self.auto = self._new_planner() if config.is_auto else None
 
     def _new_planner(self) -> AutoPlanner:
         return AutoPlanner(
             budget_bytes=self._budget_bytes, segments=self.segments, config=self.config,
-            grads_freed_before_backward=self._grads_freed,
+            grads_freed_before_backward=self._grads_freed, device_type=self.device.type,
         )
 
     @property
@@ -150,19 +157,55 @@ class SwapSession:
         if self.auto is None or self._pinned:
             self.begin_step(track, measure=measure)
             return StepKind.RUN
-        step = StepInputs(BatchKey.of(batch), self._state_sizes(states))
+        step = StepInputs(self._agreed(BatchKey.of(batch)), self._state_sizes(states))
         kind = self._next_step(step)
         if kind is StepKind.GUARD:
-            self.apply(self.auto.begin_guard(step))
-            self._guard_states = states
-            self.begin_step(track, measure=True)
+            self._begin_guard(batch, track, states, step)
         elif kind is StepKind.OBSERVE:  # the other processes run the same step plainly
             self._begin_observe(batch, track, states, step)
         else:
             if kind is StepKind.PLAN:
                 self._plan(step)
             self.begin_step(track, measure=measure)
+            if kind is StepKind.PLAN and self.collectives.is_main and self.auto.refine_due:
+                self._observe_under(batch, track)
         return kind
+
+    def _agreed(self, key: BatchKey) -> BatchKey:
+        """The batch key every process decides from (Note [Auto decides from values]): the same
+        shape everywhere and the largest batch size; where the processes' shapes differ, a shape
+        no profile has (every process guards). Two reductions of one number each: a 32-bit hash
+        of the shape above the size (exact in float64)."""
+        shape_hash = zlib.crc32(repr(key.shape).encode())
+        packed = shape_hash * (1 << 20) + min(key.size, (1 << 20) - 1)
+        most, least = int(self.collectives.reduce_max(packed)), int(self.collectives.reduce_min(packed))
+        if most >> 20 != least >> 20:
+            return BatchKey((("shapes differ across processes", most >> 20, least >> 20),), key.size)
+        return BatchKey(key.shape, most & ((1 << 20) - 1))
+
+    def _begin_guard(self, batch: Any, track: Any, states: Any, step: StepInputs) -> None:
+        """Note [Observe only what fits]: the lowest-memory plan, measured; on the main process
+        the step is observed under it (after the runtime's window opened: the observer's modes
+        are closed first)."""
+        self.apply(self.auto.begin_guard(step))
+        self._guard_states = states
+        self.begin_step(track, measure=True)
+        if self.collectives.is_main:
+            self._observe_under(batch, track)
+
+    def _observe_under(self, batch: Any, track: Any) -> None:
+        """The main process observes this step under the installed plan (after the runtime's
+        window opened: the observer's modes are closed first, in :meth:`end_step`)."""
+        self._under = ObservedStep(
+            self.model, list(self.segments), device=self.device, batch=batch, track=track,
+            min_offload_bytes=self.config.min_offload_bytes, modules=self.modules, under=self.plan.actions,
+            costs=self._costs_for(batch),
+        ).begin()
+
+    def _costs_for(self, batch: Any) -> Optional[dict]:
+        """The segments' costs measured already on a batch of this shape and size (the main process)."""
+        measured = self._guard_costs
+        return measured[1] if measured is not None and measured[0] == BatchKey.of(batch) else None
 
     def _state_sizes(self, states: Any) -> StateSizes:
         self._state = StateSizes.of(self.model, states, self._state)
@@ -183,11 +226,14 @@ class SwapSession:
     def _begin_observe(self, batch: Any, track: Any, states: Any, step: StepInputs) -> None:
         self.remove()
         self.plan = None
-        self.auto.begin_observe(step)
+        # The profile is the main process's, at its own batch: every process plans for that size.
+        observed = self.collectives.on_main(lambda: BatchKey.of(batch).size)
+        self.auto.begin_observe(StepInputs(BatchKey(step.batch.shape, observed), step.state))
         if self.collectives.is_main:
+            costs = self._costs_for(batch)
             self.observation = ObservedStep(
                 self.model, list(self.segments), device=self.device, batch=batch, track=track,
-                min_offload_bytes=self.config.min_offload_bytes, modules=self.modules,
+                min_offload_bytes=self.config.min_offload_bytes, modules=self.modules, costs=costs,
             ).begin()
         self._observed_call = (batch, states, rng_state(self.device))
 
@@ -198,7 +244,11 @@ class SwapSession:
             if self._budget_bytes is None:
                 self.warn_no_budget()
             newest = self.records.newest()
-            return self.auto.plan(step.state, newest.peak_device_bytes if newest is not None else None)
+            times = ()
+            if self.auto.revisit_due:  # Note [Re-plan from the steady state]: the one wait for the device
+                steps = self.records.since(self.records.count - REVISIT_AFTER_STEPS, wait=True)
+                times = [(s.step_ms, s.recompute_ms, s.exposed_transfer_ms) for s in steps]
+            return self.auto.plan(step.state, newest.peak_device_bytes if newest is not None else None, times)
 
         plan = self._received(self.collectives.on_main(solve))
         if plan != self.plan:  # by value: other processes get a new object each time
@@ -221,22 +271,19 @@ class SwapSession:
 
     def backward_begins(self) -> None:
         """The loss exists and its backward is about to run."""
-        if self.observation is not None:
-            self.observation.backward_begins()
+        if self.auto is not None and self.auto.guarding and self.runtime is not None and self.runtime.measuring:
+            self.auto.guard_forward_done(self.runtime.meter.peak_bytes)
+        for observation in (self.observation, self._under):
+            if observation is not None:
+                observation.backward_begins()
 
     def step_done(self) -> None:
         """The whole step (optimizer step included) is over: an observed step becomes the profile,
         a guard step's measurements bound plain's peak (Note [Observe only what fits])."""
         if self.auto is not None and self.auto.guarding and self.runtime is not None:
-            stats = self.records.newest()
-            measured = self.runtime.measured_plan(wait=True)
-            self.auto.end_guard(
-                stats.peak_device_bytes if stats is not None else None, measured.rows if measured else None,
-                self._state_sizes(self._guard_states),
-            )
-            self._guard_states = None
-            if measured is not None:
-                self.plan = measured
+            self._end_guard()
+        elif self._under is not None:
+            self.auto.refine(self._profile_under())
         if self.observation is not None:
             observed, self.observation = self.observation, None
             profile = observed.finish()
@@ -244,11 +291,49 @@ class SwapSession:
             self.records.add(_observed_record(profile))
         self._observed_call = None
 
+    def _end_guard(self) -> None:
+        """A guard step is over: its peak and rows (the largest of every process's), and on the
+        main process, once the guard was steady, its profile (Note [Observe only what fits])."""
+        stats = self.records.newest()
+        measured = self.runtime.measured_plan(wait=True)
+        peak = stats.peak_device_bytes if stats is not None else None
+        rows = measured.rows if measured else None
+        # Every process's measurements count: the verdict must hold for all of them.
+        peak = int(self.collectives.reduce_max(-1 if peak is None else peak))
+        held = int(self.collectives.reduce_max(sum(r.recomputed_bytes + r.offloaded_bytes for r in rows) if rows else -1))
+        rows = [replace(rows[0], recomputed_bytes=0, offloaded_bytes=held)] if held >= 0 and rows else None
+        self.auto.end_guard(None if peak < 0 else peak, rows, self._state_sizes(self._guard_states))
+        self._guard_states = None
+        if measured is not None:
+            self.plan = measured
+        if self._under is None:
+            return
+        if not self.auto.guard_steady:
+            self._under.abort()
+            self._under = None
+            return
+        self.auto.guard_observed(self._profile_under())
+
+    def _profile_under(self) -> Optional[ModelProfile]:
+        """The profile of the step observed under its plan (its windows the plan's: Note [A step
+        measured under a plan]); the segments' costs are kept for the next steps on that batch."""
+        observation, self._under = self._under, None
+        self.runtime.remove()  # each segment is measured alone as plain code (Note [A segment measured alone])
+        try:
+            profile = observation.finish()
+        finally:
+            self.runtime.install()
+        if observation.costs:
+            self._guard_costs = (BatchKey.of(observation.batch), observation.costs)
+        return profile
+
     def abort_step(self) -> None:
         """The step failed (out of memory, an exception): nothing observed is kept."""
-        if self.observation is not None:
-            self.observation.abort()
-            self.observation = None
+        for name in ("observation", "_under"):
+            observation = getattr(self, name)
+            if observation is not None:
+                observation.abort()
+                setattr(self, name, None)
         if self.runtime is not None and self.runtime.measuring:
             self.runtime.abort_step()
 
@@ -340,9 +425,8 @@ class SwapSession:
         self.records.clear()
         self.plan = None
         if self.auto is not None:
-            if self.observation is not None:
-                self.observation.abort()
-                self.observation = None
+            self.abort_step()
+            self._guard_costs = None
             self.auto = self._new_planner()
         self._pinned = False
 
@@ -383,8 +467,9 @@ class SwapSession:
         an observed step)."""
         if self.auto is not None and self.auto.guarding and self.runtime is not None and self.runtime.measuring:
             self.auto.guard_backward_done(self.runtime.meter.peak_bytes)
-        if self.observation is not None and not self.observation.backward_over:
-            self.observation.backward_done()
+        for observation in (self.observation, self._under):
+            if observation is not None and observation.open and not observation.backward_over:
+                observation.backward_done()
 
     def end_step(self) -> Optional[StepStats]:
         """The step is over (adapters call it after the optimizer step when they can, else
@@ -392,6 +477,8 @@ class SwapSession:
         if self.observing:
             self.backward_done()
             return None
+        if self._under is not None:
+            self._under.close()  # its modes opened inside the runtime's window: closed first
         if self.runtime is None or not self.runtime.measuring:
             return None
         self.last_stats = self.runtime.end_step()
