@@ -512,8 +512,9 @@ class _UserCheckpointed(nn.Module):
         return x
 
 
+@pytest.mark.parametrize("action", [Action.OFFLOAD, Action.RECOMPUTE_OFFLOAD])
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_a_users_checkpoint_inside_a_segment_is_respected(monkeypatch, caplog, reentrant):
+def test_a_users_checkpoint_inside_a_segment_is_respected(monkeypatch, caplog, reentrant, action):
     in_backward = []
     original = OffloadEngine._copy_out
 
@@ -523,16 +524,18 @@ def test_a_users_checkpoint_inside_a_segment_is_respected(monkeypatch, caplog, r
 
     monkeypatch.setattr(OffloadEngine, "_copy_out", spy)
     grads, offloaded = [], []
-    for action in (Action.KEEP, Action.OFFLOAD):
+    for planned in (Action.KEEP, action):
         torch.manual_seed(0)
         model = _UserCheckpointed(reentrant)
-        plan = {f"blocks.{i}": action for i in range(4)}
-        with caplog.at_level("WARNING"), SwapRuntime(model, plan, device="cpu", min_offload_bytes=0, prefetch_segments=1) as rt:
+        plan = {f"blocks.{i}": planned for i in range(4)}
+        with caplog.at_level("WARNING"), DoubleFactory("late") as factory, SwapRuntime(model, plan, device="cpu", min_offload_bytes=0, prefetch_segments=1) as rt:
             for _ in range(2):
                 x = torch.randn(16, 32, requires_grad=True)
                 rt.begin_step([x])
                 model(x).pow(2).sum().backward()
                 offloaded.append(rt.end_step().offloaded_bytes)
+        factory.drain()
+        assert factory.violations == []
         grads.append([p.grad.clone() for p in model.parameters()])
     assert not any(in_backward)  # nothing packed while backward recomputes
     assert offloaded == [0, 0, 0, 0]  # the checkpoint recomputes; the engine stays out of its way
