@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from lightning_swap.core import Action, SwapRuntime, find_segments, resolve_policy
-from lightning_swap.core.engine.host_pool import HostPool
+from lightning_swap.core.engine import host_pool
+from lightning_swap.core.engine.host_pool import HostPool, SlabHostPool
 from lightning_swap.core.engine.offload import OffloadEngine
 from lightning_swap.core.engine.streams import CopyStreams, override_stream_ops
 
@@ -289,6 +290,63 @@ def test_host_pool_returns_memory_after_a_shape_change():
     assert pool.freed_bytes == 4 * (1 << 20)
 
 
+def test_slab_pool_cuts_buffers_from_slabs_and_starts_a_free_one_again():
+    """Note [Pinned slabs]: pieces of a power-of-two slab (what torch really reserves is what
+    the pool counts); a slab whose pieces were all released is cut again from its start, its
+    first piece carrying the events of the last round and the others none."""
+    pool = SlabHostPool(pin_memory=False)
+    first = [pool.acquire(300_000) for _ in range(3)]
+    assert pool.allocations == 1 and pool.reserved_bytes == 1 << 20
+    assert [events for _, events in first] == [(), (), ()]
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel()) for b, _ in first)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint pieces
+    for i, (buffer, _) in enumerate(first):
+        pool.release(buffer, (f"copy {i}", None))
+    again = [pool.acquire(300_000) for _ in range(2)]
+    assert pool.allocations == 1 and again[0][0].data_ptr() == spans[0][0]
+    assert again[0][1] == ("copy 0", "copy 1", "copy 2") and again[1][1] == ()
+
+
+def test_slab_pool_returns_memory_after_a_shape_change():
+    pool = SlabHostPool(pin_memory=False)
+    for nbytes in (3 << 20, 3 << 20, 300_000, 300_000):  # steps of large pieces, then of small ones
+        held = [pool.acquire(nbytes)[0] for _ in range(2)]
+        for b in held:
+            pool.release(b)
+        pool.end_step()
+    assert pool.in_use_bytes == 0
+    assert pool.reserved_bytes <= 1 << 20 and pool.freed_bytes >= 8 << 20
+
+
+def test_a_slab_started_again_waits_for_the_copies_of_its_last_round(monkeypatch):
+    """Note [Pinned slabs], rule 4: graph A is alive while B's backward prefetches A's last
+    segment (nobody consumes that copy), then A is dropped and C's forward cuts buffers from the
+    same slabs, started again: the first copy into each must follow the reads of the last
+    round. Small slabs, so that they fill and start again within the step."""
+    monkeypatch.setattr(host_pool, "_MIN_SLAB", 4096)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)))
+    a, b, c = torch.randn(16, 64), torch.randn(16, 64), torch.randn(16, 64)
+    model(b).sum().backward()
+    model(c).sum().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with DoubleFactory("late") as factory, SwapRuntime(model, _plan(model, Action.OFFLOAD), device="cpu", min_offload_bytes=0, prefetch_segments=1) as rt:
+        rt.begin_step([a, b, c])
+        kept = model(a).sum()
+        model(b).sum().backward()
+        assert rt.engine._fetches  # A's last segment, prefetched and never consumed
+        del kept
+        model(c).sum().backward()
+        stats = rt.end_step()
+        restarted = sum(1 for slab in rt.engine.pool._slabs if slab.reuse)
+    factory.drain()
+    assert restarted > 0
+    assert factory.violations == []
+    assert stats.prefetched_bytes > 0
+    assert all(torch.equal(g, p.grad) for g, p in zip(plain, model.parameters()))
+
+
 def _probed(x, markers):
     y, marker = _probe(x)
     markers.append(marker)
@@ -302,12 +360,34 @@ def _resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+class _TorchPinnedAllocator:
+    """What torch's pinned-memory allocator (``CachingHostAllocator``, default settings) would
+    hold on CUDA for the buffers a pool allocates: each request rounded up to a power of two, a
+    freed block cached for the next request of that size and never given back (Note [Pinned
+    slabs])."""
+
+    def __init__(self, allocate):
+        self.allocate = allocate
+        self.cached: dict[int, int] = {}
+        self.held_bytes = 0
+
+    def __call__(self, nbytes):
+        tensor = self.allocate(nbytes)
+        block = 1 << (nbytes - 1).bit_length()
+        if self.cached.get(block):
+            self.cached[block] -= 1
+        else:
+            self.held_bytes += block
+        weakref.finalize(tensor, lambda: self.cached.__setitem__(block, self.cached.get(block, 0) + 1))
+        return tensor
+
+
 def _soak(steps):
     """Issue 24's "Done when" soak: GPT under offload, batch sizes cycling 4..9, and every third
     step a forward whose graph is dropped without backward (#4). Per step: the step's offloaded
     bytes, the most the host pool ever reserved, the resident memory; no graph may be alive once
     the step's references are gone, freed by reference counting alone (no ``gc.collect()``:
-    Note [No reference cycle])."""
+    Note [No reference cycle]). Also the pinned bytes torch would hold for the pool on CUDA."""
     build, data, loss_fn = MODELS["gpt"]
     torch.manual_seed(0)
     model = build()
@@ -316,6 +396,7 @@ def _soak(steps):
     markers = []
     model.blocks[0].register_forward_pre_hook(lambda m, args: (_probed(args[0], markers),))
     with swap_runtime(model, "offload", device="cpu") as rt:  # the default min_offload_bytes: small saved outputs are kept (#4)
+        pinned = rt.engine.pool._allocate = _TorchPinnedAllocator(rt.engine.pool._allocate)
         for step in range(steps):
             x, y = data(4 + step % 6)  # batch sizes cycling 4..9
             rt.begin_step([x, y])
@@ -335,7 +416,7 @@ def _soak(steps):
             reserved.append(rt.engine.pool.peak_reserved_bytes)
             assert stats.host_pool_bytes == rt.engine.pool.reserved_bytes
             rss.append(_resident_bytes())
-    return offloaded, reserved, rss
+    return offloaded, reserved, rss, pinned.held_bytes
 
 
 @pytest.mark.parametrize(
@@ -348,9 +429,10 @@ def _soak(steps):
     ],
 )
 def test_host_pool_soak_batch_sizes_cycling(steps):
-    offloaded, reserved, rss = _soak(steps)
+    offloaded, reserved, rss, pinned_bytes = _soak(steps)
     assert min(offloaded) > 0
     assert max(reserved) <= 2 * max(offloaded), (max(reserved), max(offloaded))
+    assert pinned_bytes <= 2 * max(offloaded), (pinned_bytes, max(offloaded))  # what CUDA would hold
     # Resident memory after the first two cycles of shapes stays where it was within noise (8 MiB;
     # a leak of one step's host buffers would add 2-5 MiB per step).
     grown = max(rss[-6:]) - max(rss[6:12])

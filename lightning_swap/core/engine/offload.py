@@ -74,7 +74,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from .host_pool import HostPool
+from .host_pool import HostPool, SlabHostPool
 from .meter import host_allocation
 from .streams import CopyStreams, StreamOps, Timing, default_ops
 
@@ -250,8 +250,8 @@ class OffloadEngine:
         self.prefetch_segments = prefetch_segments
         ops = ops if ops is not None else default_ops(device)
         self.copies = CopyStreams(device, ops, inflight_segments=inflight_segments)
-        # Pinned buffers by default; managed ones under unified memory (unified.py).
-        self.pool = pool if pool is not None else HostPool(pin_memory=device.type == "cuda")
+        # Pinned slabs by default (Note [Pinned slabs]); managed buffers under unified memory.
+        self.pool = pool if pool is not None else SlabHostPool(pin_memory=device.type == "cuda")
         self._lock = threading.RLock()
         self._skip_ptrs: frozenset[int] = frozenset()
         self._by_storage: dict[int, weakref.ref] = {}
