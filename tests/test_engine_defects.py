@@ -474,6 +474,50 @@ def test_the_last_inflight_segments_are_used_in_place(monkeypatch, inflight):
     assert stats.fetched_bytes + stats.reused_bytes == stats.offloaded_bytes
 
 
+@pytest.mark.parametrize("mode", ["late", "early"])
+def test_backward_does_not_wait_for_the_copies_of_originals_it_uses_in_place(monkeypatch, mode):
+    """Note [Used in place]: the copies of the last segments still read their sources when
+    backward starts; backward reads them too, so the compute stream need not wait for those
+    copies (it did, at backward start); a source is let go once its copy is seen complete."""
+    phase, waits = {"now": "forward"}, []
+    start, wait, end = OffloadEngine._start_backward, CopyStreams._wait_compute, OffloadEngine.end_step
+
+    def started(self):
+        phase["now"] = "backward" if phase["now"] == "forward" else phase["now"]
+        return start(self)
+
+    def waited(self, event):
+        waits.append((phase["now"], event.stream is self.d2h))
+        return wait(self, event)
+
+    def ended(self):
+        phase["now"] = "end"
+        return end(self)
+
+    monkeypatch.setattr(OffloadEngine, "_start_backward", started)
+    monkeypatch.setattr(CopyStreams, "_wait_compute", waited)
+    monkeypatch.setattr(OffloadEngine, "end_step", ended)
+    build, data, loss_fn = MODELS["gpt"]
+    grads = []
+    for policy in (None, "offload"):
+        torch.manual_seed(0)
+        model = build()
+        x, y = data(4)
+        with DoubleFactory(mode) as factory:
+            with swap_runtime(model, policy or "keep", device="cpu", min_offload_bytes=0, inflight_segments=2) as rt:
+                rt.begin_step([x, y])
+                loss_fn(model(x), y).backward()
+                stats = rt.end_step()
+                assert rt.engine is None or rt.engine.copies.inflight_bytes == 0  # all let go by the step's end
+        factory.drain()
+        assert factory.violations == []
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert stats.reused_bytes > 0
+    assert ("forward", True) in waits  # rule 2 still bounds the forward
+    assert ("backward", True) not in waits
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 @pytest.mark.parametrize("name", ["resnet18", "cnn"])
 def test_nothing_is_fetched_while_its_original_is_alive(monkeypatch, name):
     seen = _fetches_while_alive(monkeypatch)

@@ -39,6 +39,9 @@ segments), or something else holds it (the batch, a kept segment's saved tensor,
 Then the original is used (and held by the entry until its last unpack, as a fetched copy
 would be) instead of a second device copy: nothing is fetched while its original is alive.
 The version check (Note [Saved version check]) guards that the bytes are still those saved.
+Backward does not wait for the copies still reading those originals (both only read them):
+the copy streams let go of each source once the host sees its copy complete, without waiting,
+and of the rest when the step ends (rule 2 of Note [Stream protocol]).
 
 Note [Saved version check]: with saved-tensor hooks autograd no longer compares a saved
 tensor's version counter at unpack (it cannot see through the hooks), so the engine does it:
@@ -407,7 +410,9 @@ class OffloadEngine:
                 storage = entry.source() if entry is not None and entry.source is not None else None
                 if storage is not None and entry.device is None and storage.data_ptr() in stashed:
                     self._use_in_place(entry, storage)
-            self.copies.retire()
+        # Not retire(): reading a source in place needs no order with its copy, which only reads
+        # it too; only freeing it does (Note [Used in place]).
+        self.copies.retire_done()
 
     def _use_in_place(self, entry: _Entry, storage: torch.UntypedStorage) -> torch.Tensor:
         entry.device = _as_bytes(storage, self.device)
