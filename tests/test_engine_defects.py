@@ -125,6 +125,45 @@ def test_version_check_does_not_fire_without_inplace_change():
     assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
 
 
+class _Gathered(nn.Module):
+    """Its weight is a new ``nn.Parameter`` at every forward, as FSDP's gathered unsharded
+    parameters are: not one ``begin_step`` saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.shard = nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x):
+        self.gathered = nn.Parameter(self.shard.detach().clone())  # stands for an all-gather
+        return torch.tanh(x @ self.gathered)
+
+
+def test_a_parameter_swapped_in_during_the_step_is_not_offloaded(monkeypatch):
+    """Note [What is never offloaded]: any parameter is alive anyway."""
+    sizes = _offloaded_sizes(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(_Gathered(), _Gathered())
+    x = torch.randn(16, 64, requires_grad=True)
+    with SwapRuntime(model, _plan(model, Action.OFFLOAD), device="cpu", min_offload_bytes=0) as rt:
+        rt.begin_step([x])
+        model(x).sum().backward()
+        stats = rt.end_step()
+    assert stats.offloaded_bytes > 0 and model[0].gathered.grad is not None
+    assert 64 * 64 * 4 not in sizes  # the tanh outputs and inputs went; the gathered weights stayed
+
+
+def _offloaded_sizes(monkeypatch):
+    sizes = []
+    original = OffloadEngine._copy_out
+
+    def spy(self, segment, storage, version):
+        sizes.append(storage.nbytes())
+        return original(self, segment, storage, version)
+
+    monkeypatch.setattr(OffloadEngine, "_copy_out", spy)
+    return sizes
+
+
 # -- #3: tensor metadata round-trips exactly -------------------------------------------------
 class _Spectral(nn.Module):
     def __init__(self, n, view):

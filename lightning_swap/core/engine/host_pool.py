@@ -181,7 +181,9 @@ class SlabHostPool(HostPool):
         self._slabs: list[_Slab] = []
         self._open: Optional[_Slab] = None
         self._pieces: dict[int, _Slab] = {}  # data pointer of a piece handed out -> its slab
-        self._lock = threading.Lock()  # release() may come from autograd's device thread
+        # release() may come from autograd's device thread, or from an entry the garbage
+        # collector frees while this thread is inside acquire(): reentrant.
+        self._lock = threading.RLock()
 
     def acquire(self, nbytes: int) -> tuple[torch.Tensor, tuple]:
         size = -(-nbytes // _ALIGN) * _ALIGN

@@ -8,7 +8,8 @@ that the copy hides behind the backward of later segments. Every ordering betwee
 :mod:`.streams`'s business (Note [Stream protocol]); this module decides *what* moves *when*.
 On CPU the same code runs with synchronous copies.
 
-Note [What is never offloaded]: whatever is alive before the step anyway — parameters,
+Note [What is never offloaded]: whatever is alive before the step anyway — parameters (any
+``nn.Parameter``, also one swapped in during the step, as FSDP does with its gathered ones),
 buffers and the tensors the caller tracks (the batch): a copy would cost bandwidth and free
 nothing — tensors smaller than ``min_offload_bytes``, tensors on another device, and tensor
 subclasses or non-strided layouts (their storage is not a plain byte array). These are
@@ -333,7 +334,9 @@ class OffloadEngine:
         return pack
 
     def _should_offload(self, t: torch.Tensor) -> bool:
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+        # Any parameter, the model's or not, is alive anyway: one not in ``skip`` was swapped
+        # in during the step (FSDP's gathered unsharded parameters) or belongs to another model.
+        if type(t) is not torch.Tensor or t.layout != torch.strided:
             return False
         if t.device != self.device:
             return False
