@@ -513,47 +513,68 @@ def test_the_last_inflight_segments_are_used_in_place(monkeypatch, inflight):
     assert stats.fetched_bytes + stats.reused_bytes == stats.offloaded_bytes
 
 
-@pytest.mark.parametrize("mode", ["late", "early"])
+class _Prompt(StreamDouble):
+    """A device whose copies have finished whenever the host asks."""
+
+    def done(self, event):
+        if event is not None and event.stream is not self.compute:
+            self._force(event)
+        return super().done(event)
+
+
+class _PromptFactory(DoubleFactory):
+    def __call__(self, device):
+        double = _Prompt(device, mode=self.mode, compute=self.compute)
+        self.doubles.append(double)
+        return double
+
+
+@pytest.mark.parametrize("mode", ["late", "early", "prompt"])
 def test_backward_does_not_wait_for_the_copies_of_originals_it_uses_in_place(monkeypatch, mode):
     """Note [Used in place]: the copies of the last segments still read their sources when
     backward starts; backward reads them too, so the compute stream need not wait for those
-    copies (it did, at backward start); a source is let go once its copy is seen complete."""
-    phase, waits = {"now": "forward"}, []
-    start, wait, end = OffloadEngine._start_backward, CopyStreams._wait_compute, OffloadEngine.end_step
+    copies (it did, at backward start). A source is let go once its copy is seen complete: as
+    soon as the host asks ('prompt'), else by the step's end (the doubles complete a copy only
+    when something waits for it)."""
+    seen, held = [], []
+    unpack, wait = OffloadEngine._unpack, CopyStreams._wait_compute
 
-    def started(self):
-        phase["now"] = "backward" if phase["now"] == "forward" else phase["now"]
-        return start(self)
+    def unpacked(self, packed):
+        out = unpack(self, packed)
+        seen.append("unpack")
+        return out
 
     def waited(self, event):
-        waits.append((phase["now"], event.stream is self.d2h))
+        seen.append("d2h wait" if event.stream is self.d2h else "wait")
         return wait(self, event)
 
-    def ended(self):
-        phase["now"] = "end"
-        return end(self)
-
-    monkeypatch.setattr(OffloadEngine, "_start_backward", started)
+    monkeypatch.setattr(OffloadEngine, "_unpack", unpacked)
     monkeypatch.setattr(CopyStreams, "_wait_compute", waited)
-    monkeypatch.setattr(OffloadEngine, "end_step", ended)
     build, data, loss_fn = MODELS["gpt"]
     grads = []
-    for policy in (None, "offload"):
+    for policy in ("keep", "offload"):
         torch.manual_seed(0)
         model = build()
         x, y = data(4)
-        with DoubleFactory(mode) as factory:
-            with swap_runtime(model, policy or "keep", device="cpu", min_offload_bytes=0, inflight_segments=2) as rt:
-                rt.begin_step([x, y])
-                loss_fn(model(x), y).backward()
-                stats = rt.end_step()
-                assert rt.engine is None or rt.engine.copies.inflight_bytes == 0  # all let go by the step's end
+        factory = _PromptFactory() if mode == "prompt" else DoubleFactory(mode)
+        with factory, swap_runtime(model, policy, device="cpu", min_offload_bytes=0, inflight_segments=2) as rt:
+            if rt.engine is not None:
+                model.blocks[2].register_full_backward_hook(lambda *_: held.append(rt.engine.copies.inflight_bytes))
+            rt.begin_step([x, y])
+            loss = loss_fn(model(x), y)
+            forward = len(seen)
+            loss.backward()
+            backward = seen[forward:]
+            stats = rt.end_step()
+            assert rt.engine is None or rt.engine.copies.inflight_bytes == 0
         factory.drain()
         assert factory.violations == []
         grads.append([p.grad.clone() for p in model.parameters()])
-    assert stats.reused_bytes > 0
-    assert ("forward", True) in waits  # rule 2 still bounds the forward
-    assert ("backward", True) not in waits
+    assert "d2h wait" in seen[:forward] or mode == "prompt"  # rule 2 still bounds the forward
+    assert "d2h wait" not in backward
+    assert stats.reused_bytes > 0 and len(held) == 1
+    if mode == "prompt":
+        assert held == [0]  # both tail segments let go by blocks[2]'s backward
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
