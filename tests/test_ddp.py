@@ -88,3 +88,35 @@ def test_auto_ranks_take_the_same_decisions_within_the_budget(tmp_path):
             assert max(r[budget]["peaks"]) <= budget, (budget, r[budget]["peaks"])
     assert set(ranks[0][budgets[1]]["plan"].values()) == {"keep"}
     assert set(ranks[0][budgets[0]]["plan"].values()) != {"keep"}
+
+
+@pytest.mark.slow
+def test_auto_ranks_agree_when_rank_1s_first_batch_is_larger(tmp_path):
+    """Issue 20: rank 1's first batch has twice rank 0's rows (and its fifth, after a plan was
+    made from rank 0's). Every rank decides from the batch key agreed across ranks (the largest
+    size, one shape), so both guard the same steps, take the same verdict and run the same plan
+    at every step; nothing hangs, and every step of every rank is within the budget (a larger
+    batch is guarded, never planned from rank 0's smaller one: Note [Observe only what fits]).
+    Deciding from each rank's own batch, rank 1 alone would guard its fifth step."""
+    from lightning_swap import CPUSwapStrategy
+
+    from .lit import fit
+
+    _, trainer = fit("cnn", CPUSwapStrategy(policy="keep", min_offload_bytes=0), batch_size=4, steps=3)
+    plain = max(s.peak_device_bytes for s in trainer.strategy.stats_history)
+    budgets = [int(0.7 * plain), 1 << 40]
+    out = tmp_path / "uneven.pt"
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), "--uneven", "--auto-budgets", *map(str, budgets)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(f"{out}.rank{r}", weights_only=False) for r in (0, 1)]
+    for budget in budgets:
+        assert ranks[0][budget]["batches"][:5] == [4] * 5 and ranks[1][budget]["batches"][:5] == [8, 4, 4, 4, 8]
+        assert ranks[0][budget]["plans"] == ranks[1][budget]["plans"] and len(ranks[0][budget]["plans"]) == 8
+        for r in ranks:
+            assert max(p for p in r[budget]["peaks"] if p is not None) <= budget, (budget, r[budget]["peaks"])
+    assert set(ranks[0][budgets[1]]["plan"].values()) == {"keep"}
+    assert set(ranks[0][budgets[0]]["plan"].values()) != {"keep"}

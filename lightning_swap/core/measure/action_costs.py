@@ -188,6 +188,10 @@ def _segment_costs(
     )
 
 
+def _shapes(module: nn.Module) -> tuple:
+    return tuple((n, tuple(t.shape), t.dtype) for n, t in (*module.named_parameters(), *module.named_buffers()))
+
+
 def measure_action_costs(
     model: nn.Module,
     modules: dict[str, nn.Module],
@@ -204,6 +208,7 @@ def measure_action_costs(
     alone]). Note [Timing a segment leaves no trace]. A segment whose kept run fails, or whose
     trace was asked for and failed, is left out."""
     out: dict[str, ActionCosts] = {}
+    measured: dict[tuple, Optional[ActionCosts]] = {}  # by what the costs depend on
     warm = is_compiled(model)  # a compiled segment's first call under an action compiles a graph
     with torch.no_grad():
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -211,12 +216,16 @@ def measure_action_costs(
     rng.__enter__()
     try:
         for name, call in calls.items():
-            costs = _segment_costs(
-                name, modules[name], call, ops, device, repeats=repeats, warm=warm, alone=name in alone,
-                min_offload_bytes=min_offload_bytes,
-            )
-            if costs is not None:
-                out[name] = costs
+            # Note [Planning costs a few steps]: identical blocks (a transformer's) cost the same;
+            # one of each is run.
+            key = (repr(modules[name]), _shapes(modules[name]), call.signature(), name in alone)
+            if key not in measured:
+                measured[key] = _segment_costs(
+                    name, modules[name], call, ops, device, repeats=repeats, warm=warm, alone=name in alone,
+                    min_offload_bytes=min_offload_bytes,
+                )
+            if measured[key] is not None:
+                out[name] = measured[key]
     finally:
         rng.__exit__(None, None, None)
         with torch.no_grad():

@@ -182,11 +182,8 @@ def _splice_alone(trace: StepTrace, alone: dict[int, StepTrace]) -> None:
     the step's, the rest new keys (negative: the step's are positive). An input alive before
     the step (the batch) is not saved by it, as the step's own trace would have it."""
     fresh = itertools.count(-1, -1)
-    for i, own in alone.items():
-        if i in trace.static_inputs and 0 in own.input_key:
-            static = own.input_key[0][0]
-            own.saved.get(0, {}).pop(static, None)
-            own.heavy.get(0, {}).pop(static, None)
+    for i, own in alone.items():  # (one trace may stand for several identical segments: not changed)
+        static = own.input_key[0][0] if i in trace.static_inputs and 0 in own.input_key else None
         mapping = {}
         for keys_of in ("input_key", "output_key"):
             mine, real = getattr(own, keys_of).get(0), getattr(trace, keys_of).get(i)
@@ -198,8 +195,8 @@ def _splice_alone(trace: StepTrace, alone: dict[int, StepTrace]) -> None:
                 mapping[k] = next(fresh)
             return mapping[k]
 
-        trace.saved[i] = {key(k): b for k, b in own.saved.get(0, {}).items()}
-        trace.heavy[i] = {key(k): b for k, b in own.heavy.get(0, {}).items()}
+        trace.saved[i] = {key(k): b for k, b in own.saved.get(0, {}).items() if k != static}
+        trace.heavy[i] = {key(k): b for k, b in own.heavy.get(0, {}).items() if k != static}
 
 
 def _with_alone_working(profile: ModelProfile, trace: StepTrace, names: list[str], alone: dict[str, StepTrace]) -> ModelProfile:

@@ -145,6 +145,21 @@ class CapturedCall:
             autocast = (first.device.type, torch.get_autocast_dtype(first.device.type))
         return cls(tree_map(keep, args), tree_map(keep, kwargs), autocast)
 
+    def signature(self) -> tuple:
+        """What the call's cost depends on: each argument's kind, shape and dtype (values left
+        out), the non-tensor arguments, and the autocast state."""
+        from torch.utils._pytree import tree_flatten
+
+        is_leaf = lambda v: isinstance(v, tuple) and bool(v) and v[0] in ("value", "shape")  # noqa: E731
+
+        def part(v: Any) -> Any:
+            if is_leaf(v):
+                return ("value", tuple(v[1].shape), v[1].dtype, v[2]) if v[0] == "value" else v
+            return v if isinstance(v, (int, float, bool, str, type(None))) else type(v).__name__
+
+        leaves, spec = tree_flatten((self.args, self.kwargs), is_leaf=is_leaf)
+        return (str(spec), tuple(part(v) for v in leaves), self.autocast)
+
     def make(self) -> tuple[tuple, dict]:
         """Fresh arguments: tensors that required grad require it again."""
         from torch.utils._pytree import tree_map
