@@ -264,6 +264,12 @@ def test_find_batch_size_at_least_doubles_the_plain_batch_within_the_budget(fres
     assert set(accelerator.swap_plan.actions.values()) != {Action.KEEP}
     assert accelerator.swap_plan.batch_size == found
     accelerator.free_memory()
+    # Issue 20 item 6: the batch found runs within the same budget from its first step in a fresh
+    # accelerator too (guarded there: Note [Observe only what fits]).
+    accelerator, model, optimizer = _prepared(SwapPlugin(budget_bytes=budget, min_offload_bytes=0))
+    peaks = _train_more_mlp(accelerator, model, optimizer, [found] * 4)
+    assert len(peaks) == 4 and max(peaks) <= budget, (found, budget, peaks)
+    accelerator.free_memory()
 
 
 def test_find_batch_size_throughput_is_at_least_plain_at_the_profile_batch(fresh_state):

@@ -5,13 +5,15 @@ measurements (Notes [Auto: observe, plan, check], [Observe only what fits])."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pickle
 
 import pytest
 import torch
 
 from lightning_swap.core import Action, Collectives, InfeasibleBudgetError, PlanRow, SwapConfig, min_budget_bytes, solve
-from lightning_swap.core.scale.auto import AutoPlanner, BatchKey, StepInputs, StepKind, Verdict
+from lightning_swap.core.decide.costmodel import recompute_ms
+from lightning_swap.core.scale.auto import REVISIT_AFTER_STEPS, REVISIT_TOLERANCE, AutoPlanner, BatchKey, StepInputs, StepKind, Verdict
 from lightning_swap.core.scale.steady_state import StateSizes, state_growth
 
 from .test_solver import random_chain
@@ -272,6 +274,67 @@ def test_without_a_budget_every_segment_is_kept_and_nothing_is_guarded():
     auto.applied(plan, StateSizes())
     assert not auto.check_pending
     assert [auto.next_step(step(size, state=GROWN)) for size in (8, 64)] == [StepKind.RUN] * 2
+
+
+# -- Note [Re-plan from the steady state] --------------------------------------------------------
+def _recomputing_plan():
+    """A chain whose plan at its budget recomputes two segments (recomputation priced at the
+    segment's forward, as measured alone), planned, applied and checked."""
+    profile = random_chain(3, 4)
+    profile = dataclasses.replace(profile, segments=tuple(dataclasses.replace(s, recompute_ms=s.forward_ms) for s in profile.segments))
+    budget = int(min_budget_bytes(profile) + 0.2 * (profile.peak_bytes - min_budget_bytes(profile)))
+    auto = _observed(budget, profile)
+    plan = auto.plan(StateSizes())
+    assert [a for a in plan.actions.values()] == [Action.RECOMPUTE, Action.RECOMPUTE, Action.KEEP, Action.KEEP]
+    auto.applied(plan, StateSizes())
+    assert auto.next_step(step()) is StepKind.PLAN  # its check
+    auto.applied(auto.plan(StateSizes(), plan.predicted_peak_bytes), StateSizes())
+    return auto, profile, plan
+
+
+def _steady_times(profile, plan, *, recompute_factor=1.0, compute_factor=1.0):
+    """Measured (step, recomputation, exposed copies) milliseconds of the plan's steady steps."""
+    recompute = sum(recompute_ms(s, a) for s, a in zip(profile.segments, plan.actions.values()) if a.recomputes)
+    step_ms = compute_factor * profile.step_ms + recompute_factor * recompute
+    return [(step_ms, recompute_factor * recompute, 0.0)] * REVISIT_AFTER_STEPS
+
+
+def test_a_plan_within_the_tolerance_of_its_steady_steps_stays_and_is_not_revisited_again(caplog):
+    auto, profile, plan = _recomputing_plan()
+    assert [auto.next_step(step()) for _ in range(REVISIT_AFTER_STEPS)] == [StepKind.RUN] * REVISIT_AFTER_STEPS
+    assert auto.next_step(step()) is StepKind.PLAN and auto.revisit_due  # the steady steps were measured
+    times = _steady_times(profile, plan, compute_factor=1 + REVISIT_TOLERANCE / 2)
+    assert auto.plan(StateSizes(), plan.predicted_peak_bytes, times) is plan
+    auto.applied(plan, StateSizes())
+    assert not auto.check_pending and not auto.revisit_due
+    assert [auto.next_step(step()) for _ in range(3 * REVISIT_AFTER_STEPS)] == [StepKind.RUN] * 3 * REVISIT_AFTER_STEPS
+
+
+def test_recomputation_measured_slower_than_priced_replans_and_the_log_says_why(caplog):
+    caplog.set_level(logging.INFO, logger="lightning_swap")
+    auto, profile, plan = _recomputing_plan()
+    [auto.next_step(step()) for _ in range(REVISIT_AFTER_STEPS + 1)]
+    assert auto.revisit_due
+    replanned = auto.plan(StateSizes(), plan.predicted_peak_bytes, _steady_times(profile, plan, recompute_factor=10.0))
+    assert [a for a in replanned.actions.values()] == [Action.OFFLOAD, Action.OFFLOAD, Action.KEEP, Action.KEEP]
+    assert replanned.predicted_peak_bytes <= auto.budget_bytes
+    why = [r.getMessage() for r in caplog.records if "re-planning with the measured times" in r.getMessage()]
+    assert len(why) == 1 and "median of 5" in why[0] and "ms predicted" in why[0], why
+    auto.applied(replanned, StateSizes())
+    assert auto.check_pending  # a new plan: its first step is checked like any other
+
+
+def test_a_plan_whose_steady_steps_are_slower_everywhere_is_repriced_not_replaced(caplog):
+    """Everything slower by the same factor (a loaded machine) changes no choice: the plan stays,
+    its prediction re-priced, and the log says so."""
+    caplog.set_level(logging.INFO, logger="lightning_swap")
+    auto, profile, plan = _recomputing_plan()
+    [auto.next_step(step()) for _ in range(REVISIT_AFTER_STEPS + 1)]
+    times = _steady_times(profile, plan, recompute_factor=2.0, compute_factor=2.0)
+    repriced = auto.plan(StateSizes(), plan.predicted_peak_bytes, times)
+    assert dict(repriced.actions) == dict(plan.actions)
+    assert repriced.predicted_step_ms == pytest.approx(times[0][0], rel=1e-6)
+    assert [r for r in caplog.records if "it stays" in r.getMessage()]
 
 
 # -- Collectives.on_main: the one way processes agree -----------------------------------------------

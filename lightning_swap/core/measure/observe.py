@@ -4,13 +4,12 @@ Note [Observe, do not re-run]: ``policy="auto"`` needs a profile of the model's 
 first version made one by calling the user's step function again, several times (a real
 step, two timing steps, two fake-mode steps, and as many again once the optimizer state
 appeared). Side effects ran again — counters, metric updates, ``self.log``, lists the user
-appends to — and a step that calls ``.item()`` broke fake mode. Here the adapters let the
-first training step run as it would (every segment kept, inside the precision plugin's
-context, the user's own loss and optimizer step included) and observe it
-(:class:`~.trace.StepTracer`); the segments are then timed on their own under each action
-(:mod:`.costs`, no user code), and the plan for the steps that follow is solved from that
-profile, shifted to the steady state (Note [Steady-state shift] in ``profiler.py``). The user's
-step runs exactly as often as in plain training.
+appends to — and a step that calls ``.item()`` broke fake mode. Here the adapters let a
+training step run as it would (inside the precision plugin's context, the user's own loss and
+optimizer step included) and observe it (:class:`~.trace.StepTracer`); the segments are then
+timed on their own (:mod:`.action_costs`, no user code), and the plans for the steps that
+follow are solved from that profile, shifted to the steady state (Note [Steady-state shift] in
+``model_profile.py``). The user's step runs exactly as often as in plain training.
 
 The same machinery observes a step run under a plan (``under``: ``auto``'s guard step, under
 the lowest-memory plan): the windows are measured as the step ran, each segment the plan does

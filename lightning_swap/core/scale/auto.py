@@ -249,6 +249,8 @@ class AutoPlanner:
         self._applied_state = StateSizes()
         #: Bytes the measured peaks exceeded the predictions by, learned from the checks.
         self.correction_bytes = 0
+        #: Plain training's peak as the last guard verdict predicted (or bounded) it.
+        self.plain_predicted_bytes: Optional[int] = None
 
     @property
     def check_pending(self) -> bool:
@@ -425,6 +427,7 @@ class AutoPlanner:
         """Every process, with the main process's verdict."""
         guard = self._guard
         guard.decision, guard.least = verdict.decision, verdict.least_bytes
+        self.plain_predicted_bytes = verdict.plain_bound_bytes
         if verdict.decision is StepKind.PLAN:  # plans from the guard's profile (on the main process)
             guard.decision = StepKind.GUARD  # a batch it covers but the profile does not: guarded again
             self._adopt(BatchKey(guard.batch.shape, verdict.batch_size or guard.batch.size), guard.start)
