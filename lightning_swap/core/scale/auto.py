@@ -537,8 +537,9 @@ class AutoPlanner:
 
     def refine(self, profile: Optional[ModelProfile]) -> None:
         """The main process: the first step of the plan applied last, observed under it (Note [A
-        plan's first step refines its profile]); ``None``: no profile, the guard's stays."""
-        if profile is not None:
+        plan's first step refines its profile]); ``None``: no profile, the guard's stays, as it
+        does when the step's batch was not the profile's (a smaller last batch)."""
+        if profile is not None and profile.batch_size == self._profile_batch:
             self.profile = self._held_gradients(as_plain(profile, self._current.actions, **copy_window_of(self.config)), self._applied_state)
             self._observed_state, self._refined = self._applied_state, True
 
