@@ -68,6 +68,7 @@ from ..engine.offload import OffloadEngine
 from ..decide.plan import Plan
 from ..engine.recompute import RecomputeTimer, checkpointed
 from ..segments import resolve_modules, unwrap_compiled
+from ..sharded import gathered_parameters
 from ..engine.streams import Timing, default_ops
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, UMMode, check_inflight_segments, check_min_offload_bytes
 from ..tensors import ModuleHook, normalize_device, on_backward_start, tensors_in
@@ -381,16 +382,18 @@ class SwapRuntime:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if index in self._in_call or torch._C._current_graph_task_id() != -1:
                 return fn(*args, **kwargs)
-            self._segment_started()
+            self._segment_started(index)
             output = fn(*args, **kwargs)
             self._segment_ended(output)
             return output
 
         return forward
 
-    def _segment_started(self) -> None:
+    def _segment_started(self, index: int) -> None:
         if torch.is_grad_enabled():
             self.engine.segment_started()
+            # FSDP gathered this segment's parameters just now (its hooks run first): never offloaded.
+            self.engine.segment_parameters(gathered_parameters(self._modules[self._names[index]]))
 
     def _segment_ended(self, output: Any) -> None:
         engine = self.engine
@@ -408,7 +411,7 @@ class SwapRuntime:
             if torch._C._current_graph_task_id() != -1:
                 return  # recomputed in backward by a reentrant checkpoint: not a forward
             self._in_call.add(index)
-            self._segment_started()
+            self._segment_started(index)
 
         return ModuleHook(hook)
 
