@@ -600,6 +600,19 @@ def _pytorch_lightning() -> Any:
 _ADAPTER_OPTIONS = ("log_stats", "report")
 
 
+def swap_options(options: dict[str, Any]) -> tuple[SwapConfig, dict[str, Any]]:
+    """The strategies' swap keyword arguments (Note [One option table]) as given to
+    ``with_cpu_swap``: the ``SwapConfig`` and the adapter's own options, defaults filled in;
+    a name that is neither is a ``ValueError`` listing the allowed ones."""
+    names = {f.name for f in fields(SwapConfig)}
+    unknown = sorted(set(options) - names - set(_ADAPTER_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown cpu_swap options {unknown}; allowed: {sorted(names | set(_ADAPTER_OPTIONS))}.")
+    params = inspect.signature(_SwapStrategyMixin.__init__).parameters
+    adapter = {k: options.get(k, params[k].default) for k in _ADAPTER_OPTIONS}
+    return SwapConfig(**{k: v for k, v in options.items() if k in names}), adapter
+
+
 def _check_option_table() -> None:
     """Note [One option table]: the strategies' swap keyword arguments are ``SwapConfig``'s
     fields, with its defaults, plus :data:`_ADAPTER_OPTIONS`; a field added to the config but
