@@ -65,9 +65,11 @@ __all__ = ["AcceleratedSwapSession", "SwapAccelerator"]
 
 log = logging.getLogger(__name__)
 
-#: One process, or plain data parallel (DDP): the runtime acts on each process's own copy of
-#: the model. Tested on CPU (one process and MULTI_CPU); MULTI_GPU is the same code on CUDA.
-_SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+#: One process, plain data parallel (DDP), or FSDP2: the runtime acts on each process's own copy
+#: of the model (under FSDP2, its shards). Tested on CPU (one process, MULTI_CPU, and FSDP2,
+#: which Accelerate selects only on accelerators: the test forces it); MULTI_GPU is the same
+#: code on CUDA. FSDP1 is refused (:meth:`SwapAccelerator._check_fsdp`).
+_SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP)
 
 
 class AcceleratedSwapSession(SwapSession):
@@ -265,7 +267,37 @@ class SwapAccelerator(Accelerator):
                 "allowed: dynamo_backend='no' while ACCELERATE_CPU_SWAP is on."
             )
 
+    def _check_fsdp(self) -> None:
+        """Under Accelerate's FSDP plugin: version 2 only (Accelerate's FSDP1 cannot be built
+        without an accelerator, so it was never run with the plugin), and without the plugin's
+        own activation checkpointing (Note [One activation policy] in ``lightning_swap/fsdp.py``)."""
+        fsdp = getattr(self.state, "fsdp_plugin", None)
+        if self.distributed_type != DistributedType.FSDP or fsdp is None:
+            return
+        if fsdp.fsdp_version != 2:
+            raise ValueError(
+                f"The swap plugin supports Accelerate's FSDP plugin with fsdp_version=2 (fully_shard); got fsdp_version="
+                f"{fsdp.fsdp_version}. Set fsdp_version: 2, or switch the swap plugin off."
+            )
+        if fsdp.activation_checkpointing:
+            raise ValueError(
+                "The FSDP plugin's activation_checkpointing and the swap plugin's policy would both decide what happens to "
+                "each block's activations; pass one of them (policy='recompute' is activation checkpointing of every block)."
+            )
+
     # -- prepare ------------------------------------------------------------------------
+    @override
+    def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        """Under FSDP2 Accelerate shards the model inside ``prepare`` (never through
+        :meth:`prepare_model`): the plan is attached to the sharded model here."""
+        result = super().prepare(*args, device_placement=device_placement)
+        if self.swap_plugin is not None and self.state.is_fsdp2:
+            self._check_fsdp()
+            for obj in result if isinstance(result, (tuple, list)) else (result,):
+                if isinstance(obj, nn.Module):
+                    self._attach(self.unwrap_model(obj, keep_torch_compile=False))
+        return result
+
     @override
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False):
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
