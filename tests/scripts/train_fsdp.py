@@ -1,0 +1,208 @@
+"""Train under Lightning's sharded strategies on 2 CPU processes (gloo), plain and with cpu_swap,
+and save what each run produced for ``tests/test_fsdp.py`` to compare. One job per model runs
+every case, so the suite starts two processes per model, not one pair per case:
+
+- ``--model gpt``: a GPT whose blocks are each ``fully_shard``-ed in ``configure_model``, under
+  ``ModelParallelStrategy`` (FSDP2) and ``ModelParallelCPUSwapStrategy``;
+- ``--model cnn``: the test CNN under ``FSDPStrategy(auto_wrap_policy={ConvBlock})`` (FSDP1; on
+  the CPU through a subclass that tells FSDP1 its device, as ``FSDPCPUSwapStrategy`` does) and
+  ``FSDPCPUSwapStrategy``.
+
+Cases: plain and each forced policy (the final full state dict, the plan, every step's peak);
+``auto`` at a budget halfway between the lowest-memory plan's peak and plain's (both measured
+here, the largest over the ranks); the batch-size finder; save after 2 steps, resume and train
+2 more, against 4 steps uninterrupted. Each rank writes ``OUT.rank<r>.pt``; the script asserts
+nothing.
+
+Run as a script: Lightning's launcher starts the second rank by re-running this file.
+"""
+
+import argparse
+import os
+import sys
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import lightning_swap  # noqa: E402,F401  registers the strategies
+from lightning_swap import FSDPCPUSwapStrategy, ModelParallelCPUSwapStrategy, SwapBatchSizeFinder  # noqa: E402
+from tests.helpers import QUIET_TRAINER  # noqa: E402
+from tests.lit import LitModel  # noqa: E402
+from tests.models import ConvBlock  # noqa: E402
+
+FORCED = ["keep", "offload", "recompute", "recompute_offload"]
+BATCH = 4
+
+
+class Reseeded(LitModel):
+    """``reseed``: dropout masks that depend on the step only, and one batch per rank that every
+    step trains on (its own slice, no sampler): a resumed run sees what an uninterrupted one
+    does, however Lightning resumes an epoch."""
+
+    def __init__(self, *args, reseed: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reseed = reseed
+
+    def training_step(self, batch, batch_idx):
+        if self.reseed:
+            torch.manual_seed(self.global_step)
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self):
+        if not self.reseed:
+            return super().train_dataloader()
+        x, y = self._data
+        rank = slice(self.global_rank * self.batch_size, (self.global_rank + 1) * self.batch_size)
+        return DataLoader(TensorDataset(x[rank], y[rank]), batch_size=self.batch_size, shuffle=False)
+
+
+class ShardedGPT(Reseeded):
+    """The test GPT with every block, then the whole model, ``fully_shard``-ed (FSDP2)."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Plain FSDP1 on the CPU: Lightning's own, told its device (it refuses the CPU otherwise)."""
+
+    def _setup_model(self, model):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(module=model, device_id=self.root_device, **self.kwargs)
+        self.kwargs.pop("auto_wrap_policy", None)
+        return super()._setup_model(model)
+
+
+def module_for(model: str, **kwargs):
+    return (ShardedGPT if model == "gpt" else Reseeded)(model, batch_size=BATCH, **kwargs)
+
+
+def strategy_for(model: str, policy, **swap):
+    if model == "gpt":
+        if policy is None:
+            return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        return ModelParallelCPUSwapStrategy(policy=policy, min_offload_bytes=0, **swap)
+    if policy is None:
+        return CPUFSDPStrategy(auto_wrap_policy={ConvBlock})
+    return FSDPCPUSwapStrategy(policy=policy, min_offload_bytes=0, auto_wrap_policy={ConvBlock}, **swap)
+
+
+def fit(model: str, policy, *, steps: int, root: str, samples: int = 32, callbacks=(), ckpt_path=None, reseed=False, **swap):
+    L.seed_everything(0, verbose=False)
+    module = module_for(model, samples=samples, reseed=reseed)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy_for(model, policy, **swap), max_steps=steps, num_sanity_val_steps=0,
+        default_root_dir=root, callbacks=list(callbacks), use_distributed_sampler=not reseed, **QUIET_TRAINER,
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def full_state(trainer) -> dict:
+    """The whole model's weights and buffers, gathered on every rank (a collective)."""
+    state = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def record(trainer) -> dict:
+    strategy = trainer.strategy
+    plan = getattr(strategy, "plan", None)
+    return {
+        "state": full_state(trainer),
+        "plan": None if plan is None else {k: a.value for k, a in plan.actions.items()},
+        "peaks": [s.peak_device_bytes for s in getattr(strategy, "stats_history", [])],
+        "world": trainer.world_size,
+    }
+
+
+def largest(value: int) -> int:
+    """The largest ``value`` over the ranks (the process group outlives each ``fit``)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
+
+
+def policies(args, out: dict) -> None:
+    for policy in [None, *FORCED]:
+        _, trainer = fit(args.model, policy, steps=3, root=args.root)
+        out[policy or "plain"] = record(trainer)
+
+
+def auto(args, out: dict) -> None:
+    """``auto`` halfway between the lowest-memory plan's peak and plain's (per rank, the largest
+    over the ranks): every step of every rank must stay within it."""
+    lowest = largest(max(out["recompute_offload"]["peaks"]))
+    plain = largest(max(out["keep"]["peaks"]))
+    budget = (lowest + plain) // 2
+    _, trainer = fit(args.model, "auto", steps=6, root=args.root, budget_bytes=budget)
+    out["auto"] = {**record(trainer), "budget": budget, "lowest": lowest, "plain_peak": plain}
+
+
+def finder(args, out: dict) -> None:
+    """The finder under a budget of plain training's per-rank peak at batch 4: both ranks must
+    agree on one batch, and train at it within the budget."""
+    keep_peak = largest(max(out["keep"]["peaks"]))
+    callback = SwapBatchSizeFinder(mode="max", max_batch_size=64, steps_per_trial=1)
+    module, trainer = fit(args.model, "auto", steps=1, root=args.root, samples=256, callbacks=[callback], budget_bytes=keep_peak)
+    out["finder"] = {
+        "batch": callback.optimal_batch_size, "module_batch": module.batch_size,
+        "peaks": [s.peak_device_bytes for s in trainer.strategy.stats_history], "budget": keep_peak,
+    }
+
+
+def resume(args, out: dict) -> None:
+    """Save after 2 steps, resume for 2 more, plain and under ``recompute_offload``; against 4
+    steps of plain training uninterrupted. The checkpoint's keys against plain's."""
+    samples = 2 * BATCH
+    _, trainer = fit(args.model, None, steps=4, root=args.root, samples=samples, reseed=True)
+    out["resume:plain4"] = full_state(trainer)
+    for policy in (None, "recompute_offload"):
+        name = policy or "plain"
+        _, trainer = fit(args.model, policy, steps=2, root=args.root, samples=samples, reseed=True)
+        path = os.path.join(args.root, f"{name}.ckpt")
+        trainer.save_checkpoint(path)
+        out[f"resume:{name}:keys"] = checkpoint_keys(path)
+        _, trainer = fit(args.model, policy, steps=4, root=args.root, samples=samples, reseed=True, ckpt_path=path)
+        out[f"resume:{name}"] = full_state(trainer)
+
+
+def checkpoint_keys(path: str) -> list[str]:
+    """Every key the checkpoint holds (a distributed checkpoint's metadata, or a file's)."""
+    if os.path.isdir(path):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return sorted(FileSystemReader(path).read_metadata().state_dict_metadata)
+    checkpoint = torch.load(path, weights_only=False, map_location="cpu")
+    return sorted(f"state_dict.{k}" for k in checkpoint["state_dict"]) + sorted(k for k in checkpoint if k != "state_dict")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", choices=["gpt", "cnn"], required=True)
+    parser.add_argument("--cases", nargs="+", default=["policies", "auto", "finder", "resume"])
+    args = parser.parse_args()
+    args.root = os.path.dirname(os.path.abspath(args.out))
+    out: dict = {}
+    for case in args.cases:
+        {"policies": policies, "auto": auto, "finder": finder, "resume": resume}[case](args, out)
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.save(out, f"{args.out}.rank{rank}")
+
+
+if __name__ == "__main__":
+    main()
