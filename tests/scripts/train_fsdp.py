@@ -11,8 +11,9 @@ every case, so the suite starts two processes per model, not one pair per case:
 Cases: plain and each forced policy (the final full state dict, the plan, every step's peak);
 ``auto`` at a budget halfway between the lowest-memory plan's peak and plain's (both measured
 here, the largest over the ranks); the batch-size finder; save after 2 steps, resume and train
-2 more, against 4 steps uninterrupted. Each rank writes ``OUT.rank<r>.pt``; the script asserts
-nothing.
+2 more, against 4 steps uninterrupted; ``core``: the core on these 2 ranks without Lightning
+(predictions per rank, all-gathers counted). Each rank writes ``OUT.rank<r>.pt``; the script
+asserts nothing.
 
 Run as a script: Lightning's launcher starts the second rank by re-running this file.
 """
@@ -165,19 +166,104 @@ def finder(args, out: dict) -> None:
 
 
 def resume(args, out: dict) -> None:
-    """Save after 2 steps, resume for 2 more, plain and under ``recompute_offload``; against 4
-    steps of plain training uninterrupted. The checkpoint's keys against plain's."""
+    """4 steps of plain training uninterrupted (then saved, for its checkpoint's keys); under
+    ``recompute_offload``, saved after 2 steps and resumed for 2 more."""
     samples = 2 * BATCH
     _, trainer = fit(args.model, None, steps=4, root=args.root, samples=samples, reseed=True)
     out["resume:plain4"] = full_state(trainer)
-    for policy in (None, "recompute_offload"):
-        name = policy or "plain"
-        _, trainer = fit(args.model, policy, steps=2, root=args.root, samples=samples, reseed=True)
-        path = os.path.join(args.root, f"{name}.ckpt")
-        trainer.save_checkpoint(path)
-        out[f"resume:{name}:keys"] = checkpoint_keys(path)
-        _, trainer = fit(args.model, policy, steps=4, root=args.root, samples=samples, reseed=True, ckpt_path=path)
-        out[f"resume:{name}"] = full_state(trainer)
+    path = os.path.join(args.root, "plain.ckpt")
+    trainer.save_checkpoint(path)
+    out["resume:plain:keys"] = checkpoint_keys(path)
+    policy = "recompute_offload"
+    _, trainer = fit(args.model, policy, steps=2, root=args.root, samples=samples, reseed=True)
+    path = os.path.join(args.root, f"{policy}.ckpt")
+    trainer.save_checkpoint(path)
+    out[f"resume:{policy}:keys"] = checkpoint_keys(path)
+    _, trainer = fit(args.model, policy, steps=4, root=args.root, samples=samples, reseed=True, ckpt_path=path)
+    out[f"resume:{policy}"] = full_state(trainer)
+
+
+def core(args, out: dict) -> None:
+    """The core on the 2 ranks this job already has (no Lightning): each uniform plan's peak
+    predicted from a profile of a steady step against the one measured, the profiles of both
+    ranks merged, and FSDP2's all-gathers counted under ``keep`` and ``recompute`` (per-block
+    units, and two units inside each segment: Note [Recompute under FSDP gathers nothing more])."""
+    from lightning_swap import Action, SwapRuntime, find_segments, profile, simulate
+    from lightning_swap.core.measure.model_profile import max_profile
+    from tests.models import MODELS, TinyGPT
+    from tests.test_fsdp_core import sharded_gpt
+
+    rank = torch.distributed.get_rank()
+    model = sharded_gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = MODELS["gpt"][1](2 * BATCH)
+    batch = (x[BATCH * rank:BATCH * (rank + 1)], y[BATCH * rank:BATCH * (rank + 1)])
+    step = lambda m, b: MODELS["gpt"][2](m(b[0]), b[1])  # noqa: E731
+    step(model, batch).backward()  # a steady state: gradients and optimizer state exist
+    optimizer.step()
+    prof = profile(model, batch, step_fn=step, track=[optimizer.state], min_offload_bytes=0, scale=False)
+    result = {"profile": prof, "predicted": {}, "measured": {}}
+    for policy in CORE_POLICIES:
+        actions = {n: Action.parse(policy) for n in find_segments(model)}
+        result["predicted"][policy] = simulate(prof, actions).peak_bytes
+        with SwapRuntime(model, actions, min_offload_bytes=0, device="cpu") as runtime:
+            runtime.begin_step([batch, optimizer.state])
+            step(model, batch).backward()
+            result["measured"][policy] = runtime.end_step().peak_device_bytes
+    profiles: list = [None, None]
+    torch.distributed.all_gather_object(profiles, prof)
+    result["merged"] = max_profile(profiles)
+    result["local_parameter_bytes"] = sum(p.to_local().numel() * 4 for p in model.parameters())
+    result["parameter_bytes"] = sum(p.numel() * 4 for p in TinyGPT().parameters())
+    result["block_bytes"] = sum(p.numel() * 4 for p in TinyGPT().blocks[0].parameters())
+    nested, z = nested_units(), torch.randn(BATCH, 32)
+    result["gathers"] = {
+        (kind, policy): gathers_per_step(m, policy, inp)
+        for kind, m, inp in (("blocks", model, batch[0]), ("nested", nested, z)) for policy in ("keep", "recompute")
+    }
+    out["core"] = result
+
+
+CORE_POLICIES = ["keep", "offload", "recompute", "recompute_offload", "selective"]
+
+
+def nested_units() -> torch.nn.Module:
+    """Segments that each hold two FSDP2 units (a recomputation calls the first as a module)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.models import mlp_block
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(mlp_block(32), mlp_block(32)) for _ in range(3)], torch.nn.Linear(32, 4))
+    for pair in model[:3]:
+        for block in pair:
+            fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def gathers_per_step(model: torch.nn.Module, policy: str, x: torch.Tensor) -> int:
+    """FSDP2's all-gathers in one forward and backward under ``policy`` (its unshard of a unit
+    not gathered yet, counted by a patch removed afterwards)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    from lightning_swap import Action, SwapRuntime, find_segments
+
+    calls: list[str] = []
+    original = group.FSDPParamGroup.unshard
+
+    def unshard(self, *args, **kwargs):
+        if not self.is_unsharded:
+            calls.append(self._module_fqn)
+        return original(self, *args, **kwargs)
+
+    group.FSDPParamGroup.unshard = unshard
+    try:
+        with SwapRuntime(model, {n: Action.parse(policy) for n in find_segments(model)}, device="cpu"):
+            model(x).sum().backward()
+    finally:
+        group.FSDPParamGroup.unshard = original
+    return len(calls)
 
 
 def checkpoint_keys(path: str) -> list[str]:
@@ -199,7 +285,7 @@ def main():
     args.root = os.path.dirname(os.path.abspath(args.out))
     out: dict = {}
     for case in args.cases:
-        {"policies": policies, "auto": auto, "finder": finder, "resume": resume}[case](args, out)
+        {"policies": policies, "auto": auto, "finder": finder, "resume": resume, "core": core}[case](args, out)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.save(out, f"{args.out}.rank{rank}")
 
