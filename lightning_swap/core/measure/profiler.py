@@ -292,7 +292,7 @@ def assemble(
         fake=fake,
         min_offload_bytes=min_offload_bytes,
         static_bytes=trace.static_bytes,
-        parameter_bytes=storage_bytes(model.parameters()),
+        parameter_bytes=storage_bytes(model.parameters()),  # distinct storages: tied and shared weights once
         gradient_bytes=sum(trace.grad_bytes.values()),
         prefix_forward_peak_bytes=trace.window_peak.get("prefix_fwd", 0),
         prefix_backward_peak_bytes=trace.window_peak.get("prefix_bwd", 0),
