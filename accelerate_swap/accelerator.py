@@ -62,7 +62,7 @@ from typing import Any, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, DynamoBackend, broadcast_object_list
+from accelerate.utils import DistributedType, DynamoBackend, broadcast_object_list, gather_object
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
@@ -413,6 +413,7 @@ class SwapAccelerator(Accelerator):
             broadcast=broadcast,
             reduce_max=lambda v: float(gathered(v).max().item()),
             reduce_min=lambda v: int(gathered(v).min().item()),
+            gather=lambda obj: gather_object([obj]),
         )
 
     # -- steps --------------------------------------------------------------------------

@@ -73,6 +73,39 @@ def _build_fsdp(base: type, callback_base: type, name: str) -> type:
                 if policy is not None:
                     self.kwargs["auto_wrap_policy"] = policy
 
+        @override
+        def load_checkpoint(self, checkpoint_path: Any, weights_only: Any = None) -> Any:
+            """Note [An optimizer state saved before the first step]: Lightning (2.6) loads a full
+            FSDP checkpoint's optimizer states by reading the first entry of each, and one saved
+            before any optimizer step has none (the batch-size finder saves such a checkpoint
+            and restores it after its trials): ``IndexError``. Such a state is loaded here as
+            what it is — the optimizers emptied — and every other checkpoint as Lightning does."""
+            import lightning.pytorch.strategies.fsdp as lightning_fsdp
+
+            original = lightning_fsdp._lazy_load
+            optimizers = list(self.optimizers)
+
+            def lazy_load(path: Any) -> Any:
+                checkpoint = original(path)
+                states = checkpoint.get("optimizer_states")
+                if states and len(states) == len(optimizers) and all(not state.get("state") for state in states):
+                    del checkpoint["optimizer_states"]
+                    for optimizer in optimizers:
+                        optimizer.state.clear()
+                return checkpoint
+
+            lightning_fsdp._lazy_load = lazy_load
+            try:
+                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            finally:
+                lightning_fsdp._lazy_load = original
+
+        @override
+        def _profiled_training_step(self, module: Any, batch: Any) -> Any:
+            # The root FSDP1 unit wraps the LightningModule: its parameters are gathered only when
+            # the step runs through it, as Lightning's own training_step does.
+            return self._forward_redirection(self.model, module, "training_step", batch, 0)
+
     FSDPCPUSwapStrategy.__doc__ = (
         "Lightning's FSDP (FSDP1) with the same runtime on every rank; the plan is agreed by every rank.\n\n"
         "        Runs on CUDA and, unlike Lightning's ``FSDPStrategy``, on the CPU (gloo). Refuses\n"

@@ -176,7 +176,7 @@ class _SwapStrategyMixin:
 
     def _swap_collectives(self) -> Collectives:
         """How the ranks agree (plans, verdicts, the batch-size search): Lightning's broadcast
-        from rank 0 and its reductions."""
+        from rank 0 and its reductions, every rank's profile gathered."""
         device = self.root_device
 
         def reduce(value: float, op: str) -> float:
@@ -187,6 +187,7 @@ class _SwapStrategyMixin:
             broadcast=lambda obj: self.broadcast(obj, src=0),
             reduce_max=lambda value: reduce(value, "max"),
             reduce_min=lambda value: int(reduce(value, "min")),
+            gather=_gather_objects,
         )
 
     def profile_step_fn(self) -> Any:
@@ -201,12 +202,17 @@ class _SwapStrategyMixin:
             # As Lightning runs it (its precision context: autocast under "bf16-mixed"), with
             # ``self.log`` silenced: a profiled call is not a training step to report.
             with _silenced_logging(module), precision.train_step_context():
-                loss = module.training_step(batch, 0)
+                loss = self._profiled_training_step(module, batch)
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
             return loss
 
         return step_fn
+
+    def _profiled_training_step(self, module: Any, batch: Any) -> Any:
+        """The user's ``training_step`` as the profiler calls it (a strategy whose wrapper must
+        run around it says how)."""
+        return module.training_step(batch, 0)
 
     def _log_plan(self, plan: Plan, why: str = "") -> None:
         """The plan as one block: through the progress bar when one is drawing (as
@@ -399,6 +405,15 @@ class _SwapStrategyMixin:
                 trainer.callbacks.remove(self._stats_callback)
         self._stats_callback = None
         super().teardown()
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (one process: ``[obj]``)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered
 
 
 def _optimizer_states(optimizers: Any) -> list:

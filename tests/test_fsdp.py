@@ -20,7 +20,7 @@ from lightning_swap import DDPCPUSwapStrategy, FSDPCPUSwapStrategy, ModelParalle
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_fsdp.py"
 FORCED = ["keep", "offload", "recompute", "recompute_offload"]
-CASES = {"gpt": ["policies", "auto", "resume", "core"], "cnn": ["policies", "auto", "resume"]}
+CASES = {"gpt": ["policies", "auto", "finder", "resume", "core"], "cnn": ["policies", "auto", "finder", "resume"]}
 
 
 def _job(model: str, tmp_path_factory) -> list[dict]:
