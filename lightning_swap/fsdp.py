@@ -19,6 +19,8 @@ refused when the strategy is built, with an error naming both; ``policy="recompu
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as _lightning_pytorch
@@ -42,6 +44,34 @@ def _refuse_activation_checkpointing(given: dict[str, Any]) -> None:
             "policy='recompute' and leave `activation_checkpointing_policy` unset; for Lightning's checkpointing alone use "
             "FSDPStrategy without cpu_swap."
         )
+
+
+@contextmanager
+def _empty_optimizer_states_loaded(optimizers: list) -> Iterator[None]:
+    """Note [An optimizer state saved before the first step]: Lightning (2.6) loads a full FSDP
+    checkpoint's optimizer states by reading the first entry of each, and one saved before any
+    optimizer step has none (the batch-size finder saves such a checkpoint and restores it after
+    its trials): ``IndexError``. Inside, such a state is loaded as what it is — the optimizers
+    emptied — and every other checkpoint as Lightning loads it (its loader is wrapped, and put
+    back on the way out)."""
+    import lightning.pytorch.strategies.fsdp as lightning_fsdp
+
+    original = lightning_fsdp._lazy_load
+
+    def lazy_load(path: Any) -> Any:
+        checkpoint = original(path)
+        states = checkpoint.get("optimizer_states")
+        if states and len(states) == len(optimizers) and all(not state.get("state") for state in states):
+            del checkpoint["optimizer_states"]
+            for optimizer in optimizers:
+                optimizer.state.clear()
+        return checkpoint
+
+    lightning_fsdp._lazy_load = lazy_load
+    try:
+        yield
+    finally:
+        lightning_fsdp._lazy_load = original
 
 
 def _build_fsdp(base: type, callback_base: type, name: str) -> type:
@@ -75,30 +105,8 @@ def _build_fsdp(base: type, callback_base: type, name: str) -> type:
 
         @override
         def load_checkpoint(self, checkpoint_path: Any, weights_only: Any = None) -> Any:
-            """Note [An optimizer state saved before the first step]: Lightning (2.6) loads a full
-            FSDP checkpoint's optimizer states by reading the first entry of each, and one saved
-            before any optimizer step has none (the batch-size finder saves such a checkpoint
-            and restores it after its trials): ``IndexError``. Such a state is loaded here as
-            what it is — the optimizers emptied — and every other checkpoint as Lightning does."""
-            import lightning.pytorch.strategies.fsdp as lightning_fsdp
-
-            original = lightning_fsdp._lazy_load
-            optimizers = list(self.optimizers)
-
-            def lazy_load(path: Any) -> Any:
-                checkpoint = original(path)
-                states = checkpoint.get("optimizer_states")
-                if states and len(states) == len(optimizers) and all(not state.get("state") for state in states):
-                    del checkpoint["optimizer_states"]
-                    for optimizer in optimizers:
-                        optimizer.state.clear()
-                return checkpoint
-
-            lightning_fsdp._lazy_load = lazy_load
-            try:
+            with _empty_optimizer_states_loaded(list(self.optimizers)):  # Note [An optimizer state saved before the first step]
                 return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-            finally:
-                lightning_fsdp._lazy_load = original
 
         @override
         def _profiled_training_step(self, module: Any, batch: Any) -> Any:

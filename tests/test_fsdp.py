@@ -175,3 +175,27 @@ def test_with_cpu_swap_refuses_what_it_cannot_carry():
         with_cpu_swap(FSDPStrategy(), polcy="offload")
     with pytest.raises(ValueError, match="`strategy` must be one of"):
         with_cpu_swap(type("Mine", (FSDPStrategy,), {})())
+
+
+def test_an_empty_optimizer_state_loads_as_empty(tmp_path):
+    """Note [An optimizer state saved before the first step]: a full checkpoint whose optimizer
+    states are empty empties the optimizers (Lightning's loader raised IndexError on it); others
+    load untouched; Lightning's loader is its own again afterwards."""
+    import lightning.pytorch.strategies.fsdp as lightning_fsdp
+
+    from lightning_swap.fsdp import _empty_optimizer_states_loaded
+
+    original = lightning_fsdp._lazy_load
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    param.grad = torch.ones(2)
+    optimizer.step()
+    assert optimizer.state
+    empty, full = tmp_path / "empty.ckpt", tmp_path / "full.ckpt"
+    torch.save({"state_dict": {}, "optimizer_states": [{"state": {}, "param_groups": []}]}, empty)
+    torch.save({"state_dict": {}, "optimizer_states": [optimizer.state_dict()]}, full)
+    with _empty_optimizer_states_loaded([optimizer]):
+        assert "optimizer_states" in lightning_fsdp._lazy_load(full) and optimizer.state
+        assert "optimizer_states" not in lightning_fsdp._lazy_load(empty)
+    assert not optimizer.state
+    assert lightning_fsdp._lazy_load is original
