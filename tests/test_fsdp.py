@@ -21,6 +21,11 @@ from lightning_swap import DDPCPUSwapStrategy, FSDPCPUSwapStrategy, ModelParalle
 SCRIPT = Path(__file__).parent / "scripts" / "train_fsdp.py"
 FORCED = ["keep", "offload", "recompute", "recompute_offload"]
 CASES = {"gpt": ["policies", "auto", "finder", "resume", "core"], "cnn": ["policies", "auto", "finder", "resume"]}
+#: The long run: ``LIGHTNING_SWAP_LONG=1`` adds the other sharding setting of each model (FSDP2
+#: with blocks kept gathered, FSDP1 SHARD_GRAD_OP) under three more policies, about 15 s a model.
+LONG = os.environ.get("LIGHTNING_SWAP_LONG") == "1"
+if LONG:
+    CASES = {model: [*cases, "variants"] for model, cases in CASES.items()}
 
 
 def _job(model: str, tmp_path_factory) -> list[dict]:
@@ -57,6 +62,15 @@ def test_every_policy_equals_plain_fsdp(job):
             assert set(r[policy]["plan"].values()) == {policy}
             assert r[policy]["plan"] == ranks[0][policy]["plan"]
     assert max(ranks[0]["offload"]["peaks"]) < max(ranks[0]["keep"]["peaks"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LONG, reason="the long run: LIGHTNING_SWAP_LONG=1")
+def test_the_other_sharding_setting_equals_plain_too(job):
+    _, ranks = job
+    for r in ranks:
+        for policy in ("offload", "recompute", "selective"):
+            assert _different(r["variant:plain"]["state"], r[f"variant:{policy}"]["state"]) == [], policy
 
 
 @pytest.mark.slow

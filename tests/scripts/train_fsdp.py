@@ -63,14 +63,18 @@ class Reseeded(LitModel):
 
 
 class ShardedGPT(Reseeded):
-    """The test GPT with every block, then the whole model, ``fully_shard``-ed (FSDP2)."""
+    """The test GPT with every block, then the whole model, ``fully_shard``-ed (FSDP2);
+    ``keep_gathered``: the blocks' parameters stay gathered from forward to backward
+    (``reshard_after_forward=False``, ZeRO-2's memory)."""
+
+    keep_gathered = False
 
     def configure_model(self):
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
         for block in self.model.blocks:
-            fully_shard(block, mesh=mesh)
+            fully_shard(block, mesh=mesh, reshard_after_forward=not self.keep_gathered)
         fully_shard(self.model, mesh=mesh)
 
     def configure_optimizers(self):
@@ -88,25 +92,29 @@ class CPUFSDPStrategy(FSDPStrategy):
         return super()._setup_model(model)
 
 
-def module_for(model: str, **kwargs):
-    return (ShardedGPT if model == "gpt" else Reseeded)(model, batch_size=BATCH, **kwargs)
+def module_for(model: str, variant: bool = False, **kwargs):
+    module = (ShardedGPT if model == "gpt" else Reseeded)(model, batch_size=BATCH, **kwargs)
+    module.keep_gathered = variant
+    return module
 
 
-def strategy_for(model: str, policy, **swap):
+def strategy_for(model: str, policy, variant: bool = False, **swap):
+    """``variant``: the other sharding setting (FSDP2: blocks kept gathered; FSDP1: SHARD_GRAD_OP)."""
     if model == "gpt":
         if policy is None:
             return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         return ModelParallelCPUSwapStrategy(policy=policy, min_offload_bytes=0, **swap)
+    fsdp = dict(auto_wrap_policy={ConvBlock}, sharding_strategy="SHARD_GRAD_OP" if variant else "FULL_SHARD")
     if policy is None:
-        return CPUFSDPStrategy(auto_wrap_policy={ConvBlock})
-    return FSDPCPUSwapStrategy(policy=policy, min_offload_bytes=0, auto_wrap_policy={ConvBlock}, **swap)
+        return CPUFSDPStrategy(**fsdp)
+    return FSDPCPUSwapStrategy(policy=policy, min_offload_bytes=0, **fsdp, **swap)
 
 
-def fit(model: str, policy, *, steps: int, root: str, samples: int = 32, callbacks=(), ckpt_path=None, reseed=False, **swap):
+def fit(model: str, policy, *, steps: int, root: str, samples: int = 32, callbacks=(), ckpt_path=None, reseed=False, variant=False, **swap):
     L.seed_everything(0, verbose=False)
-    module = module_for(model, samples=samples, reseed=reseed)
+    module = module_for(model, variant, samples=samples, reseed=reseed)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy_for(model, policy, **swap), max_steps=steps, num_sanity_val_steps=0,
+        accelerator="cpu", devices=2, strategy=strategy_for(model, policy, variant, **swap), max_steps=steps, num_sanity_val_steps=0,
         default_root_dir=root, callbacks=list(callbacks), use_distributed_sampler=not reseed, **QUIET_TRAINER,
     )
     trainer.fit(module, ckpt_path=ckpt_path)
@@ -141,6 +149,14 @@ def policies(args, out: dict) -> None:
     for policy in [None, *FORCED]:
         _, trainer = fit(args.model, policy, steps=3, root=args.root)
         out[policy or "plain"] = record(trainer)
+
+
+def variants(args, out: dict) -> None:
+    """The long run (``LIGHTNING_SWAP_LONG=1``): the other sharding setting, plain and under
+    the policies the suite's run does not repeat there."""
+    for policy in (None, "offload", "recompute", "selective"):
+        _, trainer = fit(args.model, policy, steps=3, root=args.root, variant=True)
+        out[f"variant:{policy or 'plain'}"] = record(trainer)
 
 
 def auto(args, out: dict) -> None:
@@ -285,7 +301,8 @@ def main():
     args.root = os.path.dirname(os.path.abspath(args.out))
     out: dict = {}
     for case in args.cases:
-        {"policies": policies, "auto": auto, "finder": finder, "resume": resume, "core": core}[case](args, out)
+        cases = {"policies": policies, "auto": auto, "finder": finder, "resume": resume, "core": core, "variants": variants}
+        cases[case](args, out)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.save(out, f"{args.out}.rank{rank}")
 
