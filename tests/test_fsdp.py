@@ -61,6 +61,7 @@ def test_every_policy_equals_plain_fsdp(job):
             assert _different(plain["state"], r[policy]["state"]) == [], policy
             assert set(r[policy]["plan"].values()) == {policy}
             assert r[policy]["plan"] == ranks[0][policy]["plan"]
+            assert r[policy]["leftovers"] == plain["leftovers"], policy  # nothing of the library stays on the model
     assert max(ranks[0]["offload"]["peaks"]) < max(ranks[0]["keep"]["peaks"])
 
 
@@ -70,7 +71,8 @@ def test_the_other_sharding_setting_equals_plain_too(job):
     _, ranks = job
     for r in ranks:
         for policy in ("offload", "recompute", "selective"):
-            assert _different(r["variant:plain"]["state"], r[f"variant:{policy}"]["state"]) == [], policy
+            if f"variant:{policy}" in r:  # selective on the GPT only: Note [Selective around FSDP hooks]
+                assert _different(r["variant:plain"]["state"], r[f"variant:{policy}"]["state"]) == [], policy
 
 
 @pytest.mark.slow
@@ -114,8 +116,10 @@ def test_save_resume_and_two_steps_equal_an_uninterrupted_run(job):
 @pytest.mark.slow
 def test_core_predictions_hold_on_every_rank(job):
     """The per-rank memory model (item 3): each uniform plan's peak predicted from a profile of
-    a steady step within 5% of the one measured, never under it, on both ranks; each rank holds
-    half the parameters; each segment's gathered bytes are one block's parameters."""
+    a steady step within 5% of the one measured, never under it, on both ranks (plans that
+    offload within 10%: their forward's working set without saved tensors is not measured
+    under FSDP and is priced as kept, Note [Observe every rank]); each rank holds half the
+    parameters; each segment's gathered bytes are one block's parameters."""
     model, ranks = job
     if model != "gpt":
         pytest.skip("the core is checked on the GPT's job")
@@ -126,7 +130,8 @@ def test_core_predictions_hold_on_every_rank(job):
         assert [s.gathered_parameter_bytes for s in core["profile"].segments] == [core["block_bytes"]] * 4
         for policy, predicted in core["predicted"].items():
             measured = core["measured"][policy]
-            assert measured <= predicted <= 1.05 * measured, (policy, predicted, measured)
+            within = 1.10 if "offload" in policy else 1.05
+            assert measured <= predicted <= within * measured, (policy, predicted, measured)
 
 
 @pytest.mark.slow
@@ -147,10 +152,15 @@ def test_ranks_merge_to_their_largest_profile(job):
     model, ranks = job
     if model != "gpt":
         pytest.skip("merged on the GPT's job")
+    """Rank 1 trained on twice rank 0's batch: the merged profile is rank 1's where it measured
+    more, the same on both ranks."""
     merged = ranks[0]["core"]["merged"]
     assert merged == ranks[1]["core"]["merged"]
-    for field in ("static_bytes", "peak_bytes", "step_ms"):
-        assert getattr(merged, field) == max(getattr(r["core"]["profile"], field) for r in ranks)
+    small, large = (r["core"]["profile"] for r in ranks)
+    assert large.peak_bytes > small.peak_bytes
+    for field in ("static_bytes", "peak_bytes", "step_ms", "batch_size"):
+        assert getattr(merged, field) == max(getattr(small, field), getattr(large, field))
+    assert [s.saved_bytes for s in merged.segments] == [s.saved_bytes for s in large.segments]
 
 
 # -- in this process ---------------------------------------------------------------------------
@@ -213,3 +223,24 @@ def test_an_empty_optimizer_state_loads_as_empty(tmp_path):
         assert "optimizer_states" not in lightning_fsdp._lazy_load(empty)
     assert not optimizer.state
     assert lightning_fsdp._lazy_load is original
+
+
+def test_model_parallel_swap_shards_over_every_process_and_refuses_tensor_parallelism(monkeypatch):
+    """By default FSDP2 over every process (Lightning's own default would make them a
+    tensor-parallel group); a tensor-parallel dimension is refused once the mesh exists."""
+    from types import SimpleNamespace
+
+    from lightning_swap.strategy import _SwapStrategyMixin
+
+    def mesh_from_sizes(self):  # Lightning's setup_environment, reduced to the mesh it builds
+        self._device_mesh = {"tensor_parallel": SimpleNamespace(size=lambda: self._tensor_parallel_size)}
+
+    monkeypatch.setattr(_SwapStrategyMixin, "setup_environment", mesh_from_sizes)
+    strategy = ModelParallelCPUSwapStrategy(policy="keep")
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    strategy.setup_environment()
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (2, 1)
+    strategy = ModelParallelCPUSwapStrategy(policy="keep", data_parallel_size=1, tensor_parallel_size=2)
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    with pytest.raises(ValueError, match="tensor_parallel_size=2.*allowed tensor_parallel_size=1"):
+        strategy.setup_environment()

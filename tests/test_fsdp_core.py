@@ -157,3 +157,26 @@ def test_max_profile_takes_every_largest_value():
     renamed = dataclasses.replace(b, segments=tuple(dataclasses.replace(s, name="x" + s.name) for s in b.segments))
     with pytest.raises(ValueError, match="disagree"):
         max_profile([a, renamed])
+
+
+def test_selective_is_not_used_on_a_segment_holding_fsdp_units(one_process_group):
+    """Note [Selective around FSDP hooks]: a forced selective plan is refused on a segment with
+    an FSDP unit inside it (naming both), auto and the search plan without selective there;
+    a segment that is one unit keeps every action."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_swap import SwapConfig, SwapSession
+
+    nested = TinyGPT()
+    fully_shard(nested.blocks[2].fc)  # a unit inside a block
+    for block in nested.blocks:
+        fully_shard(block)
+    fully_shard(nested)
+    with pytest.raises(ValueError, match="segment 'blocks.2' is selective but holds FSDP units of its own \\(\\['fc'\\]\\)"):
+        SwapRuntime(nested, {n: Action.SELECTIVE for n in find_segments(nested)}, device="cpu")
+    session = SwapSession(nested, SwapConfig(policy="auto", budget_bytes=1 << 30), "cpu")
+    assert Action.SELECTIVE not in session.allowed_actions() and Action.RECOMPUTE in session.allowed_actions()
+    assert Action.SELECTIVE not in session.auto.actions
+    per_block = sharded_gpt()
+    SwapRuntime(per_block, {n: Action.SELECTIVE for n in find_segments(per_block)}, device="cpu")
+    assert SwapSession(per_block, SwapConfig(policy="auto"), "cpu").allowed_actions() is None

@@ -22,6 +22,18 @@ unit there instead of in its own pre-backward (its backward finds it gathered). 
 as often under ``recompute`` as under ``keep`` (``tests/test_fsdp_core.py`` counts them), so
 the plan adds no communication for recomputation, only the compute the cost model already
 prices; the gathered bytes are in the backward window's measured base.
+
+Note [Selective around FSDP hooks]: selective checkpointing (torch's SAC) replays the ops of a
+segment's forward by their order, and treats the profiler annotations FSDP's hooks make
+(``record_function``) as effects that must recur identically in the recomputation. A unit
+nested inside a segment runs its hooks inside that region, and they need not: FSDP1 units
+wrapped inside a block (its BatchNorms, wrapped one by one when a mixed-precision policy is set,
+as Lightning does) under ``SHARD_GRAD_OP`` make torch raise "profiler._record_function_enter_new
+... encountered during backward but not found in storage" (reproduced on CPU; ``FULL_SHARD``
+happened to match). So ``SELECTIVE`` is not used on a segment that holds an FSDP unit of its
+own: a forced plan is refused naming the segment and its units, and ``auto`` and the batch-size
+search plan without it (:func:`units_inside`). A segment that is one unit (its hooks run
+around the region, not in it) and an unsharded model keep every action.
 """
 
 from __future__ import annotations
@@ -34,7 +46,7 @@ from torch import nn
 
 from .tensors import local_tensor
 
-__all__ = ["gathered_bytes", "gathered_parameters", "is_sharded", "like_shard", "world_size"]
+__all__ = ["gathered_bytes", "gathered_parameters", "is_sharded", "like_shard", "units_inside", "world_size"]
 
 _FSDP2 = ("torch.distributed.fsdp", "FSDPModule")
 _FSDP1 = ("torch.distributed.fsdp", "FullyShardedDataParallel")
@@ -51,6 +63,15 @@ def is_sharded(model: nn.Module) -> bool:
     if not classes:
         return False
     return any(isinstance(m, classes) for m in model.modules()) or any(_is_dtensor(p) for p in model.parameters())
+
+
+def units_inside(module: nn.Module) -> list[str]:
+    """Names (relative to ``module``) of the FSDP units strictly inside ``module``: FSDP1
+    wrappers, and FSDP2 modules below ``module`` itself (Note [Selective around FSDP hooks])."""
+    classes = tuple(c for c in (_class(_FSDP2), _class(_FSDP1)) if c is not None)
+    if not classes:
+        return []
+    return [name for name, m in module.named_modules() if name and isinstance(m, classes)]
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

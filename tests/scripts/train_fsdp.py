@@ -127,10 +127,22 @@ def full_state(trainer) -> dict:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
+def leftovers(module) -> dict:
+    """What must be the same after a fit with the library as after one without: instance
+    ``forward`` attributes, module hooks, a saved-tensors hook left on."""
+    return {
+        "forward_attrs": sorted(n for n, m in module.named_modules() if "forward" in m.__dict__),
+        "pre_hooks": sum(len(m._forward_pre_hooks) for m in module.modules()),
+        "hooks": sum(len(m._forward_hooks) for m in module.modules()),
+        "saved_tensors_hooks": torch._C._autograd._top_saved_tensors_default_hooks(False) is not None,
+    }
+
+
 def record(trainer) -> dict:
     strategy = trainer.strategy
     plan = getattr(strategy, "plan", None)
     return {
+        "leftovers": leftovers(trainer.lightning_module),
         "state": full_state(trainer),
         "plan": None if plan is None else {k: a.value for k, a in plan.actions.items()},
         "peaks": [s.peak_device_bytes for s in getattr(strategy, "stats_history", [])],
@@ -154,7 +166,8 @@ def policies(args, out: dict) -> None:
 def variants(args, out: dict) -> None:
     """The long run (``LIGHTNING_SWAP_LONG=1``): the other sharding setting, plain and under
     the policies the suite's run does not repeat there."""
-    for policy in (None, "offload", "recompute", "selective"):
+    # selective only where a segment is one unit (Note [Selective around FSDP hooks])
+    for policy in (None, "offload", "recompute", *(["selective"] if args.model == "gpt" else [])):
         _, trainer = fit(args.model, policy, steps=3, root=args.root, variant=True)
         out[f"variant:{policy or 'plain'}"] = record(trainer)
 
@@ -200,9 +213,9 @@ def resume(args, out: dict) -> None:
 
 
 def core(args, out: dict) -> None:
-    """The core on the 2 ranks this job already has (no Lightning): each uniform plan's peak
-    predicted from a profile of a steady step against the one measured, the profiles of both
-    ranks merged, and FSDP2's all-gathers counted under ``keep`` and ``recompute`` (per-block
+    """The core on the 2 ranks this job already has (no Lightning; rank 1 with twice rank 0's
+    batch): each uniform plan's peak predicted from a profile of a steady step against the one
+    measured, the profiles of both ranks merged, and FSDP2's all-gathers counted under ``keep`` and ``recompute`` (per-block
     units, and two units inside each segment: Note [Recompute under FSDP gathers nothing more])."""
     from lightning_swap import Action, SwapRuntime, find_segments, profile, simulate
     from lightning_swap.core.measure.model_profile import max_profile
@@ -212,8 +225,10 @@ def core(args, out: dict) -> None:
     rank = torch.distributed.get_rank()
     model = sharded_gpt()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x, y = MODELS["gpt"][1](2 * BATCH)
-    batch = (x[BATCH * rank:BATCH * (rank + 1)], y[BATCH * rank:BATCH * (rank + 1)])
+    x, y = MODELS["gpt"][1](3 * BATCH)
+    # Rank 1 trains on a larger batch (FSDP does not mind): the ranks measure different peaks.
+    rows = slice(0, BATCH) if rank == 0 else slice(BATCH, 3 * BATCH)
+    batch = (x[rows], y[rows])
     step = lambda m, b: MODELS["gpt"][2](m(b[0]), b[1])  # noqa: E731
     step(model, batch).backward()  # a steady state: gradients and optimizer state exist
     optimizer.step()

@@ -68,7 +68,7 @@ from ..engine.offload import OffloadEngine
 from ..decide.plan import Plan
 from ..engine.recompute import RecomputeTimer, checkpointed
 from ..segments import resolve_modules, unwrap_compiled
-from ..sharded import gathered_parameters
+from ..sharded import gathered_parameters, units_inside
 from ..engine.streams import Timing, default_ops
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, UMMode, check_inflight_segments, check_min_offload_bytes
 from ..tensors import ModuleHook, normalize_device, on_backward_start, tensors_in
@@ -133,6 +133,18 @@ def _prefetch_for(device: torch.device, prefetch_segments: Optional[int]) -> int
     return prefetch_segments
 
 
+def _check_selective(plan: Plan, modules: Mapping[str, nn.Module]) -> None:
+    """Note [Selective around FSDP hooks]: no ``SELECTIVE`` on a segment holding an FSDP unit."""
+    for name, action in plan.actions.items():
+        units = units_inside(modules[name]) if action is Action.SELECTIVE else []
+        if units:
+            raise ValueError(
+                f"`plan`: segment {name!r} is selective but holds FSDP units of its own ({units}); their hooks run inside "
+                "the selective region, which torch's selective checkpointing cannot replay (Note [Selective around FSDP "
+                "hooks]). Use 'recompute' for it, or shard the block as one unit."
+            )
+
+
 class SwapRuntime:
     """Applies ``plan`` (or a mapping from segment name to action) to ``model``.
 
@@ -168,6 +180,7 @@ class SwapRuntime:
                 raise ValueError(f"`plan` action for {name!r} must be an Action; got {action!r}.")
         # Canonical names, compiled or not (Note [Canonical segment names] in segments.py).
         self._modules = resolve_modules(model, list(self.plan.actions), field="plan")
+        _check_selective(self.plan, self._modules)
         self._names = list(self.plan.actions)
         #: Note [Measured rows]: a plan without predicted rows (a forced policy) gets measured
         #: ones from the first step: ``None`` until then, the rows being collected, then a Plan.

@@ -151,9 +151,11 @@ class AutoPlanner:
 
     def __init__(
         self, *, budget_bytes: Optional[int], segments: Sequence[str], config: SwapConfig = SwapConfig(),
-        grads_freed_before_backward: bool = False,
+        grads_freed_before_backward: bool = False, actions: Optional[Sequence[Action]] = None,
     ) -> None:
         self.budget_bytes = budget_bytes
+        #: The actions plans may use (``None``: all; Note [Selective around FSDP hooks]).
+        self.actions = None if actions is None else tuple(actions)
         self.segments = tuple(segments)
         self.config = config
         self.grads_freed_before_backward = grads_freed_before_backward
@@ -369,7 +371,7 @@ class AutoPlanner:
 
     def _solve(self, state: StateSizes) -> Plan:
         """The fastest plan within the budget less what the checks learned."""
-        budget, window = self.budget_bytes, copy_window_of(self.config)
+        budget, window = self.budget_bytes, dict(copy_window_of(self.config), actions=self.actions)
         profile = self.steady_profile(state)
         if self._scalable and self._planned_batch != profile.batch_size:
             profile = profile.at_batch(self._planned_batch)

@@ -34,6 +34,7 @@ from ..measure.timeline import Timeline
 from ..runtime.runtime import SwapRuntime
 from ..runtime.stats import StatsHistory, StepRecord, StepStats
 from ..segments import find_segments, resolve_modules
+from ..sharded import units_inside
 from ..tensors import device_budget_bytes, normalize_device, tensors_in
 from .auto import AutoPlanner, BatchKey, StepInputs, StepKind
 from .collectives import Collectives
@@ -113,7 +114,7 @@ class SwapSession:
     def _new_planner(self) -> AutoPlanner:
         return AutoPlanner(
             budget_bytes=self._budget_bytes, segments=self.segments, config=self.config,
-            grads_freed_before_backward=self._grads_freed,
+            grads_freed_before_backward=self._grads_freed, actions=self.allowed_actions(),
         )
 
     @property
@@ -344,11 +345,16 @@ class SwapSession:
         )
 
     def allowed_actions(self) -> Optional[tuple[Action, ...]]:
-        """The actions the planner may use: all for ``"auto"``, the one for a single forced action.
+        """The actions the planner may use: all for ``"auto"`` (but ``SELECTIVE`` when a segment
+        holds FSDP units of its own: Note [Selective around FSDP hooks]), the one for a single
+        forced action.
 
         A per-segment mapping cannot be re-planned at another batch size: ``ValueError``
         (:func:`~lightning_swap.core.actions.allowed_actions`)."""
-        return allowed_actions(self.config.policy)
+        allowed = allowed_actions(self.config.policy)
+        if allowed is None and any(units_inside(m) for m in self.modules.values()):
+            return tuple(a for a in Action if a is not Action.SELECTIVE)
+        return allowed
 
     def reset(self) -> None:
         """Remove the runtime and forget the plan and the steps measured so far (a batch-size
