@@ -133,6 +133,13 @@ def _prefetch_for(device: torch.device, prefetch_segments: Optional[int]) -> int
     return prefetch_segments
 
 
+def _checked_actions(plan: Plan) -> Mapping[str, Action]:
+    for name, action in plan.actions.items():
+        if not isinstance(action, Action):
+            raise ValueError(f"`plan` action for {name!r} must be an Action; got {action!r}.")
+    return plan.actions
+
+
 def _check_selective(plan: Plan, modules: Mapping[str, nn.Module]) -> None:
     """Note [Selective around FSDP hooks]: no ``SELECTIVE`` on a segment holding an FSDP unit."""
     for name, action in plan.actions.items():
@@ -175,11 +182,8 @@ class SwapRuntime:
         self.device = normalize_device(device)
         self.prefetch_segments = _prefetch_for(self.device, prefetch_segments)
         self.inflight_segments = check_inflight_segments(inflight_segments)
-        for name, action in self.plan.actions.items():
-            if not isinstance(action, Action):
-                raise ValueError(f"`plan` action for {name!r} must be an Action; got {action!r}.")
         # Canonical names, compiled or not (Note [Canonical segment names] in segments.py).
-        self._modules = resolve_modules(model, list(self.plan.actions), field="plan")
+        self._modules = resolve_modules(model, list(_checked_actions(self.plan)), field="plan")
         _check_selective(self.plan, self._modules)
         self._names = list(self.plan.actions)
         #: Note [Measured rows]: a plan without predicted rows (a forced policy) gets measured
