@@ -23,13 +23,14 @@ Note [Auto policy in Accelerate]: a forced policy needs no batch, so its plan is
 ``prepare``. ``policy="auto"`` plans from the training steps themselves, as the Lightning
 strategy does (Note [Auto: observe, plan, check] in ``lightning_swap/core/auto.py``): the
 forward pre-hook asks the session what the step does; the first training step runs with every
-segment kept and is observed on the main process, from its forward to the next training
+segment kept and is observed on every process (the profiles merge by their largest values:
+Note [Decide from the largest measurement]), from its forward to the next training
 forward (the user's loss, ``accelerator.backward`` and the optimizer step included: the real
 step, not a stand-in for it); the next step plans from that profile for the steady state, and
 the one after checks the plan against its measured peak. The decisions depend only on what
 every process sees alike, so all of them enter the plan's broadcast (the session's
 ``Collectives``, :meth:`SwapAccelerator._swap_collectives`) together, and nothing is reduced
-across processes per step. Nothing runs the model or the user's code an extra time, but for one
+across processes in the steps that decide nothing. Nothing runs the model or the user's code an extra time, but for one
 last resort: Note [Out of memory in the observed step].
 
 Note [Out of memory in the observed step]: the observed step runs without a plan, and only
