@@ -83,10 +83,10 @@ __all__ = ["AcceleratedSwapSession", "SwapAccelerator"]
 
 log = logging.getLogger(__name__)
 
-#: One process, plain data parallel (DDP), or FSDP2: the runtime acts on each process's own copy
-#: of the model (under FSDP2, its shards). Tested on CPU (one process, MULTI_CPU, and FSDP2,
-#: which Accelerate selects only on accelerators: the test forces it); MULTI_GPU is the same
-#: code on CUDA. FSDP1 is refused (:meth:`SwapAccelerator._check_fsdp`).
+#: One process, plain data parallel (DDP), or FSDP (2 and 1): the runtime acts on each process's
+#: own copy of the model (under FSDP, its shards). Tested on CPU (one process, MULTI_CPU, FSDP2
+#: and FSDP1, which Accelerate selects only on accelerators: the test forces it); MULTI_GPU is
+#: the same code on CUDA.
 _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP)
 
 
@@ -328,17 +328,12 @@ class SwapAccelerator(Accelerator):
             )
 
     def _check_fsdp(self) -> None:
-        """Under Accelerate's FSDP plugin: version 2 only (Accelerate's FSDP1 cannot be built
-        without an accelerator, so it was never run with the plugin), and without the plugin's
-        own activation checkpointing (Note [One activation policy] in ``lightning_swap/fsdp.py``)."""
+        """Under Accelerate's FSDP plugin: not with the plugin's own activation checkpointing
+        (Note [One activation policy] in ``lightning_swap/fsdp.py``); checked before the model is
+        prepared, where Accelerate would apply it."""
         fsdp = getattr(self.state, "fsdp_plugin", None)
         if self.distributed_type != DistributedType.FSDP or fsdp is None:
             return
-        if fsdp.fsdp_version != 2:
-            raise ValueError(
-                f"The swap plugin supports Accelerate's FSDP plugin with fsdp_version=2 (fully_shard); got fsdp_version="
-                f"{fsdp.fsdp_version}. Set fsdp_version: 2, or switch the swap plugin off."
-            )
         if fsdp.activation_checkpointing:
             raise ValueError(
                 "The FSDP plugin's activation_checkpointing and the swap plugin's policy would both decide what happens to "
@@ -350,9 +345,10 @@ class SwapAccelerator(Accelerator):
     def prepare(self, *args: Any, device_placement: Any = None) -> Any:
         """Under FSDP2 Accelerate shards the model inside ``prepare`` (never through
         :meth:`prepare_model`): the plan is attached to the sharded model here."""
+        if self.swap_plugin is not None:
+            self._check_fsdp()
         result = super().prepare(*args, device_placement=device_placement)
         if self.swap_plugin is not None and self.state.is_fsdp2:
-            self._check_fsdp()
             for obj in result if isinstance(result, (tuple, list)) else (result,):
                 if isinstance(obj, nn.Module):
                     self._attach(self.unwrap_model(obj, keep_torch_compile=False))
@@ -360,6 +356,8 @@ class SwapAccelerator(Accelerator):
 
     @override
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False):
+        if self.swap_plugin is not None and not evaluation_mode:
+            self._check_fsdp()
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if self.swap_plugin is not None and not evaluation_mode:
             self._attach(self.unwrap_model(prepared, keep_torch_compile=False))

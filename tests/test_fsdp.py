@@ -78,7 +78,7 @@ def test_the_other_sharding_setting_equals_plain_too(job):
 @pytest.mark.slow
 def test_auto_keeps_every_step_of_every_rank_within_a_per_rank_budget(job):
     """``auto`` at a per-rank budget between its minimum and plain's per-rank peak: every step of
-    both ranks measured within it; both ranks ran the same plan."""
+    both ranks measured within it; both ranks ran the same plan; the weights are plain FSDP's."""
     _, ranks = job
     auto = ranks[0]["auto"]
     assert auto["lowest"] < auto["budget"] < auto["plain_peak"]
@@ -87,6 +87,7 @@ def test_auto_keeps_every_step_of_every_rank_within_a_per_rank_budget(job):
         assert r["auto"]["plan"] == auto["plan"]
         assert len(r["auto"]["peaks"]) >= 5
         assert max(r["auto"]["peaks"]) <= auto["budget"], r["auto"]["peaks"]
+        assert _different(r["auto"]["plain_state"], r["auto"]["state"]) == []  # bit for bit, as plain FSDP
 
 
 @pytest.mark.slow

@@ -125,7 +125,7 @@ def test_gathered_parameters_are_never_offloaded(one_process_group):
 def test_a_sharded_model_is_profiled_for_real_only(one_process_group):
     model = sharded_gpt()
     with pytest.raises(ValueError, match="`fake`"):
-        profile(model, MODELS["gpt"][1](2), step_fn=lambda m, b: MODELS["gpt"][2](m(b[0]), b[1]), fake=True)
+        profile(model, MODELS["gpt"][1](2), step_fn=lambda m, b: MODELS["gpt"][2](m(b[0]), b[1]), fake=True, device="cpu")
 
 
 def test_the_profile_leaves_gathered_parameters_out_of_saved_bytes(one_process_group):
@@ -133,8 +133,8 @@ def test_the_profile_leaves_gathered_parameters_out_of_saved_bytes(one_process_g
     gathered parameters on their own (0 for the unsharded model)."""
     batch = MODELS["gpt"][1](2)
     step = lambda m, b: MODELS["gpt"][2](m(b[0]), b[1])  # noqa: E731
-    plain = profile((torch.manual_seed(0), TinyGPT())[1], batch, step_fn=step, scale=False, min_offload_bytes=0)
-    sharded = profile(sharded_gpt(), batch, step_fn=step, scale=False, min_offload_bytes=0)
+    plain = profile((torch.manual_seed(0), TinyGPT())[1], batch, step_fn=step, scale=False, min_offload_bytes=0, device="cpu")
+    sharded = profile(sharded_gpt(), batch, step_fn=step, scale=False, min_offload_bytes=0, device="cpu")
     block_bytes = sum(p.numel() * 4 for p in TinyGPT().blocks[0].parameters())
     assert [s.saved_bytes for s in sharded.segments] == [s.saved_bytes for s in plain.segments]
     assert [s.gathered_parameter_bytes for s in sharded.segments] == [block_bytes] * 4

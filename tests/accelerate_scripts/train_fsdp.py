@@ -1,7 +1,8 @@
 """Run under ``accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2`` by
 tests/test_accelerate_fsdp.py: train the test GPT with Accelerate's FSDP2 (each block its own
 unit), plain and with the swap plugin (switched on by the launching environment, then by each
-policy in turn), and save what each run produced for the test to compare.
+policy in turn, then ``auto``), then with its FSDP1 (plain and two policies), and save what each
+run produced for the test to compare.
 
 Usage: accelerate launch --use_fsdp [...] train_fsdp.py OUT_DIR
 
@@ -11,8 +12,11 @@ plain data parallel (MULTI_CPU, a DDP wrapper) and ignores the plugin. This scri
 distributed type back to FSDP after building each accelerator (the state Accelerate keeps in
 two shared places, ``PartialState`` and ``AcceleratorState``), so that Accelerate's own FSDP2
 preparation (``fully_shard`` per block, the optimizer re-pointed at the shards) runs on the
-CPU with gloo, as it does on GPUs. Its FSDP1 cannot be built without an accelerator at all
-(the plugin raises "There are currently no available devices found").
+CPU with gloo, as it does on GPUs. For FSDP1 two more things: the plugin is built with
+``sync_module_states=False`` (with it on, the plugin looks for an accelerator and raises "There
+are currently no available devices found") and the device is ``cpu`` rather than Accelerate's
+``cpu:0`` (FSDP1 refuses a ``device_id`` that differs from its compute device); then
+Accelerate's FSDP1 wrapping runs on the CPU too.
 
 Writes OUT_DIR/<run>.rank<r>.pt (the full state dict) and OUT_DIR/report.rank<r>.json.
 """
@@ -41,13 +45,22 @@ BATCH = 4
 POLICIES = ["keep", "offload", "recompute", "recompute_offload"]
 
 
-def accelerator(cls: type) -> Accelerator:
+def accelerator(cls: type, version: int = 2) -> Accelerator:
     """``cls`` with the FSDP plugin ``accelerate launch --use_fsdp`` configured (from the
-    environment), on the CPU (Note [Accelerate's FSDP on the CPU])."""
-    plugin = FullyShardedDataParallelPlugin()
+    environment; ``version=1``: FSDP1, each block a unit), on the CPU (Note [Accelerate's FSDP
+    on the CPU])."""
+    if version == 2:
+        plugin = FullyShardedDataParallelPlugin()
+    else:
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=1, sync_module_states=False, cpu_ram_efficient_loading=False,
+            auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"],
+        )
     acc = cls(cpu=True, fsdp_plugin=plugin)
     PartialState().distributed_type = acc.state.distributed_type = DistributedType.FSDP
     acc.state.fsdp_plugin = plugin
+    if version == 1:
+        PartialState().device = acc.state.device = torch.device("cpu")
     return acc
 
 
@@ -102,6 +115,11 @@ def main() -> None:
     set_env({"ACCELERATE_CPU_SWAP": "true", "ACCELERATE_CPU_SWAP_POLICY": "auto", "ACCELERATE_CPU_SWAP_BUDGET_BYTES": str(budget),
              "ACCELERATE_CPU_SWAP_MIN_OFFLOAD_BYTES": "0"})
     reports["auto"] = {**train(accelerator(SwapAccelerator), out, "auto"), "budget": budget}
+    # FSDP1, each block a unit: plain and two policies (the swap flag as in the runs above)
+    reports["fsdp1:plain"] = train(accelerator(Accelerator, 1), out, "fsdp1:plain")
+    for policy in ("offload", "recompute_offload"):
+        set_env({"ACCELERATE_CPU_SWAP": "true", "ACCELERATE_CPU_SWAP_POLICY": policy, "ACCELERATE_CPU_SWAP_MIN_OFFLOAD_BYTES": "0"})
+        reports[f"fsdp1:{policy}"] = train(accelerator(SwapAccelerator, 1), out, f"fsdp1:{policy}")
     (out / f"report.rank{PartialState().process_index}.json").write_text(json.dumps(reports, indent=1))
 
 

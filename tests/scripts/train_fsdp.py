@@ -82,12 +82,17 @@ class ShardedGPT(Reseeded):
 
 
 class CPUFSDPStrategy(FSDPStrategy):
-    """Plain FSDP1 on the CPU: Lightning's own, told its device (it refuses the CPU otherwise)."""
+    """Plain FSDP1 on the CPU: Lightning's own, told its device (it refuses the CPU otherwise),
+    wrapping with the same arguments Lightning's ``_setup_model`` passes (its mixed-precision
+    config wraps each BatchNorm as a unit of its own)."""
 
     def _setup_model(self, model):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        model = FullyShardedDataParallel(module=model, device_id=self.root_device, **self.kwargs)
+        model = FullyShardedDataParallel(
+            module=model, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy, device_id=self.root_device, **self.kwargs,
+        )
         self.kwargs.pop("auto_wrap_policy", None)
         return super()._setup_model(model)
 
@@ -174,20 +179,23 @@ def variants(args, out: dict) -> None:
 
 def auto(args, out: dict) -> None:
     """``auto`` halfway between the lowest-memory plan's peak and plain's (per rank, the largest
-    over the ranks): every step of every rank must stay within it."""
+    over the ranks): every step of every rank must stay within it, and its 6 steps train as
+    plain training's 6 do."""
     lowest = largest(max(out["recompute_offload"]["peaks"]))
     plain = largest(max(out["keep"]["peaks"]))
     budget = (lowest + plain) // 2
     _, trainer = fit(args.model, "auto", steps=6, root=args.root, budget_bytes=budget)
     out["auto"] = {**record(trainer), "budget": budget, "lowest": lowest, "plain_peak": plain}
+    _, trainer = fit(args.model, None, steps=6, root=args.root)  # what auto's 6 steps must equal
+    out["auto"]["plain_state"] = full_state(trainer)
 
 
 def finder(args, out: dict) -> None:
     """The finder under a budget of plain training's per-rank peak at batch 4: both ranks must
     agree on one batch, and train at it within the budget."""
     keep_peak = largest(max(out["keep"]["peaks"]))
-    callback = SwapBatchSizeFinder(mode="max", max_batch_size=64, steps_per_trial=1)
-    module, trainer = fit(args.model, "auto", steps=1, root=args.root, samples=256, callbacks=[callback], budget_bytes=keep_peak)
+    callback = SwapBatchSizeFinder(mode="max", max_batch_size=16, steps_per_trial=1)
+    module, trainer = fit(args.model, "auto", steps=1, root=args.root, samples=64, callbacks=[callback], budget_bytes=keep_peak)
     out["finder"] = {
         "batch": callback.optimal_batch_size, "module_batch": module.batch_size,
         "peaks": [s.peak_device_bytes for s in trainer.strategy.stats_history], "budget": keep_peak,
@@ -232,7 +240,7 @@ def core(args, out: dict) -> None:
     step = lambda m, b: MODELS["gpt"][2](m(b[0]), b[1])  # noqa: E731
     step(model, batch).backward()  # a steady state: gradients and optimizer state exist
     optimizer.step()
-    prof = profile(model, batch, step_fn=step, track=[optimizer.state], min_offload_bytes=0, scale=False)
+    prof = profile(model, batch, step_fn=step, track=[optimizer.state], min_offload_bytes=0, scale=False, device="cpu")
     result = {"profile": prof, "predicted": {}, "measured": {}}
     for policy in CORE_POLICIES:
         actions = {n: Action.parse(policy) for n in find_segments(model)}
