@@ -151,7 +151,7 @@ def test_compile_budget_benchmark_runs_in_smoke_mode():
     assert len(row.split("|")) == 7 and "plain eager:" in proc.stdout
 
 
-@pytest.mark.skipif(os.environ.get("LIGHTNING_SWAP_LONG") != "1", reason="2 processes, ~30 s: the long run, LIGHTNING_SWAP_LONG=1")
+@pytest.mark.skipif(os.environ.get("LSWAP_LONG") != "1", reason="2 processes, ~30 s: the long run, LSWAP_LONG=1")
 def test_fsdp_benchmark_runs_in_smoke_mode():
     out = _run("fsdp.py")
     assert _header(out, "method") == ["method", "rank", "peak MiB", "x plain peak", "step ms", "x plain time", "plan"]

@@ -21,9 +21,9 @@ from lightning_swap import DDPCPUSwapStrategy, FSDPCPUSwapStrategy, ModelParalle
 SCRIPT = Path(__file__).parent / "scripts" / "train_fsdp.py"
 FORCED = ["keep", "offload", "recompute", "recompute_offload"]
 CASES = {"gpt": ["policies", "auto", "finder", "resume", "core"], "cnn": ["policies", "auto", "finder", "resume"]}
-#: The long run: ``LIGHTNING_SWAP_LONG=1`` adds the other sharding setting of each model (FSDP2
+#: The long run: ``LSWAP_LONG=1`` adds the other sharding setting of each model (FSDP2
 #: with blocks kept gathered, FSDP1 SHARD_GRAD_OP) under three more policies, about 15 s a model.
-LONG = os.environ.get("LIGHTNING_SWAP_LONG") == "1"
+LONG = os.environ.get("LSWAP_LONG") == "1"
 if LONG:
     CASES = {model: [*cases, "variants"] for model, cases in CASES.items()}
 
@@ -66,7 +66,7 @@ def test_every_policy_equals_plain_fsdp(job):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not LONG, reason="the long run: LIGHTNING_SWAP_LONG=1")
+@pytest.mark.skipif(not LONG, reason="the long run: LSWAP_LONG=1")
 def test_the_other_sharding_setting_equals_plain_too(job):
     _, ranks = job
     for r in ranks:

@@ -169,7 +169,7 @@ def policies(args, out: dict) -> None:
 
 
 def variants(args, out: dict) -> None:
-    """The long run (``LIGHTNING_SWAP_LONG=1``): the other sharding setting, plain and under
+    """The long run (``LSWAP_LONG=1``): the other sharding setting, plain and under
     the policies the suite's run does not repeat there."""
     # selective only where a segment is one unit (Note [Selective around FSDP hooks])
     for policy in (None, "offload", "recompute", *(["selective"] if args.model == "gpt" else [])):

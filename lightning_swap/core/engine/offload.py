@@ -11,10 +11,11 @@ On CPU the same code runs with synchronous copies.
 Note [What is never offloaded]: whatever is alive before the step anyway — parameters (any
 ``nn.Parameter``, also one swapped in during the step, as FSDP does with its gathered ones),
 buffers and the tensors the caller tracks (the batch): a copy would cost bandwidth and free
-nothing — the parameters a sharded model gathered for the segment running (FSDP frees and
-gathers them again itself: :meth:`OffloadEngine.segment_parameters`), tensors smaller than ``min_offload_bytes``, tensors on another device, and tensor
-subclasses or non-strided layouts (their storage is not a plain byte array). These are
-returned to autograd as they are, detached (Note [No reference cycle]).
+nothing —, any view of the parameters a sharded model gathered for the segment running (a
+transposed FSDP2 weight, FSDP1's views into its flat parameter; FSDP frees and gathers them
+again itself: :meth:`OffloadEngine.segment_parameters`), tensors smaller than
+``min_offload_bytes``, tensors on another device, and tensor subclasses or non-strided layouts
+(their storage is not a plain byte array). These are returned to autograd as they are, detached (Note [No reference cycle]).
 
 Note [One storage, one copy]: several ops often save the same storage (a block's output is
 saved by its last ReLU and by the next block's first conv; ``x`` and ``x.t()`` share one
