@@ -189,6 +189,9 @@ class SwapRuntime:
         #: forward calls].
         self._in_call: set[int] = set()
         self._reported_checkpoints: set[str] = set()
+        #: Segment name -> why its recomputation cannot run as planned (it writes into its input,
+        #: or it is compiled and selective): what ``auto`` excludes from the next plans.
+        self.refusals: dict[str, str] = {}
         self.engine: Optional[OffloadEngine] = None
         #: The stream layer every timing and copy of this runtime goes through (Note [Stream protocol]).
         self.ops = default_ops(self.device)
@@ -279,7 +282,8 @@ class SwapRuntime:
             if action is Action.KEEP:
                 module.forward = _CompiledForward(module, forward)
             else:
-                module.forward = self._wrap(module, forward, action, index)
+                compiled = found is not None or is_compiled(module)
+                module.forward = self._wrap(module, forward, action, index, compiled=compiled)
         self._contexts = contexts
 
     def _set_aside_compilation(self, name: str) -> None:
@@ -339,7 +343,11 @@ class SwapRuntime:
         else:
             self._compiled = is_compiled(self.model) or any(c is not None for c in contexts.values())
 
-    def _wrap(self, module: nn.Module, forward: Any, action: Action, index: int) -> Any:
+    def _refused(self, name: str, reason: str) -> None:
+        """A segment cannot run its recomputation as planned (``checkpointed``'s ``on_refuse``)."""
+        self.refusals.setdefault(name, reason)
+
+    def _wrap(self, module: nn.Module, forward: Any, action: Action, index: int, *, compiled: bool = False) -> Any:
         engine = self.engine
         if action is Action.OFFLOAD:
             assert engine is not None
@@ -352,7 +360,9 @@ class SwapRuntime:
 
             return _SegmentForward(module, self._also_direct(offloaded, index))
         outer = (lambda: engine.hooks(index)) if action is Action.RECOMPUTE_OFFLOAD else None
-        fn = checkpointed(module, forward, action, self.timer, outer=outer, name=self._names[index])
+        fn = checkpointed(
+            module, forward, action, self.timer, outer=outer, name=self._names[index], compiled=compiled, on_refuse=self._refused,
+        )
         return _SegmentForward(module, self._also_direct(fn, index) if outer is not None else fn)
 
     def _user_recomputes(self, index: int) -> bool:
