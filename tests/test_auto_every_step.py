@@ -134,6 +134,7 @@ def test_a_miss_is_attributed_to_its_cause_and_over_the_budget_only_when_it_was(
         model=nn.Linear(64, 64), plan=None, segments=list(profile.names), budget_bytes=lambda: budget,
         records=SimpleNamespace(newest=lambda: SimpleNamespace(peak_device_bytes=peak["bytes"])),
         warn_no_budget=lambda: None, config=SwapConfig(),  # the copy windows the plan is priced for
+        refusals={},  # no segment refused an action (Note [Refused actions])
     )
     planner = AutoPlanner(session)
     planner.set_profile(profile, None, steady=True)

@@ -5,7 +5,7 @@ instead name module classes or qualified module names.
 
 Note [Finding the blocks]: a *block* is a module with submodules of its own whose class occurs
 at least twice in the model (ResNet's ``BasicBlock``, a transformer layer, GoogLeNet's
-``Inception``, DenseNet's ``_DenseBlock`` and ``_Transition``), the only composite element of a
+``Inception``, DenseNet's ``_DenseBlock`` and ``_Transition``), the only element of a
 ``ModuleList`` (ALBERT's one layer, run in a loop), or a plain ``nn.Sequential`` of leaf layers
 beside others like it (an MLP chain's blocks). The blocks taken are the outermost, wherever
 they are: attributes of the model (GoogLeNet, Inception-v3), a list, nested stages. Plain
@@ -23,6 +23,14 @@ left out); with none, the model is followed down through the part that holds two
 parameters to the first module with two or more composite parts, which are the segments; with
 none of those, there are no segments and the model trains as it would without the library.
 What is left outside the segments (a stem made of leaf layers, the head, the loss) is kept.
+
+Note [A segment per call]: a module may run several times in one step (ALBERT's one layer,
+twelve times; a weight-tied or looped block). Each call is its own segment in a profile and a
+plan: call 0 keeps the module's name, call ``k`` is ``name#k`` (:func:`call_name`,
+:func:`split_call`). The profiler numbers the calls as they run (``measure/trace.py``); the
+runtime counts them and runs each call's action (``runtime/calls.py``); a plan or a policy that
+names the module alone applies to every call. ``find_segments`` returns module names: how many
+times each runs is only known once a step has run.
 
 Note [Canonical segment names]: ``torch.compile(module)`` returns an ``OptimizedModule`` that
 holds the module as its child ``_orig_mod``, so after ``self.model = torch.compile(model)`` the
@@ -44,7 +52,10 @@ from typing import Union
 
 from torch import nn
 
-__all__ = ["SegmentSpec", "canonical_name", "find_segments", "named_modules", "resolve_modules", "unwrap_compiled"]
+__all__ = [
+    "CALL_SEPARATOR", "SegmentSpec", "call_name", "canonical_name", "describe_segments", "find_segments", "named_modules", "resolve_modules", "split_call",
+    "unwrap_compiled",
+]
 
 SegmentSpec = Union[None, Sequence[Union[str, type]]]
 
@@ -63,6 +74,24 @@ def unwrap_compiled(module: nn.Module) -> nn.Module:
     while optimized is not None and isinstance(module, optimized):
         module = module._orig_mod
     return module
+
+
+#: Note [A segment per call]: call ``k`` (from 0) of a module run several times in one step.
+CALL_SEPARATOR = "#"
+
+
+def call_name(name: str, call: int) -> str:
+    """The segment of call ``call`` of module ``name``: ``name`` itself for the first call,
+    ``name#k`` for the others (Note [A segment per call])."""
+    return name if call == 0 else f"{name}{CALL_SEPARATOR}{call}"
+
+
+def split_call(name: str) -> tuple[str, int]:
+    """``(module name, call)`` of a segment name (Note [A segment per call])."""
+    module, sep, call = name.rpartition(CALL_SEPARATOR)
+    if sep and call.isdigit():
+        return module, int(call)
+    return name, 0
 
 
 def canonical_name(name: str) -> str:
@@ -89,14 +118,14 @@ def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 def resolve_modules(model: nn.Module, names: Sequence[str], *, field: str = "segments") -> dict[str, nn.Module]:
     """The live module behind each name, compiled or not (Note [Canonical segment names]).
 
-    ``names`` are canonical (an ``_orig_mod`` part is looked through as well); a name the
-    model does not have is a ``ValueError`` naming ``field``.
+    ``names`` are canonical (an ``_orig_mod`` part is looked through as well), a call's segment
+    (``name#k``) is its module's; a name the model does not have is a ``ValueError`` naming ``field``.
     """
     modules = dict(named_modules(model))
     found: dict[str, nn.Module] = {}
     unknown = []
     for name in names:
-        module = modules.get(canonical_name(name)) if name else None
+        module = modules.get(canonical_name(split_call(name)[0])) if name else None
         if module is None:
             unknown.append(name)
         else:
@@ -169,7 +198,7 @@ class _Finder:
             return not _composite(module) and len(groups) >= 2
         if self.stage(module):
             return False
-        return type(module) in self.repeated or (type(parent) is nn.ModuleList and len(parent) == 1 and _composite(module))
+        return type(module) in self.repeated or (type(parent) is nn.ModuleList and len(parent) == 1)
 
     def has_blocks(self, module: nn.Module) -> bool:
         key = id(module)
@@ -232,6 +261,13 @@ def _largest_modules(model: nn.Module) -> list[str]:
             prefix, module = (dominant or kids)[0]
             continue
         return [n for n, _ in kids] if len(kids) >= 2 else []
+
+
+def describe_segments(names: Sequence[str], *, shown: int = 4) -> str:
+    """A list of segments for a log line: all names, or the first and last few of a long list."""
+    if len(names) <= 2 * shown:
+        return ", ".join(names)
+    return ", ".join(names[:shown]) + f", … ({len(names) - 2 * shown} more), " + ", ".join(names[-shown:])
 
 
 def _check_disjoint(names: Sequence[str]) -> None:

@@ -36,6 +36,16 @@ the recomputation needs; it costs the input's bytes until the segment's backward
 watch cannot see (inside a compiled kernel) still moves the input's version counter: that
 raises :class:`InputMutatedError`, naming the segment and the op, rather than train wrongly.
 
+Note [A recomputed segment fills no cache]: a Hugging Face layer given a key/value cache
+(``transformers``' ``Cache``: ``use_cache=True``, the default of many configs, in training too)
+appends its keys to it in forward, and again when the recomputation reruns it: the cache then
+holds the keys twice, the layer reads a longer cache than it did (and, from transformers 5.24,
+slices it), so the recomputation runs other ops than the forward (``selective`` fails with
+"encountered during backward but not found in storage") and the cache is wrong afterwards. So
+a recomputed segment is called without its cache argument (``None`` in its place), in forward
+and in the recomputation, as transformers' own gradient checkpointing does (``cache=None``
+under ``GradientCheckpointingLayer``): training does not read it. Logged once per segment.
+
 Note [Selective never replays a mutated tensor]: ``SELECTIVE`` caches the outputs of
 compute-heavy ops (``create_selective_checkpoint_contexts``) by reference; torch refuses at
 backward time (``Tensor cached during selective activation checkpoint has been mutated``) when
@@ -221,23 +231,41 @@ class _BufferGuard:
 
 
 class _DropMutated:
-    """Note [Selective never replays a mutated tensor]: entered as the recomputation starts, before
-    torch's replaying mode, it turns every cache entry written into since it was cached into a
-    recompute marker. Without the torch internals it reads (``_VersionWrapper``, ``_RECOMPUTE``;
-    torch >= 2.4), the policy caches nothing (:func:`_selective_contexts`)."""
+    """Note [A recomputed segment fills no cache]: a Hugging Face layer given a key/value cache
+(``transformers``' ``Cache``: ``use_cache=True``, the default of many configs, in training too)
+appends its keys to it in forward, and again when the recomputation reruns it: the cache then
+holds the keys twice, the layer reads a longer cache than it did (and, from transformers 5.24,
+slices it), so the recomputation runs other ops than the forward (``selective`` fails with
+"encountered during backward but not found in storage") and the cache is wrong afterwards. So
+a recomputed segment is called without its cache argument (``None`` in its place), in forward
+and in the recomputation, as transformers' own gradient checkpointing does (``cache=None``
+under ``GradientCheckpointingLayer``): training does not read it. Logged once per segment.
 
-    def __init__(self, storage: dict) -> None:
+Note [Selective never replays a mutated tensor]: turns every cache entry written into since
+    it was cached into a recompute marker, when the forward ends (``at_exit``: the cache lets the
+    written tensor go) and again when the recomputation starts, before torch's replaying mode
+    (a write after the forward: the next segment's). Without the torch internals it reads
+    (``_VersionWrapper``, ``_RECOMPUTE``; torch >= 2.4), the policy caches nothing
+    (:func:`_selective_contexts`)."""
+
+    def __init__(self, storage: dict, *, at_exit: bool = False) -> None:
         self._storage = storage
+        self._at_exit = at_exit
 
-    def __enter__(self) -> None:
+    def drop(self) -> None:
         for entries in self._storage.values():
             for index, entry in list(entries.items()):
                 leaves = tree_leaves(entry, is_leaf=lambda x: isinstance(x, _torch_checkpoint._VersionWrapper))
                 if any(_written_since_cached(x) for x in leaves):
                     entries[index] = _torch_checkpoint._RECOMPUTE
 
+    def __enter__(self) -> None:
+        if not self._at_exit:
+            self.drop()
+
     def __exit__(self, *exc: Any) -> None:
-        return None
+        if self._at_exit:
+            self.drop()
 
 
 def _written_since_cached(entry: Any) -> bool:
@@ -263,7 +291,7 @@ def _selective_contexts() -> tuple[Any, Any]:
         # checkpoint sets it only on a bare caching mode, and ours comes in a chain: the hooks
         # around a segment hold its inputs, not what SELECTIVE caches (_checkpoint_options).
         fwd.respect_saved_tensors_hooks = False
-    return fwd, _Chain(_DropMutated(fwd.storage), rec)
+    return _Chain(_DropMutated(fwd.storage, at_exit=True), fwd), _Chain(_DropMutated(fwd.storage), rec)
 
 
 @functools.lru_cache(maxsize=1)
@@ -345,6 +373,25 @@ class _InPlaceWatch(TorchDispatchMode):
         finally:
             for h in handles:
                 h.remove()
+
+
+def _is_cache(value: Any) -> bool:
+    """A transformers key/value cache, by its interface (no import of transformers)."""
+    return type(value).__name__.endswith("Cache") and callable(getattr(value, "update", None)) and hasattr(value, "get_seq_length")
+
+
+def _without_caches(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Note [A recomputed segment fills no cache]."""
+    if not any(map(_is_cache, args)) and not any(map(_is_cache, kwargs.values())):
+        return args, kwargs
+    if name not in _DROPPED_CACHE:
+        _DROPPED_CACHE.add(name)
+        log.info("lightning-swap: segment %r is recomputed, so it runs without its key/value cache argument "
+                 "(Note [A recomputed segment fills no cache])", name)
+    return tuple(None if _is_cache(a) else a for a in args), {k: None if _is_cache(v) else v for k, v in kwargs.items()}
+
+
+_DROPPED_CACHE: set[str] = set()
 
 
 def _outer_functions(outer: Optional[Callable[[], Any]]) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
@@ -470,6 +517,7 @@ def checkpointed(
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        args, kwargs = _without_caches(name, args, kwargs)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in inputs]
         held: list[_Held] = []

@@ -105,11 +105,13 @@ class AutoPlanner:
         self._guard_end: Optional[tuple[int, int]] = None
         #: Bytes the measured peaks exceeded the predictions by, learned from the checks.
         self.correction_bytes = 0
+        #: How many refusals the last plan knew of (Note [Refused actions] in ``model_profile.py``).
+        self._refusals_planned = 0
 
     # -- what the next step does ---------------------------------------------------------
     def kind(self, batch: Any, states: Any) -> str:
         session = self.session
-        if session.budget_bytes() is None:
+        if session.budget_bytes() is None or not session.segments:
             return "plan" if session.plan is None else "run"
         size = infer_batch_size(batch)
         if self._adopt_shape:  # a profile made elsewhere (a batch-size search): this batch's shape
@@ -123,8 +125,8 @@ class AutoPlanner:
         if self._scalable and size != self._planned_batch:
             self._planned_batch = size
             return "plan"  # a profile measured at two batch sizes rescales (Note [Batch scaling])
-        if session.plan is None or self._check_pending:
-            return "plan"
+        if session.plan is None or self._check_pending or len(session.refusals) != self._refusals_planned:
+            return "plan"  # ... or a segment refused an action since (Note [Refused actions])
         signature = _signature(session.model, states)
         if signature != self._signature:
             self._signature = signature
@@ -147,7 +149,8 @@ class AutoPlanner:
         if self._guard is None or self._guard["key"][0] != key[0] or key[1] > self._guard["key"][1]:
             self._guard = {"key": key, "peak": 0, "bound": None, "least": None, "held": 0, "grown": 0}
         self._guard.update(states=states, state=self._state_parts(states), decision=None, open=True)
-        return Plan(actions={name: Action.RECOMPUTE_OFFLOAD for name in self.session.segments})
+        refused = self.session.refusals  # recomputation refused: offloaded (Note [Refused actions])
+        return Plan(actions={name: Action.OFFLOAD if name in refused else Action.RECOMPUTE_OFFLOAD for name in self.session.segments})
 
     def end_guard(self, peak: Optional[int], rows: Any) -> None:
         """A guard step is over. Guarding goes on while the step grew the state (the optimizer
@@ -279,8 +282,10 @@ class AutoPlanner:
         """The plan for the steps to come (the main process; the caller broadcasts it)."""
         session = self.session
         budget = session.budget_bytes()
-        if budget is None:
-            session.warn_no_budget()
+        self._refusals_planned = len(session.refusals)
+        if budget is None or not session.segments:
+            if budget is None:
+                session.warn_no_budget()
             return Plan(actions={name: Action.KEEP for name in session.segments})
         current = session.plan
         grown = state_bytes(session.model, states) > self._planned_state
@@ -308,7 +313,7 @@ class AutoPlanner:
                         "step peaked at %s, within the budget of %s); planning again for the state alive now.",
                         format_bytes(measured), format_bytes(budget),
                     )
-        profile = self.steady_profile(states)
+        profile = self.steady_profile(states).refusing(session.refusals)
         if self._scalable and self._planned_batch != profile.batch_size:
             profile = profile.at_batch(self._planned_batch)
         effective = budget - self.correction_bytes

@@ -18,19 +18,31 @@ from torch import nn
 from ..actions import Action, allowed_actions, resolve_policy
 from ..errors import is_out_of_memory
 from .auto import VERDICT, AutoPlanner
-from ..decide.plan import Plan
+from ..decide.plan import Plan, format_bytes
 from ..engine.streams import SyncOps, Timing
 from ..runtime.stats import StatsHistory, StepStats, StepRecord
 from ..runtime.runtime import SwapRuntime
 from ..config import SwapConfig
 from ..tensors import device_budget_bytes, normalize_device, tensors_in
-from ..segments import find_segments, resolve_modules
+from ..segments import describe_segments, find_segments, resolve_modules
 from ..engine.unified.memory import UnifiedMemory
 
 __all__ = ["SwapSession"]
 
 
 log = logging.getLogger(__name__)
+
+
+def _log_segments(names: list[str], *, found: bool) -> None:
+    """What the model was cut into, once per session (Note [Finding the blocks])."""
+    how = "found automatically" if found else "as named by `segments`"
+    if not names:
+        log.warning(
+            "lightning-swap: no segments %s: the model trains as it would without the library. Name its blocks "
+            "with `segments=[BlockClass]` or `segments=['qualified.name', ...]` to plan for them.", how,
+        )
+        return
+    log.info("lightning-swap: %d segments %s: %s", len(names), how, describe_segments(names))
 
 
 def _observed_record(profile: Any) -> StepRecord:
@@ -56,6 +68,11 @@ class SwapSession:
         #: Installed by the adapter before the model reached the device (``config.um``).
         self.unified = unified
         self.segments = find_segments(model, None if config.segments is None else list(config.segments))
+        _log_segments(self.segments, found=config.segments is None)
+        #: Segment name -> why its recomputation cannot run as planned, from every runtime of
+        #: this session (Note [Refused actions] in ``model_profile.py``): what ``auto`` leaves out.
+        self.refusals: dict[str, str] = {}
+        self._coverage_logged = False
         self.plan: Optional[Plan] = None
         self.runtime: Optional[SwapRuntime] = None
         self.last_stats: Optional[StepStats] = None
@@ -143,6 +160,7 @@ class SwapSession:
             finally:
                 self.auto.abort_observe()
             self.records.add(_observed_record(profile))
+            self.note_profile(profile)
 
     def abort_step(self) -> None:
         """The step failed (out of memory, an exception): nothing observed is kept."""
@@ -160,6 +178,18 @@ class SwapSession:
         if self.config.is_auto:
             raise RuntimeError("policy='auto' has no forced plan: its plans come from before_step()")
         return Plan(actions=resolve_policy(self.config.policy, self.segments), budget_bytes=self.config.budget_bytes)
+
+    def note_profile(self, profile: Any) -> None:
+        """Log once how much of a step's saved bytes the segments cover (Note [Finding the blocks])."""
+        if self._coverage_logged or profile is None or profile.total_saved_bytes <= 0:
+            return
+        self._coverage_logged = True
+        covered = min(sum(s.saved_bytes for s in profile.segments), profile.total_saved_bytes)
+        log.info(
+            "lightning-swap: the %d segments hold %s of the %s a step saves for backward (%.0f%%); the rest "
+            "(what runs outside them: stem, head, loss) is kept", len(profile.segments), format_bytes(covered),
+            format_bytes(profile.total_saved_bytes), 100 * covered / profile.total_saved_bytes,
+        )
 
     def budget_bytes(self) -> Optional[int]:
         """The budget the planner works to: the configured one, else what the CUDA device has."""
@@ -275,6 +305,8 @@ class SwapSession:
             return None
         self.last_stats = self.runtime.end_step()
         self.records.add(self.runtime.records.newest_record())
+        for name, why in self.runtime.refusals.items():
+            self.refusals.setdefault(name, why)
         return self.last_stats
 
     def stats(self, *, wait: bool = False) -> Optional[StepStats]:
