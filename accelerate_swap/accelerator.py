@@ -54,7 +54,7 @@ from typing_extensions import override
 
 from lightning_swap.core import Plan
 from lightning_swap.core import StepStats
-from lightning_swap.core import tensors_in
+from lightning_swap.core import split_call, tensors_in
 from lightning_swap.core import SwapConfig
 from lightning_swap.core import SwapSession
 from lightning_swap.core import UnifiedMemory, unified_memory_for
@@ -328,8 +328,9 @@ class SwapAccelerator(Accelerator):
         if not isinstance(body, Plan):
             return body  # another decision taken on the main process (Note [Observe only what fits])
         plan: Plan = body
-        # the planner lists segments in execution order, the forced plan in the model's order
-        if sorted(plan.segments) != sorted(session.segments):
+        # the planner lists segments in execution order, the forced plan in the model's order; a
+        # module run several times is a segment per call (Note [A segment per call])
+        if sorted({split_call(name)[0] for name in plan.segments}) != sorted(session.segments):
             raise ValueError(
                 f"process {self.process_index} cut the model into segments {list(session.segments)}, "
                 f"but the main process planned {list(plan.segments)}; every process must build the same model."

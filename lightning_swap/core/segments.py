@@ -139,12 +139,12 @@ def _is_leaf(module: nn.Module) -> bool:
     return next(iter(unwrap_compiled(module).children()), None) is None
 
 
-_GENERIC = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_GENERIC = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Module)
 
 
 def _generic(module: nn.Module) -> bool:
-    """A plain container (these exact classes): a list of layers or a stage, never a block by
-    itself. Subclasses with a forward of their own (``_DenseBlock``, ``Conv2dNormActivation``)
+    """A plain container (these exact classes; a bare ``nn.Module`` is a namespace, it has no
+    forward): a list of layers or a stage, never a block by itself. Subclasses with a forward of their own (``_DenseBlock``, ``Conv2dNormActivation``)
     are blocks."""
     return type(module) in _GENERIC
 

@@ -320,16 +320,26 @@ def _written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 class _Held:
-    """An input checkpoint saved, as the outer saved-tensor hooks hold it: the tensor, what the
-    outer hooks (offload) made of it, and a copy taken before the segment wrote into it."""
+    """An input checkpoint saved, as the saved-tensor hooks around it hold it: what the outer
+    hooks (offload; none: the tensor itself) made of it, or of a copy taken before the segment
+    wrote into it, which then replaces it (the written tensor is not what backward needs, and
+    offload's unpack refuses it as modified, as autograd does)."""
 
-    __slots__ = ("tensor", "packed", "copy")
+    __slots__ = ("tensor", "packed", "pack", "written")
 
-    def __init__(self, tensor: torch.Tensor, packed: Any) -> None:
+    def __init__(self, tensor: torch.Tensor, pack: Callable[[torch.Tensor], Any]) -> None:
         #: Only while the segment's forward runs (the watch reads it): never kept for backward.
         self.tensor: Optional[torch.Tensor] = tensor
-        self.packed = packed
-        self.copy: Optional[torch.Tensor] = None
+        self.pack = pack
+        self.packed = pack(tensor)
+        self.written = False
+
+    def before_write(self) -> None:
+        """The input is about to be written: backward gets a copy taken now, packed as the input
+        was (offloaded, under ``RECOMPUTE_OFFLOAD``: the device copy does not stay)."""
+        assert self.tensor is not None
+        self.packed = self.pack(self.tensor.detach().clone())
+        self.written = True
 
 
 class _InPlaceWatch(TorchDispatchMode):
@@ -348,8 +358,8 @@ class _InPlaceWatch(TorchDispatchMode):
         kwargs = kwargs or {}
         for t in _written_args(func, args, kwargs):
             held = self._held.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
-            if held is not None and held.copy is None and held.tensor is not None:
-                held.copy = held.tensor.detach().clone()
+            if held is not None and not held.written and held.tensor is not None:
+                held.before_write()
                 where = self._stack[-1] if self._stack else type(self._module).__name__
                 self.writes.append(f"{func} in {where}")
         return func(*args, **kwargs)
@@ -420,16 +430,12 @@ class _InputGuard:
         copy = bool(self.verdict)
 
         def pack(t: torch.Tensor) -> _Held:
-            if copy:
-                t = t.detach().clone()
-            h = _Held(t, pack_outer(t))
+            h = _Held(t.detach().clone() if copy else t, pack_outer)
             held.append(h)
             return h
 
         def unpack(h: _Held) -> torch.Tensor:
-            # A copy taken before a write replaces what the outer hooks hold (the written tensor,
-            # which offload's unpack would refuse as modified, as autograd does).
-            return h.copy if h.copy is not None else unpack_outer(h.packed)
+            return unpack_outer(h.packed)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 

@@ -144,16 +144,20 @@ class CapturedCall:
         return cls(tree_map(keep, args), tree_map(keep, kwargs), autocast)
 
     def make(self) -> tuple[tuple, dict]:
-        """Fresh arguments: tensors that required grad require it again."""
+        """Fresh arguments: tensors that required grad require it again (outputs of a copy, not
+        leaves, as in the step: a segment may write into its input)."""
         from torch.utils._pytree import tree_map
 
         def fresh(v: Any) -> Any:
             if isinstance(v, tuple) and v and v[0] == "value":
-                return v[1].clone().requires_grad_(v[2]) if v[2] else v[1].clone()
-            if isinstance(v, tuple) and v and v[0] == "shape":
+                t, rg = v[1].clone(), v[2]
+            elif isinstance(v, tuple) and v and v[0] == "shape":
                 _, shape, dtype, device, rg = v
-                return torch.randn(shape, dtype=dtype, device=device).requires_grad_(rg)
-            return v
+                t = torch.randn(shape, dtype=dtype, device=device)
+            else:
+                return v
+            # Not a leaf, as it was not in the step: a segment may write into its input in place.
+            return t.requires_grad_(True).clone() if rg else t
 
         is_leaf = lambda v: isinstance(v, tuple) and bool(v) and v[0] in ("value", "shape")  # noqa: E731
         return tree_map(fresh, self.args, is_leaf=is_leaf), tree_map(fresh, self.kwargs, is_leaf=is_leaf)

@@ -148,8 +148,8 @@ class AutoPlanner:
         key = (_shape_key(batch), infer_batch_size(batch))
         if self._guard is None or self._guard["key"][0] != key[0] or key[1] > self._guard["key"][1]:
             self._guard = {"key": key, "peak": 0, "bound": None, "least": None, "held": 0, "grown": 0}
-        self._guard.update(states=states, state=self._state_parts(states), decision=None, open=True)
-        refused = self.session.refusals  # recomputation refused: offloaded (Note [Refused actions])
+        refused = dict(self.session.refusals)  # recomputation refused: offloaded (Note [Refused actions])
+        self._guard.update(states=states, state=self._state_parts(states), decision=None, open=True, refused=len(refused))
         return Plan(actions={name: Action.OFFLOAD if name in refused else Action.RECOMPUTE_OFFLOAD for name in self.session.segments})
 
     def end_guard(self, peak: Optional[int], rows: Any) -> None:
@@ -214,6 +214,10 @@ class AutoPlanner:
 
     def take_verdict(self, verdict: tuple[str, Optional[int], Optional[int]]) -> None:
         decision, plain, least = verdict
+        if decision == "run" and len(self.session.refusals) > self._guard.get("refused", 0):
+            # A segment refused the recomputation the guard plan gave it (it ran on a copy of its
+            # input): guard once more with it offloaded, and keep that plan (Note [Refused actions]).
+            decision = _GUARD
         self._guard["decision"], self._guard["least"] = decision, least
         if decision == "run":
             log.info(
