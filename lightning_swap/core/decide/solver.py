@@ -19,7 +19,7 @@ by :func:`~.costmodel.simulate`, whose numbers the plan reports, and never excee
 Note [Deep copy windows]: with ``prefetch_segments`` or ``inflight_segments`` above one, a
 window's bytes depend on the actions of segments further back than the previous one, which the
 DP's state does not hold. The DP then counts, for those older segments, the most any allowed
-action copies (:attr:`_Chain.most`): an upper bound, so whatever the DP picks fits when
+action copies (:attr:`_Transitions.most`): an upper bound, so whatever the DP picks fits when
 simulated, but a plan that fits only with the true older actions may be missed. So ``solve``
 and ``min_budget_bytes`` also try the uniform plans and, when the DP found nothing, the DP's
 least-peak plan, each checked by :func:`~.costmodel.simulate` (exact for any window), and keep
@@ -74,7 +74,7 @@ def _runs(profile: ModelProfile, plan: Iterable[Action]) -> bool:
     return all(a not in s.refused for s, a in zip(profile.segments, plan))
 
 
-class _Chain:
+class _Transitions:
     """Per-transition numbers of the cost model, precomputed for the DP (Note [Deep copy windows])."""
 
     def __init__(self, profile: ModelProfile, costs: SegmentCosts, acts: tuple[Action, ...], window: tuple[int, int]) -> None:
@@ -165,7 +165,7 @@ def _pareto(kept: np.ndarray, score: np.ndarray, max_states: int, width: float) 
     return keep
 
 
-def _dp(chain: _Chain, budget: Optional[int], fixed_peak: int, *, minimise_peak: bool, max_states: int) -> Optional[tuple[list[int], float]]:
+def _dp(chain: _Transitions, budget: Optional[int], fixed_peak: int, *, minimise_peak: bool, max_states: int) -> Optional[tuple[list[int], float]]:
     """Best action indices and their score (time, or peak when ``minimise_peak``), or None."""
     k = len(chain.acts)
     n = chain.n
@@ -216,7 +216,7 @@ def _dp(chain: _Chain, budget: Optional[int], fixed_peak: int, *, minimise_peak:
     return picks[::-1], score
 
 
-def _min_peak_plan(profile: ModelProfile, costs: SegmentCosts, chain: _Chain, max_states: int) -> tuple[list[Action], Prediction]:
+def _min_peak_plan(profile: ModelProfile, costs: SegmentCosts, chain: _Transitions, max_states: int) -> tuple[list[Action], Prediction]:
     """The plan of least predicted peak: the DP's, or where the DP only bounds the copy windows
     (Note [Deep copy windows]) the least of it and the uniform plans, as simulated."""
     acts, window = chain.acts, (chain.prefetch, chain.inflight)
@@ -252,11 +252,11 @@ def min_budget_bytes(
     if not profile.segments:
         return costs.fixed_peak_bytes
     window = copy_window(prefetch_segments, inflight_segments, overlap=profile.copies_overlap)
-    return _min_peak_plan(profile, costs, _Chain(profile, costs, acts, window), max_states)[1].peak_bytes
+    return _min_peak_plan(profile, costs, _Transitions(profile, costs, acts, window), max_states)[1].peak_bytes
 
 
 def _fastest_fitting(
-    profile: ModelProfile, costs: SegmentCosts, chain: _Chain, budget_bytes: int, max_states: int
+    profile: ModelProfile, costs: SegmentCosts, chain: _Transitions, budget_bytes: int, max_states: int
 ) -> Optional[tuple[list[Action], Prediction]]:
     """The DP's plan, or a uniform one that is faster (Note [Never slower than a uniform plan]),
     or where the DP is not exact and found none, the least-peak plan if it fits; all simulated."""
@@ -313,7 +313,7 @@ def solve(
     acts = _allowed(actions)
     window = copy_window(prefetch_segments, inflight_segments, overlap=profile.copies_overlap)
     costs = segment_costs(profile)
-    chain = _Chain(profile, costs, acts, window)
+    chain = _Transitions(profile, costs, acts, window)
     found = _fastest_fitting(profile, costs, chain, budget_bytes, max_states)
     if found is None:
         least = min_budget_bytes(profile, actions=acts, max_states=max_states, prefetch_segments=window[0], inflight_segments=window[1])

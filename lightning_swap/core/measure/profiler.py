@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ..engine.meter import host_allocation, mark_host
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
 from ..segments import SegmentSpec, find_segments, resolve_modules
-from ..tensors import infer_batch_size, loss_of
+from ..tensors import infer_batch_size, loss_of, storage_bytes
 from .model_profile import _SCALED_INT_FIELDS, _SCALED_MS_FIELDS, ModelProfile, SegmentProfile, refused_actions
 from .trace import StepTrace, run_timing, run_trace
 from .action_costs import measure_released_working
@@ -292,7 +292,7 @@ def assemble(
         fake=fake,
         min_offload_bytes=min_offload_bytes,
         static_bytes=trace.static_bytes,
-        parameter_bytes=sum(p.untyped_storage().nbytes() for p in {id(p): p for p in model.parameters()}.values()),
+        parameter_bytes=storage_bytes(model.parameters()),  # distinct storages: tied and shared weights once
         gradient_bytes=sum(trace.grad_bytes.values()),
         prefix_forward_peak_bytes=trace.window_peak.get("prefix_fwd", 0),
         prefix_backward_peak_bytes=trace.window_peak.get("prefix_bwd", 0),
