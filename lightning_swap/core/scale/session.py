@@ -112,6 +112,9 @@ class SwapSession:
         self._observed_call: Optional[tuple[Any, Any, tuple]] = None
         #: ``policy="auto"``'s decisions (Note [Auto: observe, plan, check]); ``None`` for a forced policy.
         self.auto = self._new_planner() if config.is_auto else None
+        self._measured_logged = False
+        if self.auto is not None and self._budget_bytes is None and self.segments and collectives.is_main:
+            self.warn_no_budget()  # now, before training starts: not in the middle of a progress bar
 
     def _new_planner(self) -> AutoPlanner:
         planner = AutoPlanner(
@@ -395,6 +398,7 @@ class SwapSession:
         )
         runtime.install()
         self.runtime, self.plan = runtime, plan
+        self._measured_logged = False
         if self.config.log_plan:
             log.info("lightning-swap plan (%s):\n%s", plan.summary(), plan.render())
         return plan
@@ -431,7 +435,20 @@ class SwapSession:
         self.records.add(self.runtime.records.newest_record())
         for name, why in self.runtime.refusals.items():
             self.refusals.setdefault(name, why)
+        self._log_measured_plan()
         return self.last_stats
+
+    def _log_measured_plan(self) -> None:
+        """A plan without numbers (a forced policy's, every segment kept) becomes the plan its first
+        step measured (Note [Measured rows]); with ``log_plan`` it is logged again, with them."""
+        if self._measured_logged or not self.runtime.measure_rows or self.plan is None or self.plan.rows:
+            return
+        measured = self.runtime.measured_plan(wait=False)  # None until the device has finished it
+        if measured is not None:
+            self._measured_logged = True
+            self.plan = measured
+            if self.config.log_plan:
+                log.info("lightning-swap plan (%s), measured in its first step:\n%s", measured.summary(), measured.render())
 
     def stats(self, *, wait: bool = False) -> Optional[StepStats]:
         """The newest step whose device times are known; ``wait=True`` (outside a step) waits
