@@ -120,6 +120,21 @@ class Estimate:
         return "\n".join(lines)
 
 
+def _check_choices(**choices: tuple[str, Any]) -> None:
+    """Each ``field=(value, allowed)``: ``ValueError`` naming the field and what is allowed."""
+    for field, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ValueError(f"`{field}` got {value!r}; allowed: {', '.join(allowed)}.")
+
+
+def _profile_step(model: nn.Module, batch: torch.Tensor, precision: str, loss: str, optimizer: str, **kwargs: Any) -> ModelProfile:
+    """Note [What the estimate profiles]: one training step in fake mode, the optimizer state alive."""
+    model.train()
+    prof = profile(model, batch, step_fn=_training_step(PRECISIONS[precision], loss), fake=True, scale=True, device="cpu", **kwargs)
+    state = OPTIMIZERS[optimizer][1] * sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    return prof.with_state(forward_bytes=state, backward_bytes=state)  # alive throughout (Note [Steady-state shift])
+
+
 def _training_step(autocast_dtype: Optional[torch.dtype], loss: str) -> Callable[[nn.Module, Any], torch.Tensor]:
     """Note [What the estimate profiles]: the forward under autocast, then the loss."""
 
@@ -219,22 +234,14 @@ def estimate(
     ``budget_bytes``: bytes as an ``int`` or a size string (``"24GiB"``); ``None`` for the
     profile alone."""
     budget_bytes = parse_bytes(budget_bytes, field="budget_bytes", allow_none=True)
-    if input_dtype not in DTYPES:
-        raise ValueError(f"`input_dtype` got {input_dtype!r}; allowed: {', '.join(DTYPES)}.")
-    for value, field, allowed in ((precision, "precision", PRECISIONS), (loss, "loss", LOSSES), (optimizer, "optimizer", OPTIMIZERS)):
-        if value not in allowed:
-            raise ValueError(f"`{field}` got {value!r}; allowed: {', '.join(allowed)}.")
+    _check_choices(
+        input_dtype=(input_dtype, DTYPES), precision=(precision, PRECISIONS), loss=(loss, LOSSES), optimizer=(optimizer, OPTIMIZERS),
+    )
     actions = None if policy == "auto" else (Action.parse(policy, field="policy"),)
     config = ScaleConfig(margin=margin, min_batch_size=1, max_batch_size=max_batch_size)
     batch = torch.zeros((batch_size, *input_shape), dtype=DTYPES[input_dtype])
-    model.train()
     start = clock()
-    prof = profile(
-        model, batch, step_fn=_training_step(PRECISIONS[precision], loss), fake=True, scale=True, segments=segments,
-        min_offload_bytes=min_offload_bytes, device="cpu",
-    )
-    state = OPTIMIZERS[optimizer][1] * sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    prof = prof.with_state(forward_bytes=state, backward_bytes=state)  # alive throughout (Note [Steady-state shift])
+    prof = _profile_step(model, batch, precision, loss, optimizer, segments=segments, min_offload_bytes=min_offload_bytes)
     profile_s = clock() - start
     plan = largest = None
     if budget_bytes is not None:

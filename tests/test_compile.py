@@ -399,17 +399,7 @@ def test_auto_does_not_plan_selective_for_a_compiled_segment():
     backend, model, optimizer, compiled = _fresh("regional", InPlaceNet, False)
     session = SwapSession(compiled, SwapConfig(budget_bytes=1 << 30, min_offload_bytes=0, log_plan=False), "cpu")
     try:
-        for x, y in _batches(3):
-            states = [optimizer.state]
-            session.before_step(x, [x, y, states], states)
-            loss = nn.functional.mse_loss(compiled(x), y)
-            session.backward_begins()
-            loss.backward()
-            session.backward_done()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            session.end_step()
-            session.step_done()
+        _session_steps(session, compiled, optimizer, backend, 3)
         assert session.profile is not None
         assert all(s.refused == (Action.SELECTIVE,) and "compiled" in s.refusal for s in session.profile.segments)
     finally:
@@ -482,6 +472,26 @@ def test_offload_engine_offloads_what_the_compiled_graphs_save():
 
 
 # -- the session (policy "auto" driven directly) ------------------------------------------------------
+def _session_steps(session, compiled, optimizer, backend, steps: int) -> tuple[list, list]:
+    """``steps`` training steps driven through ``session`` as the adapters drive it: each step's
+    kind and the compiled graph runs it made."""
+    kinds, runs = [], []
+    for x, y in _batches(steps):
+        before = backend.runs
+        states = [optimizer.state]
+        kinds.append(session.before_step(x, [x, y, states], states))
+        loss = nn.functional.mse_loss(compiled(x), y)
+        session.backward_begins()
+        loss.backward()
+        session.backward_done()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        session.end_step()
+        session.step_done()
+        runs.append(backend.runs - before)
+    return kinds, runs
+
+
 @pytest.mark.parametrize("how", ["torch.compile", "regional"])
 def test_session_auto_plans_and_trains_compiled(how):
     steps = 6
@@ -489,21 +499,8 @@ def test_session_auto_plans_and_trains_compiled(how):
     backend, model, optimizer, compiled = _fresh(how, Net, False)
     # A budget below the steady plain peak (67 KB eager; offload: 54 KB), so the plan acts.
     session = SwapSession(compiled, SwapConfig(budget_bytes=60_000, min_offload_bytes=0, log_plan=False), "cpu")
-    kinds, runs = [], []
     try:
-        for x, y in _batches(steps):
-            before = backend.runs
-            states = [optimizer.state]
-            kinds.append(session.before_step(x, [x, y, states], states))
-            loss = nn.functional.mse_loss(compiled(x), y)
-            session.backward_begins()
-            loss.backward()
-            session.backward_done()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            session.end_step()
-            session.step_done()
-            runs.append(backend.runs - before)
+        kinds, runs = _session_steps(session, compiled, optimizer, backend, steps)
         assert set(session.plan.actions.values()) != {Action.KEEP}
     finally:
         session.remove()

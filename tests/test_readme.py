@@ -193,7 +193,7 @@ def _compile(body, line, tmp_path, request):
     lit = LitModel("gpt")
     ns = _exec(body, line, {
         "torch": torch, "L": L, "CPUSwapStrategy": CPUSwapStrategy, "model": Net(), "lit_module": lit, "LitModule": LitModel,
-        "trainer": L.Trainer(strategy=CPUSwapStrategy(budget_bytes="12GiB")),
+        "trainer": L.Trainer(strategy=CPUSwapStrategy(budget_bytes="12GiB"), accelerator="cpu"),
     })
     assert isinstance(ns["trainer"].strategy, CPUSwapStrategy)
 

@@ -173,6 +173,17 @@ def _step(model, batch):
     return F.mse_loss(model(batch[0]), batch[1])
 
 
+def _plain_sgd(model, batches):
+    """A copy of ``model`` trained plainly with SGD on ``batches``."""
+    plain = copy.deepcopy(model)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for b in batches:
+        _step(plain, b).backward()
+        opt.step()
+        opt.zero_grad()
+    return plain
+
+
 def test_call_names():
     assert [call_name("a.0", k) for k in range(3)] == ["a.0", "a.0#1", "a.0#2"]
     assert [split_call(n) for n in ("a.0", "a.0#2", "a#b")] == [("a.0", 0), ("a.0", 2), ("a#b", 0)]
@@ -183,7 +194,7 @@ def test_each_call_is_a_segment_with_its_own_action():
     model = Looped()
     batch = (torch.randn(64, 8), torch.randn(64, 1))
     assert find_segments(model) == ["layers.0"]
-    prof = profile(model, batch, step_fn=_step, scale=False, min_offload_bytes=0)
+    prof = profile(model, batch, step_fn=_step, scale=False, min_offload_bytes=0, device="cpu")
     assert prof.names == ("layers.0", "layers.0#1", "layers.0#2", "layers.0#3")
     plain = copy.deepcopy(model)
     _step(plain, batch).backward()
@@ -211,14 +222,9 @@ def test_auto_plans_a_shared_module_call_by_call(fresh_state):
     call. The budget lets plain's bound fit, so a step is observed (Note [Observe only what fits])."""
     torch.manual_seed(0)
     model = Looped()
-    plain = copy.deepcopy(model)
     batches = [(torch.randn(64, 8), torch.randn(64, 1)) for _ in range(4)]
-    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    for b in batches:
-        _step(plain, b).backward()
-        opt.step()
-        opt.zero_grad()
-    peak = profile(copy.deepcopy(model), batches[0], step_fn=_step, scale=False, min_offload_bytes=0).peak_bytes
+    plain = _plain_sgd(model, batches)
+    peak = profile(copy.deepcopy(model), batches[0], step_fn=_step, scale=False, min_offload_bytes=0, device="cpu").peak_bytes
     accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=3 * peak, min_offload_bytes=0, log_stats=False))
     twin = copy.deepcopy(model)
     twin, opt = accelerator.prepare(twin, torch.optim.SGD(twin.parameters(), lr=0.1))
@@ -280,13 +286,8 @@ def test_auto_leaves_out_the_recomputation_a_segment_refused(fresh_state, caplog
         _WritesIntoInput(), nn.Linear(256, 1),
     )
     batches = [(torch.randn(1024, 8), torch.randn(1024, 1)) for _ in range(5)]
-    plain = copy.deepcopy(model)
-    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    for b in batches:
-        _step(plain, b).backward()
-        opt.step()
-        opt.zero_grad()
-    peak = profile(copy.deepcopy(model), batches[0], step_fn=_step, scale=False, min_offload_bytes=0).peak_bytes
+    plain = _plain_sgd(model, batches)
+    peak = profile(copy.deepcopy(model), batches[0], step_fn=_step, scale=False, min_offload_bytes=0, device="cpu").peak_bytes
     # Plain's bound (Note [Observe only what fits]) is over this budget: the lowest-memory plan runs,
     # guarded again once the refusals are known (Note [Refused actions]).
     budget = int(1.04 * peak)

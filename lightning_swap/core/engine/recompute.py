@@ -231,17 +231,7 @@ class _BufferGuard:
 
 
 class _DropMutated:
-    """Note [A recomputed segment fills no cache]: a Hugging Face layer given a key/value cache
-(``transformers``' ``Cache``: ``use_cache=True``, the default of many configs, in training too)
-appends its keys to it in forward, and again when the recomputation reruns it: the cache then
-holds the keys twice, the layer reads a longer cache than it did (and, from transformers 5.24,
-slices it), so the recomputation runs other ops than the forward (``selective`` fails with
-"encountered during backward but not found in storage") and the cache is wrong afterwards. So
-a recomputed segment is called without its cache argument (``None`` in its place), in forward
-and in the recomputation, as transformers' own gradient checkpointing does (``cache=None``
-under ``GradientCheckpointingLayer``): training does not read it. Logged once per segment.
-
-Note [Selective never replays a mutated tensor]: turns every cache entry written into since
+    """Note [Selective never replays a mutated tensor]: turns every cache entry written into since
     it was cached into a recompute marker, when the forward ends (``at_exit``: the cache lets the
     written tensor go) and again when the recomputation starts, before torch's replaying mode
     (a write after the forward: the next segment's). Without the torch internals it reads
