@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 
 import pytest
 import torch
@@ -310,3 +311,30 @@ def test_auto_leaves_out_the_recomputation_a_segment_refused(fresh_state, caplog
     assert max(peaks) <= budget, (peaks, budget)
     assert all(torch.equal(a, b) for a, b in zip(accelerator.unwrap_model(twin).state_dict().values(), plain.state_dict().values()))
     accelerator.end_training()
+
+
+def test_coverage_of_saved_bytes_is_measured_and_logged_once(fresh_state, caplog):
+    """Note [Finding the blocks]: what the segments hold of a step's saved bytes, each storage once."""
+    from .models import CNN, mlp_chain
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    cnn = profile(CNN(), (x, y), step_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]), scale=False, device="cpu")
+    assert 0.5 < cnn.coverage() < 1  # the stem (conv, BatchNorm, ReLU) and the head are outside the blocks
+    assert cnn.segment_saved_bytes <= sum(s.saved_bytes for s in cnn.segments)
+    chain = mlp_chain(width=16, depth=3)
+    mlp = profile(chain, (torch.randn(8, 16), y), step_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]), scale=False, device="cpu")
+    assert mlp.coverage() > 0.9  # every layer is in a segment; only the loss is not
+    with caplog.at_level(logging.INFO, logger="lightning_swap"):
+        accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes="1GiB", log_stats=False))
+        cnn_model = CNN()
+        model, opt = accelerator.prepare(cnn_model, torch.optim.SGD(cnn_model.parameters(), lr=0.1))
+        for _ in range(3):
+            accelerator.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        accelerator.end_training()
+    found = [r.getMessage() for r in caplog.records if "segments found automatically" in r.getMessage()]
+    held = [r.getMessage() for r in caplog.records if "a step saves for backward" in r.getMessage()]
+    assert found == ["lightning-swap: 4 segments found automatically: blocks.0, blocks.1, blocks.2, blocks.3"]
+    assert len(held) == 1 and re.search(r"the 4 segments hold .* \(\d+%\)", held[0]), held

@@ -136,6 +136,16 @@ class ModelProfile:
     #: excluded): what the segments' ``saved_bytes`` are a part of (Note [Finding the blocks]
     #: in ``segments.py``); -1: not known.
     total_saved_bytes: int = -1
+    #: The part of those saved while a segment's forward ran (each storage once): the segments'
+    #: coverage is ``segment_saved_bytes / total_saved_bytes`` (:meth:`coverage`); -1: not known.
+    segment_saved_bytes: int = -1
+
+    def coverage(self) -> Optional[float]:
+        """The fraction of the step's saved bytes that the segments hold (Note [Finding the blocks]
+        in ``segments.py``); ``None`` when not measured."""
+        if self.total_saved_bytes <= 0 or self.segment_saved_bytes < 0:
+            return None
+        return min(self.segment_saved_bytes / self.total_saved_bytes, 1.0)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -219,8 +229,9 @@ class ModelProfile:
             f: line(getattr(self, f), getattr(ref, f))
             for f in ("static_bytes", "prefix_forward_peak_bytes", "prefix_backward_peak_bytes", "tail_peak_bytes", "peak_bytes")
         }
-        if self.total_saved_bytes >= 0 and ref.total_saved_bytes >= 0:
-            top["total_saved_bytes"] = line(self.total_saved_bytes, ref.total_saved_bytes)
+        for f in ("total_saved_bytes", "segment_saved_bytes"):
+            if getattr(self, f) >= 0 and getattr(ref, f) >= 0:
+                top[f] = line(getattr(self, f), getattr(ref, f))
         return dataclasses.replace(
             self,
             segments=tuple(segments),

@@ -261,6 +261,11 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
                     fwd=fwd, bwd=bwd, heavy=heavy, step_ms=step_ms, measured=measured)
 
 
+def _saved_bytes(trace: StepTrace, regions: Callable[[Any], bool]) -> int:
+    """Bytes of the storages saved for backward in the ``regions`` chosen, each storage once."""
+    return sum({key: nbytes for region, saved in trace.saved.items() if regions(region) for key, nbytes in saved.items()}.values())
+
+
 def assemble(
     trace: StepTrace, model: nn.Module, names: list[str], *, batch_size: int, device: torch.device, fake: bool, min_offload_bytes: int,
     fwd: dict[int, float], bwd: dict[int, float], heavy: dict[int, float], step_ms: float,
@@ -304,7 +309,8 @@ def assemble(
         d2h_bytes_per_ms=d2h,
         h2d_bytes_per_ms=h2d,
         optimizer_peak_bytes=trace.window_peak.get("optimizer", 0),
-        total_saved_bytes=sum({key: nbytes for region in trace.saved.values() for key, nbytes in region.items()}.values()),
+        total_saved_bytes=_saved_bytes(trace, lambda region: True),
+        segment_saved_bytes=_saved_bytes(trace, lambda region: isinstance(region, int) and region >= 0),
     )
 
 

@@ -126,14 +126,14 @@ class SwapSession:
 
     def note_profile(self, profile: Optional[ModelProfile]) -> None:
         """Log once how much of a step's saved bytes the segments cover (Note [Finding the blocks])."""
-        if self._coverage_logged or profile is None or profile.total_saved_bytes <= 0:
+        coverage = profile.coverage() if profile is not None else None
+        if self._coverage_logged or coverage is None:
             return
         self._coverage_logged = True
-        covered = min(sum(s.saved_bytes for s in profile.segments), profile.total_saved_bytes)
         log.info(
             "lightning-swap: the %d segments hold %s of the %s a step saves for backward (%.0f%%); the rest "
-            "(what runs outside them: stem, head, loss) is kept", len(profile.segments), format_bytes(covered),
-            format_bytes(profile.total_saved_bytes), 100 * covered / profile.total_saved_bytes,
+            "(what runs outside them: stem, head, loss) is kept", len(profile.segments), format_bytes(profile.segment_saved_bytes),
+            format_bytes(profile.total_saved_bytes), 100 * coverage,
         )
 
     @property
