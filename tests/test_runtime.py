@@ -364,3 +364,26 @@ def test_copies_of_a_planned_model_run_their_own_weights():
     loaded = torch.load(buffer, weights_only=False)
     assert torch.equal(loaded(x), model(x))
     assert list(loaded.state_dict()) == list(model.state_dict())
+
+
+class _Fails(nn.Module):
+    """Raises in its recomputation (its second forward with grad), not in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            raise ValueError("a failure inside the segment")
+        return self.fc(x)
+
+
+def test_an_error_in_a_recomputation_names_the_segment():
+    model = nn.Sequential(nn.Linear(8, 8), _Fails(), nn.Linear(8, 1))
+    with SwapRuntime(model, {"1": Action.RECOMPUTE}, device="cpu"):
+        with pytest.raises(ValueError, match="a failure inside the segment") as raised:
+            model(torch.randn(4, 8)).sum().backward()
+    assert "lightning-swap: raised in the recomputation of segment '1'" in raised.value.__notes__

@@ -180,6 +180,21 @@ class _Chain:
         return stack.__exit__(*exc) if stack is not None else None
 
 
+class _Named:
+    """An error raised in a segment's checkpointed forward or recomputation (torch's, from deep
+    inside checkpoint) carries a note naming the segment: every error about a segment names it."""
+
+    def __init__(self, name: str, phase: str) -> None:
+        self._note = f"lightning-swap: raised in the {phase} of segment {name!r}" if name else ""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: Optional[BaseException], tb: Any) -> None:
+        if exc is not None and self._note and hasattr(exc, "add_note") and self._note not in getattr(exc, "__notes__", ()):
+            exc.add_note(self._note)
+
+
 def _plain_batch_norm(m: nn.Module) -> bool:
     """A BatchNorm whose ``forward`` is torch's, which reads ``momentum`` and ``num_batches_tracked``
     as Note [Recompute leaves buffers alone] needs."""
@@ -507,7 +522,10 @@ def checkpointed(
     def context_fn():
         fwd, rec = _selective_contexts() if selective else (contextlib.nullcontext(), contextlib.nullcontext())
         # Entered lazily: checkpoint enters the first now and the second only in backward.
-        return _Chain(fwd, guard.watch_forward), _Chain(lambda: timer.measure(name), guard.preserve, rec)
+        return (
+            _Chain(_Named(name, "forward"), fwd, guard.watch_forward),
+            _Chain(_Named(name, "recomputation"), lambda: timer.measure(name), guard.preserve, rec),
+        )
 
     @functools.wraps(forward, updated=())  # not a compiled forward's Dynamo attributes (compiled.py)
     def run(*args: Any, **kwargs: Any) -> Any:
