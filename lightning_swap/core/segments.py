@@ -53,8 +53,8 @@ from typing import Union
 from torch import nn
 
 __all__ = [
-    "CALL_SEPARATOR", "SegmentSpec", "call_name", "canonical_name", "describe_segments", "find_segments", "named_modules", "resolve_modules", "split_call",
-    "unwrap_compiled",
+    "CALL_SEPARATOR", "SegmentSpec", "call_name", "canonical_name", "describe_segments", "find_segments", "named_modules",
+    "resolve_modules", "split_call", "unwrap_compiled",
 ]
 
 SegmentSpec = Union[None, Sequence[Union[str, type]]]
@@ -144,8 +144,8 @@ _GENERIC = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Module)
 
 def _generic(module: nn.Module) -> bool:
     """A plain container (these exact classes; a bare ``nn.Module`` is a namespace, it has no
-    forward): a list of layers or a stage, never a block by itself. Subclasses with a forward of their own (``_DenseBlock``, ``Conv2dNormActivation``)
-    are blocks."""
+    forward): a list of layers or a stage, never a block by itself. Subclasses with a forward of
+    their own (``_DenseBlock``, ``Conv2dNormActivation``) are blocks."""
     return type(module) in _GENERIC
 
 

@@ -52,9 +52,10 @@ backward time (``Tensor cached during selective activation checkpoint has been m
 a later op of the forward wrote into one: EfficientNet's squeeze-excitation runs
 ``SiLU(inplace=True)`` on a convolution's output, a residual ``out += x`` adds into one. The
 recomputation would need the value from before the write, which no longer exists, so such an
-entry is recomputed instead: when the recomputation starts (:class:`_DropMutated`), every cached
-entry whose version moved since it was cached becomes torch's recompute marker, and the op runs
-again on recomputed inputs, as plain recomputation would. Ops that write into a buffer given to
+entry is recomputed instead: when the forward ends and again when the recomputation starts
+(:class:`_DropMutated`), every cached entry whose version moved since it was cached becomes
+torch's recompute marker, and the op runs again on recomputed inputs, as plain recomputation
+would. Ops that write into a buffer given to
 them (``mm.out``: the ``out=`` overloads) are not cached at all: the buffer belongs to the caller.
 Entries never mutated are replayed as before, so the policy is narrowed per op and per call.
 
@@ -353,7 +354,11 @@ class _InPlaceWatch(TorchDispatchMode):
 
     def __init__(self, held: list[_Held], module: nn.Module) -> None:
         super().__init__()
-        self._held = {h.tensor.untyped_storage().data_ptr(): h for h in held if h.tensor is not None and h.tensor.layout == torch.strided}
+        # By the storage's address (an empty storage has none worth the name: never watched).
+        self._held = {
+            h.tensor.untyped_storage().data_ptr(): h for h in held
+            if h.tensor is not None and h.tensor.layout == torch.strided and h.tensor.untyped_storage().nbytes() > 0
+        }
         self._module = module
         self._names = {id(m): f"{n} ({type(m).__name__})" for n, m in module.named_modules() if n}
         self._stack: list[str] = []
@@ -362,7 +367,8 @@ class _InPlaceWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for t in _written_args(func, args, kwargs):
-            held = self._held.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
+            written = t.layout == torch.strided and t.untyped_storage().nbytes() > 0
+            held = self._held.get(t.untyped_storage().data_ptr()) if written else None
             if held is not None and not held.written and held.tensor is not None:
                 held.before_write()
                 where = self._stack[-1] if self._stack else type(self._module).__name__
