@@ -212,23 +212,30 @@ def test_recompute_of_a_segment_that_writes_into_its_input_is_exact(action, capl
     assert len(warned) == 1 and "'1'" in warned[0] and "aten.relu_" in warned[0] and "offload" in warned[0]
 
 
-class _WritesLater(nn.Module):
-    """Writes into its input from its second call on: the first call's watch sees nothing."""
+class _OnCall(nn.Module):
+    """A linear layer that runs ``effect(call, x)`` first, counting its calls with grad (a
+    recomputation is one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, effect) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8)
         self.calls = 0
+        self.effect = effect
 
     def forward(self, x):
         self.calls += 1
-        if self.calls > 1:
-            x.mul_(2)
+        self.effect(self.calls, x)
         return self.fc(x)
 
 
+def _writes_later(call, x):
+    """From the second call on: the first call's watch sees nothing."""
+    if call > 1:
+        x.mul_(2)
+
+
 def test_a_write_into_the_input_the_watch_did_not_see_is_refused_by_name():
-    model = nn.Sequential(nn.Linear(8, 8), _WritesLater(), nn.Linear(8, 1))
+    model = nn.Sequential(nn.Linear(8, 8), _OnCall(_writes_later), nn.Linear(8, 1))
     with SwapRuntime(model, {"1": Action.RECOMPUTE}, device="cpu"):
         model(torch.randn(4, 8)).sum().backward()
         with pytest.raises(InputMutatedError, match=r"segment '1' modified its input in place \(MulBackward0\).*policy=\{'1': 'offload'\}"):
@@ -366,23 +373,14 @@ def test_copies_of_a_planned_model_run_their_own_weights():
     assert list(loaded.state_dict()) == list(model.state_dict())
 
 
-class _Fails(nn.Module):
-    """Raises in its recomputation (its second forward with grad), not in its forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        if self.calls == 2:
-            raise ValueError("a failure inside the segment")
-        return self.fc(x)
+def _fails_in_recomputation(call, x):
+    """Raises in the recomputation (the second call), not in the forward."""
+    if call == 2:
+        raise ValueError("a failure inside the segment")
 
 
 def test_an_error_in_a_recomputation_names_the_segment():
-    model = nn.Sequential(nn.Linear(8, 8), _Fails(), nn.Linear(8, 1))
+    model = nn.Sequential(nn.Linear(8, 8), _OnCall(_fails_in_recomputation), nn.Linear(8, 1))
     with SwapRuntime(model, {"1": Action.RECOMPUTE}, device="cpu"):
         with pytest.raises(ValueError, match="a failure inside the segment") as raised:
             model(torch.randn(4, 8)).sum().backward()
