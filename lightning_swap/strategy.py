@@ -37,6 +37,41 @@ from .report import plot_timelines
 log = logging.getLogger(__name__)
 
 
+class _ProgressBarLog(logging.Handler):
+    """Note [Warnings above the progress bar]: the library logs warnings (a segment that writes
+    into its input, ...) with :mod:`logging`; where nothing was configured Python writes them to
+    stderr (``logging.lastResort``), in the middle of the line Lightning's progress bar is
+    drawing. For the strategy's lifetime, and only when no handler would take them, this handler
+    takes the ``lightning_swap`` warnings and prints them as ``LightningModule.print`` does,
+    above the bar (``ProgressBar.print``), else to stderr as before."""
+
+    def __init__(self, trainer: Any) -> None:
+        super().__init__(logging.WARNING)
+        self.trainer = trainer
+
+    @classmethod
+    def install(cls, trainer: Any) -> Optional["_ProgressBarLog"]:
+        logger = logging.getLogger("lightning_swap")
+        if logger.hasHandlers():
+            return None  # the user's configuration decides where they go
+        handler = cls(trainer)
+        logger.addHandler(handler)
+        return handler
+
+    def remove(self) -> None:
+        logging.getLogger("lightning_swap").removeHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        import sys
+
+        text = self.format(record)
+        bar = getattr(self.trainer, "progress_bar_callback", None)
+        if bar is not None and bar.is_enabled and getattr(self.trainer, "training", False):
+            bar.print(text)
+        else:
+            sys.stderr.write(text + "\n")
+
+
 class _SwapStrategyMixin:
     """Wires a :class:`SwapSession` into a Lightning strategy's hooks."""
 
@@ -102,6 +137,7 @@ class _SwapStrategyMixin:
         self._logged_plan: Optional[Plan] = None
         self._step_open = False
         self._step_call: Any = None
+        self._bar_log: Optional[_ProgressBarLog] = None
 
     # -- what users read ----------------------------------------------------------------
     @property
@@ -160,6 +196,7 @@ class _SwapStrategyMixin:
         self._pick_device(trainer)
         super().setup(trainer)
         module = self.lightning_module
+        self._bar_log = _ProgressBarLog.install(trainer)
         self._session = SwapSession(
             module, self.swap_config, self.root_device, unified=self.unified_memory, collectives=self._swap_collectives(),
             # Lightning's closure runs forward, zero_grad, backward: without accumulation the last
@@ -374,15 +411,17 @@ class _SwapStrategyMixin:
         self._log_measured_plan(wait=False)
 
     def _log_measured_plan(self, *, wait: bool) -> None:
-        """A plan without predictions is logged once its first step measured its rows."""
+        """A plan without predictions is logged once its first step measured its rows; one logged
+        before (``auto`` without a budget: every segment kept) is logged again, with them."""
         session = self._session
         runtime = session.runtime if session is not None else None
-        if runtime is None or not runtime.measure_rows or self._logged_plan is not None:
+        logged = self._logged_plan
+        if runtime is None or not runtime.measure_rows or (logged is not None and (logged.rows or logged.measured)):
             return
         measured = runtime.measured_plan(wait=wait)
         if measured is not None:
             session.plan = measured
-            self._log_plan(measured)
+            self._log_plan(measured, "measured in its first step" if logged is not None else "")
 
     @override
     def teardown(self) -> None:
@@ -394,6 +433,9 @@ class _SwapStrategyMixin:
             self._session.records.resolve(wait=True)  # training is over: the host may wait now
             self._log_measured_plan(wait=True)
             self._session.close()
+        if getattr(self, "_bar_log", None) is not None:
+            self._bar_log.remove()
+            self._bar_log = None
         if self.unified_memory is not None:
             # New allocations go back to torch's allocator; managed ones stay valid
             # (Note [Managed memory outlives the session]).

@@ -32,7 +32,9 @@ import torch
 from torch import nn
 
 from .action_costs import measure_action_costs
-from .model_profile import ModelProfile
+from ..compiled import compile_context, is_compiled
+from ..segments import split_call
+from .model_profile import SELECTIVE_REFUSAL, ModelProfile
 from ..tensors import infer_batch_size
 from .profiler import assemble
 from ..tensors import tensors_in
@@ -105,29 +107,41 @@ class ObservedStep:
             self.open = False
             self.tracer.abort()
 
+    def _modules_of(self, names: list[str]) -> dict[str, nn.Module]:
+        return {name: self.modules.get(name) or self.modules[split_call(name)[0]] for name in names}
+
+    def _compiled(self, name: str) -> str:
+        """Note [Selective under compile]: a compiled segment's selective is refused for planning."""
+        module_name = split_call(name)[0]
+        module = self.modules.get(module_name)
+        if compile_context(self.model, module_name) is not None or (module is not None and is_compiled(module)):
+            return f"{SELECTIVE_REFUSAL} compiled, it would recompute everything (Note [Selective under compile])"
+        return ""
+
     def finish(self) -> ModelProfile:
         """Close the trace, time each segment's actions, and build the profile."""
         self.open = False
         trace = self.tracer.finish()
+        names = trace.names  # one per call of a module run several times (Note [A segment per call])
         marks = trace.marks
-        n = len(self.names)
+        n = len(names)
         end = marks.get("end", 0.0)
         fwd = {i: max(marks.get(("fe", i), 0.0) - marks.get(("fs", i), 0.0), 0.0) for i in range(n)}
         bwd = {i: max(marks.get(("be", i), end) - marks.get(("bs", i), end), 0.0) for i in range(n)}
         outside = max(end - sum(fwd.values()) - sum(bwd.values()), 0.0)
-        measured: dict[int, tuple[Optional[float], Optional[float], int]] = {}
+        measured: dict[int, tuple[Optional[float], Optional[float], int, str]] = {}
         if self.time_actions and trace.inputs:
-            calls = {self.names[i]: call for i, call in trace.inputs.items()}
-            costs = measure_action_costs(self.model, self.modules, calls, self.ops, device=self.device)
-            for i, name in enumerate(self.names):
+            calls = {names[i]: call for i, call in trace.inputs.items()}
+            costs = measure_action_costs(self.model, self._modules_of(names), calls, self.ops, device=self.device)
+            for i, name in enumerate(names):
                 c = costs.get(name)
                 if c is not None:
                     fwd[i], bwd[i] = c.forward_ms, c.backward_ms
-                    measured[i] = (c.recompute_ms, c.selective_ms, c.released_working_bytes)
+                    measured[i] = (c.recompute_ms, c.selective_ms, c.released_working_bytes, c.refusal or self._compiled(name))
         heavy = {i: fwd[i] * trace.heavy_op_ms.get(i, 0.0) / max(trace.all_op_ms.get(i, 0.0), 1e-9) for i in range(n)}
         step_ms = outside + sum(fwd.values()) + sum(bwd.values())
         profile = assemble(
-            trace, self.model, self.names, batch_size=self.batch_size, device=self.device, fake=False,
+            trace, self.model, names, batch_size=self.batch_size, device=self.device, fake=False,
             min_offload_bytes=self.min_offload_bytes, fwd=fwd, bwd=bwd, heavy=heavy, step_ms=step_ms, measured=measured,
         )
         log.debug("observed a step at batch %d: peak %d bytes, %.1f ms", self.batch_size, profile.peak_bytes, step_ms)

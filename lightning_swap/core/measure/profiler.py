@@ -36,7 +36,7 @@ from ..config import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
 from ..segments import SegmentSpec, find_segments, resolve_modules
 from ..sharded import is_sharded, like_shard, world_size
 from ..tensors import infer_batch_size, local_tensor, loss_of, storage_bytes
-from .model_profile import _SCALED_INT_FIELDS, _SCALED_MS_FIELDS, ModelProfile, SegmentProfile
+from .model_profile import _SCALED_INT_FIELDS, _SCALED_MS_FIELDS, ModelProfile, SegmentProfile, refused_actions
 from .trace import StepTrace, run_timing, run_trace
 from .action_costs import measure_released_working
 
@@ -244,12 +244,13 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
     measured: dict[int, tuple[None, None, int]] = {}
     with _Snapshot(model, device):
         trace = _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_offload_bytes)
+        names = trace.names  # one per call of a module run several times (Note [A segment per call])
         if not fake:
             fwd, bwd, step_ms = run_timing(model, names, lambda: loss_of(step_fn(model, batch)), device)
             modules = resolve_modules(model, names)  # canonical names, compiled or not
             # Note [A forward that does not keep]; never a sharded segment alone: Note [Observe every rank].
             for i, call in trace.inputs.items() if not is_sharded(model) else ():
-                measured[i] = (None, None, measure_released_working(modules[names[i]], call, device))
+                measured[i] = (None, None, measure_released_working(modules[names[i]], call, device), "")
             trace.inputs = {}
     n = len(names)
     if fake:
@@ -264,21 +265,29 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
                     fwd=fwd, bwd=bwd, heavy=heavy, step_ms=step_ms, measured=measured)
 
 
+def _saved_bytes(trace: StepTrace, regions: Callable[[Any], bool]) -> int:
+    """Bytes of the storages saved for backward in the ``regions`` chosen, each storage once."""
+    return sum({key: nbytes for region, saved in trace.saved.items() if regions(region) for key, nbytes in saved.items()}.values())
+
+
 def assemble(
     trace: StepTrace, model: nn.Module, names: list[str], *, batch_size: int, device: torch.device, fake: bool, min_offload_bytes: int,
     fwd: dict[int, float], bwd: dict[int, float], heavy: dict[int, float], step_ms: float,
-    measured: Optional[dict[int, tuple[Optional[float], Optional[float], int]]] = None,
+    measured: Optional[dict[int, tuple[Optional[float], Optional[float], int, str]]] = None,
 ) -> ModelProfile:
     """A :class:`ModelProfile` from a step's trace and its times (``measured``: per segment
-    index the recompute and selective costs and the released forward's working bytes, timed and
-    measured by :mod:`.costs`)."""
+    index the recompute and selective costs, the released forward's working bytes and what
+    was refused, timed and measured by :mod:`.costs`)."""
     measured = measured or {}
     order = [names.index(name) for name in trace.order]
+    none = (None, None, -1, "")
     segments = tuple(
         dataclasses.replace(
             _segment_from_trace(trace, i, names, order, fwd_ms=fwd[i], bwd_ms=bwd[i], heavy_ms=heavy[i], min_offload_bytes=min_offload_bytes),
-            recompute_ms=measured.get(i, (None, None, -1))[0], selective_ms=measured.get(i, (None, None, -1))[1],
-            released_forward_working_bytes=measured.get(i, (None, None, -1))[2],
+            recompute_ms=measured.get(i, none)[0], selective_ms=measured.get(i, none)[1],
+            released_forward_working_bytes=measured.get(i, none)[2],
+            refused=refused_actions(measured.get(i, none)[3]) if measured.get(i, none)[3] else (),
+            refusal=measured.get(i, none)[3],
         )
         for i in order
     )
@@ -305,6 +314,8 @@ def assemble(
         h2d_bytes_per_ms=h2d,
         optimizer_peak_bytes=trace.window_peak.get("optimizer", 0),
         world_size=world_size(model),
+        total_saved_bytes=_saved_bytes(trace, lambda region: True),
+        segment_saved_bytes=_saved_bytes(trace, lambda region: isinstance(region, int) and region >= 0),
     )
 
 

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..engine.meter import DeviceMemoryMeter
 from ..engine.recompute import compute_heavy_ops
-from ..segments import resolve_modules
+from ..segments import call_name, resolve_modules, split_call
 from ..sharded import gathered_bytes, gathered_parameters, is_sharded
 from ..tensors import local_tensor
 
@@ -107,6 +107,8 @@ class StepTrace:
     marks: dict[Any, float] = field(default_factory=dict)
     #: What each segment was called with (``StepTracer(capture_inputs=True)``).
     inputs: dict[int, "CapturedCall"] = field(default_factory=dict)
+    #: Every segment by index, one per call of a module run several times (Note [A segment per call]).
+    names: list[str] = field(default_factory=list)
 
 
 #: Tensors up to this size are kept by value for re-running a segment; larger ones by shape only.
@@ -147,16 +149,20 @@ class CapturedCall:
         return cls(tree_map(keep, args), tree_map(keep, kwargs), autocast)
 
     def make(self) -> tuple[tuple, dict]:
-        """Fresh arguments: tensors that required grad require it again."""
+        """Fresh arguments: tensors that required grad require it again (outputs of a copy, not
+        leaves, as in the step: a segment may write into its input)."""
         from torch.utils._pytree import tree_map
 
         def fresh(v: Any) -> Any:
             if isinstance(v, tuple) and v and v[0] == "value":
-                return v[1].clone().requires_grad_(v[2]) if v[2] else v[1].clone()
-            if isinstance(v, tuple) and v and v[0] == "shape":
+                t, rg = v[1].clone(), v[2]
+            elif isinstance(v, tuple) and v and v[0] == "shape":
                 _, shape, dtype, device, rg = v
-                return torch.randn(shape, dtype=dtype, device=device).requires_grad_(rg)
-            return v
+                t = torch.randn(shape, dtype=dtype, device=device)
+            else:
+                return v
+            # Not a leaf, as it was not in the step: a segment may write into its input in place.
+            return t.requires_grad_(True).clone() if rg else t
 
         is_leaf = lambda v: isinstance(v, tuple) and bool(v) and v[0] in ("value", "shape")  # noqa: E731
         return tree_map(fresh, self.args, is_leaf=is_leaf), tree_map(fresh, self.kwargs, is_leaf=is_leaf)
@@ -216,9 +222,15 @@ class _Recorder:
 
     def __init__(self, model: nn.Module, names: list[str], meter: DeviceMemoryMeter, param_storages: set, fake: bool) -> None:
         self.model = model
-        self.names = names
+        #: Segment names by index: the given ones, then a call's segment for each call of a module
+        #: beyond those named (Note [A segment per call] in segments.py), in the order first run.
+        self.names = list(names)
+        self.given = len(names)
         self.index = {name: i for i, name in enumerate(names)}
         self.modules = resolve_modules(model, names)  # canonical names, compiled or not
+        #: Module name -> calls so far this step, and the indices of its calls still running.
+        self.calls: dict[str, int] = {}
+        self.running: dict[str, list[int]] = {}
         self.meter = meter
         self.param_storages = param_storages
         self.fake = fake
@@ -259,10 +271,20 @@ class _Recorder:
         self.window = window
 
     # -- forward hooks ------------------------------------------------------------------
-    def pre(self, i: int):
+    def _call_index(self, module_name: str) -> int:
+        """The segment of this call of ``module_name`` (Note [A segment per call])."""
+        call = self.calls.get(module_name, 0)
+        self.calls[module_name] = call + 1
+        name = call_name(module_name, call)
+        if name not in self.index:
+            self.index[name] = len(self.names)
+            self.names.append(name)
+        return self.index[name]
+
+    def pre(self, module_name: str):
         def hook(module, args, kwargs):
-            if i in self._exec:
-                raise ValueError(f"`segments`: segment {self.names[i]!r} ran twice in one step; segments must run once.")
+            i = self._call_index(module_name)
+            self.running.setdefault(module_name, []).append(i)
             self._exec.append(i)
             self.mark(("fs", i))
             if self.capture_inputs:
@@ -280,8 +302,9 @@ class _Recorder:
 
         return hook
 
-    def post(self, i: int):
+    def post(self, module_name: str):
         def hook(module, args, output):
+            i = self.running[module_name].pop()
             self.mark(("fe", i))
             y = _first_tensor(output)
             if y is not None and (s := _storage(y)) is not None:
@@ -289,10 +312,19 @@ class _Recorder:
                 if y.requires_grad:
                     self.handles.append(y.register_hook(self._on_bwd_start(i)))
             self.region = ("after", i)
-            if i == len(self.names) - 1:
-                self.switch("tail")
+            # Until the next segment starts: its own forward's window, or the tail's after the last
+            # call (only known at the end: ``merge_gaps``).
+            self.switch(("gap", i))
 
         return hook
+
+    def merge_gaps(self) -> None:
+        """Each ``("gap", i)`` window into segment ``i``'s forward, the last one's into the tail."""
+        last = self._exec[-1] if self._exec else None
+        peaks = self.trace.window_peak
+        for key in [k for k in peaks if isinstance(k, tuple) and k[0] == "gap"]:
+            target = "tail" if key[1] == last else ("fwd", key[1])
+            peaks[target] = max(peaks.get(target, 0), peaks.pop(key))
 
     # -- backward hooks (Note [Backward windows from tensor hooks]) ---------------------
     def _on_bwd_start(self, i: int):
@@ -370,11 +402,15 @@ class _Recorder:
         return t
 
     def install(self, params: list[torch.Tensor]) -> None:
+        hooked: set[str] = set()
         for name in self.names:
+            module_name = split_call(name)[0]
+            if module_name in hooked:
+                continue
+            hooked.add(module_name)
             module = self.modules[name]
-            i = self.index[name]
-            self.handles.append(module.register_forward_pre_hook(self.pre(i), with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self.post(i)))
+            self.handles.append(module.register_forward_pre_hook(self.pre(module_name), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self.post(module_name)))
         if self.sharded:
             self.handles.append(self.model.register_forward_pre_hook(self._root_pre))
         for p in params:
@@ -478,12 +514,14 @@ class StepTracer:
             rec.mark("end")
         rec.switch("end")
         self._close()
+        rec.merge_gaps()
         rec.offload_peaks()
         trace = rec.trace
-        missing = [self.names[i] for i in range(len(self.names)) if i not in rec._exec]
+        missing = [rec.names[i] for i in range(rec.given) if i not in rec._exec]
         if missing:
             raise ValueError(f"`segments` {missing} did not run in the profiled step.")
-        trace.order = [self.names[i] for i in rec._exec]
+        trace.order = [rec.names[i] for i in rec._exec]
+        trace.names = list(rec.names)
         trace.inputs = rec.inputs
         if rec.ops is not None:
             trace.marks = rec.resolve_marks()
@@ -532,21 +570,37 @@ def run_trace(
     return tracer.finish()
 
 
+def _timed_windows(marks: dict, n: int, end: float, fwd: dict[int, float], bwd: dict[int, float]) -> float:
+    """Each segment's forward and backward ms from one step's marks, kept if faster; ``end``."""
+    for i in range(n):
+        fwd[i] = min(fwd.get(i, float("inf")), marks[("fe", i)] - marks[("fs", i)])
+        finish = marks.get(("be", i), end)  # input without grad: the backward ends with the step
+        bwd[i] = min(bwd.get(i, float("inf")), max(finish - marks.get(("bs", i), finish), 0.0))
+    return end
+
+
 def run_timing(model: nn.Module, names: list[str], step: Callable[[], torch.Tensor], device: torch.device, *, repeats: int = 2) -> tuple[dict[int, float], dict[int, float], float]:
-    """Forward and backward milliseconds per segment, and of the whole step, from one plain step."""
+    """Forward and backward milliseconds per segment, and of the whole step, from one plain step
+    (``names`` as the trace found them: one per call of a module run several times)."""
     cuda = device.type == "cuda"
     index = {name: i for i, name in enumerate(names)}
     modules = resolve_modules(model, names)  # canonical names, compiled or not
     marks: dict[Any, float] = {}
     handles: list[Any] = []
+    calls: dict[str, int] = {}
+    running: dict[str, list[int]] = {}
 
     def now() -> float:
         if cuda:
             torch.cuda.synchronize(device)  # per-segment times need the device idle at each mark
         return time.perf_counter() * 1e3
 
-    def pre(i):
+    def pre(module_name):
         def hook(module, args):
+            call = calls.get(module_name, 0)
+            calls[module_name] = call + 1
+            i = index.get(call_name(module_name, call), -1)  # -1: a call the trace did not see
+            running.setdefault(module_name, []).append(i)
             marks[("fs", i)] = now()
             x = _first_tensor(args)
             if x is not None and x.requires_grad:
@@ -554,8 +608,9 @@ def run_timing(model: nn.Module, names: list[str], step: Callable[[], torch.Tens
 
         return hook
 
-    def post(i):
+    def post(module_name):
         def hook(module, args, output):
+            i = running[module_name].pop()
             marks[("fe", i)] = now()
             y = _first_tensor(output)
             if y is not None and y.requires_grad:
@@ -563,23 +618,19 @@ def run_timing(model: nn.Module, names: list[str], step: Callable[[], torch.Tens
 
         return hook
 
-    for name in names:
-        handles.append(modules[name].register_forward_pre_hook(pre(index[name])))
-        handles.append(modules[name].register_forward_hook(post(index[name])))
+    for module_name in dict.fromkeys(split_call(name)[0] for name in names):
+        handles.append(modules[module_name].register_forward_pre_hook(pre(module_name)))
+        handles.append(modules[module_name].register_forward_hook(post(module_name)))
     fwd: dict[int, float] = {}
     bwd: dict[int, float] = {}
     total = float("inf")
     try:
         for _ in range(repeats):  # the fastest of a few steps: the first pays for warm-up
             marks.clear()
+            calls.clear()
             start = now()
             step().backward()
-            end = now()
-            total = min(total, end - start)
-            for i in range(len(names)):
-                fwd[i] = min(fwd.get(i, float("inf")), marks[("fe", i)] - marks[("fs", i)])
-                finish = marks.get(("be", i), end)  # input without grad: the backward ends with the step
-                bwd[i] = min(bwd.get(i, float("inf")), max(finish - marks.get(("bs", i), finish), 0.0))
+            total = min(total, _timed_windows(marks, len(names), now(), fwd, bwd) - start)
     finally:
         for h in handles:
             h.remove()

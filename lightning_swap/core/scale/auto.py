@@ -132,6 +132,7 @@ class _Guard:
     bound: Optional[int] = None  # plain's bound, once a guard step began in the steady state
     least: Optional[int] = None  # the lowest-memory plan's steady peak (from the verdict)
     start: StateSizes = StateSizes()  # the state the running guard step began with
+    refused: int = 0  # the refusals its plan knew of (Note [Refused actions])
     decision: Optional[StepKind] = None
     open: bool = False
 
@@ -177,6 +178,10 @@ class AutoPlanner:
         self._guard_end: Optional[StateSizes] = None  # the state the last guard step ended with
         #: Bytes the measured peaks exceeded the predictions by, learned from the checks.
         self.correction_bytes = 0
+        #: Segment -> why its recomputation cannot run as planned, as the session's steps found
+        #: (Note [Refused actions] in ``model_profile.py``): never planned, offloaded when guarding.
+        self.refusals: dict[str, str] = {}
+        self._refusals_planned = 0  # how many of them the last plan knew of
 
     @property
     def check_pending(self) -> bool:
@@ -186,7 +191,7 @@ class AutoPlanner:
     # -- what the next step does ---------------------------------------------------------
     def next_step(self, step: StepInputs) -> StepKind:
         """The decision table (Note [Auto: observe, plan, check])."""
-        if self.budget_bytes is None:
+        if self.budget_bytes is None or not self.segments:
             return StepKind.PLAN if self._plan_due else StepKind.RUN
         batch = step.batch
         if self._adopt_shape:  # a profile made elsewhere (a batch-size search): this batch's shape
@@ -200,8 +205,8 @@ class AutoPlanner:
         if self._scalable and batch.size != self._planned_batch:
             self._planned_batch = batch.size
             return StepKind.PLAN  # a profile measured at two batch sizes rescales (Note [Batch scaling])
-        if self._plan_due or self._check_pending:
-            return StepKind.PLAN
+        if self._plan_due or self._check_pending or len(self.refusals) != self._refusals_planned:
+            return StepKind.PLAN  # ... or a segment refused an action since (Note [Refused actions])
         if step.state.signature != self._signature:
             self._signature = step.state.signature
             if step.state.total_bytes > self._planned_state:
@@ -222,7 +227,8 @@ class AutoPlanner:
         if self._guard is None or not self._guard.covers(step.batch):
             self._guard = _Guard(step.batch)
         self._guard.start, self._guard.decision, self._guard.open = step.state, None, True
-        return Plan(actions={name: Action.RECOMPUTE_OFFLOAD for name in self.segments})
+        self._guard.refused = len(self.refusals)  # recomputation refused: offloaded (Note [Refused actions])
+        return Plan(actions={name: Action.OFFLOAD if name in self.refusals else Action.RECOMPUTE_OFFLOAD for name in self.segments})
 
     def guard_backward_done(self, peak_bytes: int) -> None:
         """The guard step's peak up to the end of its backward (its optimizer step not yet run)."""
@@ -275,8 +281,13 @@ class AutoPlanner:
 
     def take_verdict(self, verdict: Verdict) -> None:
         """Every process, with the main process's verdict."""
-        self._guard.decision, self._guard.least = verdict.decision, verdict.least_bytes
-        if verdict.decision is StepKind.RUN:
+        decision = verdict.decision
+        if decision is StepKind.RUN and len(self.refusals) > self._guard.refused:
+            # A segment refused the recomputation the guard plan gave it (it ran on a copy of its
+            # input): guard once more with it offloaded, and keep that plan (Note [Refused actions]).
+            decision = StepKind.GUARD
+        self._guard.decision, self._guard.least = decision, verdict.least_bytes
+        if decision is StepKind.RUN:
             log.info(
                 "lightning-swap: plain training may need up to %s, over the budget of %s: every segment stays "
                 "recompute_offload (measured %s) rather than observe a step that would not fit.",
@@ -336,7 +347,8 @@ class AutoPlanner:
         """The plan for the steps to come (the main process; the session broadcasts it).
         ``measured_peak_bytes``: the newest step's measured peak, the check of the plan applied
         last when one is pending."""
-        if self.budget_bytes is None:
+        self._refusals_planned = len(self.refusals)
+        if self.budget_bytes is None or not self.segments:
             return Plan(actions={name: Action.KEEP for name in self.segments})
         grown = state.total_bytes > self._planned_state
         if self._check_pending and self._current is not None and self._current.predicted_peak_bytes is not None:
@@ -372,7 +384,7 @@ class AutoPlanner:
     def _solve(self, state: StateSizes) -> Plan:
         """The fastest plan within the budget less what the checks learned."""
         budget, window = self.budget_bytes, dict(copy_window_of(self.config), actions=self.actions)
-        profile = self.steady_profile(state)
+        profile = self.steady_profile(state).refusing(self.refusals)
         if self._scalable and self._planned_batch != profile.batch_size:
             profile = profile.at_batch(self._planned_batch)
         effective = budget - self.correction_bytes

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..actions import Action, allowed_actions, resolve_policy
 from ..config import SwapConfig
-from ..decide.plan import Plan
+from ..decide.plan import Plan, format_bytes
 from ..engine.streams import SyncOps, Timing
 from ..engine.unified.memory import UnifiedMemory
 from ..errors import is_out_of_memory
@@ -33,7 +33,7 @@ from ..measure.profiler import profile as profile_step
 from ..measure.timeline import Timeline
 from ..runtime.runtime import SwapRuntime
 from ..runtime.stats import StatsHistory, StepRecord, StepStats
-from ..segments import find_segments, resolve_modules
+from ..segments import describe_segments, find_segments, resolve_modules, split_call
 from ..sharded import units_inside
 from ..tensors import device_budget_bytes, normalize_device, tensors_in
 from .auto import AutoPlanner, BatchKey, StepInputs, StepKind
@@ -59,6 +59,18 @@ def _largest_rows(gathered: list[Any]) -> Optional[tuple[Any, ...]]:
             recomputed_bytes=max(r.recomputed_bytes for r in column), added_ms=max(r.added_ms for r in column),
         ))
     return tuple(largest)
+
+
+def _log_segments(names: list[str], *, found: bool) -> None:
+    """What the model was cut into, once per session (Note [Finding the blocks])."""
+    how = "found automatically" if found else "as named by `segments`"
+    if not names:
+        log.warning(
+            "lightning-swap: no segments %s: the model trains as it would without the library. Name its blocks "
+            "with `segments=[BlockClass]` or `segments=['qualified.name', ...]` to plan for them.", how,
+        )
+        return
+    log.info("lightning-swap: %d segments %s: %s", len(names), how, describe_segments(names))
 
 
 def _observed_record(profile: Any) -> StepRecord:
@@ -92,6 +104,11 @@ class SwapSession:
         self.unified = unified
         self.collectives = collectives
         self.segments = find_segments(model, None if config.segments is None else list(config.segments))
+        _log_segments(self.segments, found=config.segments is None)
+        #: Segment name -> why its recomputation cannot run as planned, from every runtime of
+        #: this session (Note [Refused actions] in ``model_profile.py``): what ``auto`` leaves out.
+        self.refusals: dict[str, str] = {}
+        self._coverage_logged = False
         self._budget_bytes = config.budget_bytes if config.budget_bytes is not None else device_budget_bytes(self.device)
         self._grads_freed = grads_freed_before_backward
         self.plan: Optional[Plan] = None
@@ -110,11 +127,28 @@ class SwapSession:
         self._observed_call: Optional[tuple[Any, Any, tuple]] = None
         #: ``policy="auto"``'s decisions (Note [Auto: observe, plan, check]); ``None`` for a forced policy.
         self.auto = self._new_planner() if config.is_auto else None
+        self._measured_logged = False
+        if self.auto is not None and self._budget_bytes is None and self.segments and collectives.is_main:
+            self.warn_no_budget()  # now, before training starts: not in the middle of a progress bar
 
     def _new_planner(self) -> AutoPlanner:
-        return AutoPlanner(
+        planner = AutoPlanner(
             budget_bytes=self._budget_bytes, segments=self.segments, config=self.config,
             grads_freed_before_backward=self._grads_freed, actions=self.allowed_actions(),
+        )
+        planner.refusals = self.refusals  # the session's, as its steps find them (Note [Refused actions])
+        return planner
+
+    def note_profile(self, profile: Optional[ModelProfile]) -> None:
+        """Log once how much of a step's saved bytes the segments cover (Note [Finding the blocks])."""
+        coverage = profile.coverage() if profile is not None else None
+        if self._coverage_logged or coverage is None:
+            return
+        self._coverage_logged = True
+        log.info(
+            "lightning-swap: the %d segments hold %s of the %s a step saves for backward (%.0f%%); the rest "
+            "(what runs outside them: stem, head, loss) is kept", len(profile.segments), format_bytes(profile.segment_saved_bytes),
+            format_bytes(profile.total_saved_bytes), 100 * coverage,
         )
 
     @property
@@ -224,8 +258,9 @@ class SwapSession:
 
     def _received(self, plan: Plan) -> Plan:
         """``plan`` from the main process, checked against this process's segments."""
-        # the planner lists segments in execution order, the forced plan in the model's order
-        if sorted(plan.segments) != sorted(self.segments):
+        # the planner lists segments in execution order, the forced plan in the model's order; a
+        # module run several times is a segment per call (Note [A segment per call])
+        if sorted({split_call(name)[0] for name in plan.segments}) != sorted(self.segments):
             raise ValueError(
                 f"this process cut the model into segments {list(self.segments)}, but the main process "
                 f"planned {list(plan.segments)}; every process must build the same model."
@@ -260,6 +295,7 @@ class SwapSession:
             profile = max_profile(self.collectives.gather(observed.finish()))
             self.auto.finish_observe(profile)
             self.records.add(_observed_record(profile))
+            self.note_profile(profile)
         self._observed_call = None
 
     def abort_step(self) -> None:
@@ -385,6 +421,7 @@ class SwapSession:
         )
         runtime.install()
         self.runtime, self.plan = runtime, plan
+        self._measured_logged = False
         if self.config.log_plan:
             log.info("lightning-swap plan (%s):\n%s", plan.summary(), plan.render())
         return plan
@@ -419,7 +456,22 @@ class SwapSession:
             return None
         self.last_stats = self.runtime.end_step()
         self.records.add(self.runtime.records.newest_record())
+        for name, why in self.runtime.refusals.items():
+            self.refusals.setdefault(name, why)
+        self._log_measured_plan()
         return self.last_stats
+
+    def _log_measured_plan(self) -> None:
+        """A plan without numbers (a forced policy's, every segment kept) becomes the plan its first
+        step measured (Note [Measured rows]); with ``log_plan`` it is logged again, with them."""
+        if self._measured_logged or not self.runtime.measure_rows or self.plan is None or self.plan.rows:
+            return
+        measured = self.runtime.measured_plan(wait=False)  # None until the device has finished it
+        if measured is not None:
+            self._measured_logged = True
+            self.plan = measured
+            if self.config.log_plan:
+                log.info("lightning-swap plan (%s), measured in its first step:\n%s", measured.summary(), measured.render())
 
     def stats(self, *, wait: bool = False) -> Optional[StepStats]:
         """The newest step whose device times are known; ``wait=True`` (outside a step) waits
