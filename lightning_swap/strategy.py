@@ -213,7 +213,7 @@ class _SwapStrategyMixin:
 
     def _swap_collectives(self) -> Collectives:
         """How the ranks agree (plans, verdicts, the batch-size search): Lightning's broadcast
-        from rank 0 and its reductions."""
+        from rank 0 and its reductions, every rank's profile gathered."""
         device = self.root_device
 
         def reduce(value: float, op: str) -> float:
@@ -224,6 +224,7 @@ class _SwapStrategyMixin:
             broadcast=lambda obj: self.broadcast(obj, src=0),
             reduce_max=lambda value: reduce(value, "max"),
             reduce_min=lambda value: int(reduce(value, "min")),
+            gather=_gather_objects,
         )
 
     def profile_step_fn(self) -> Any:
@@ -238,12 +239,17 @@ class _SwapStrategyMixin:
             # As Lightning runs it (its precision context: autocast under "bf16-mixed"), with
             # ``self.log`` silenced: a profiled call is not a training step to report.
             with _silenced_logging(module), precision.train_step_context():
-                loss = module.training_step(batch, 0)
+                loss = self._profiled_training_step(module, batch)
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
             return loss
 
         return step_fn
+
+    def _profiled_training_step(self, module: Any, batch: Any) -> Any:
+        """The user's ``training_step`` as the profiler calls it (a strategy whose wrapper must
+        run around it says how)."""
+        return module.training_step(batch, 0)
 
     def _log_plan(self, plan: Plan, why: str = "") -> None:
         """The plan as one block: through the progress bar when one is drawing (as
@@ -443,6 +449,15 @@ class _SwapStrategyMixin:
         super().teardown()
 
 
+def _gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (one process: ``[obj]``)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered
+
+
 def _optimizer_states(optimizers: Any) -> list:
     return [optimizer.state for optimizer in optimizers]
 
@@ -582,6 +597,19 @@ def _pytorch_lightning() -> Any:
 
 #: The strategies' own options beside ``SwapConfig``'s fields (Note [One option table]).
 _ADAPTER_OPTIONS = ("log_stats", "report")
+
+
+def swap_options(options: dict[str, Any]) -> tuple[SwapConfig, dict[str, Any]]:
+    """The strategies' swap keyword arguments (Note [One option table]) as given to
+    ``with_cpu_swap``: the ``SwapConfig`` and the adapter's own options, defaults filled in;
+    a name that is neither is a ``ValueError`` listing the allowed ones."""
+    names = {f.name for f in fields(SwapConfig)}
+    unknown = sorted(set(options) - names - set(_ADAPTER_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown cpu_swap options {unknown}; allowed: {sorted(names | set(_ADAPTER_OPTIONS))}.")
+    params = inspect.signature(_SwapStrategyMixin.__init__).parameters
+    adapter = {k: options.get(k, params[k].default) for k in _ADAPTER_OPTIONS}
+    return SwapConfig(**{k: v for k, v in options.items() if k in names}), adapter
 
 
 def _check_option_table() -> None:

@@ -41,6 +41,11 @@ the module it wraps, names never contain ``_orig_mod``, and :func:`resolve_modul
 to the live module (the wrapped one, whose ``forward`` the runtime replaces). Names therefore
 stay the same whether the user compiles before, after, or not at all, and a policy written for
 the eager model applies to the compiled one. ``module.compile()`` changes no name.
+FSDP1's ``FullyShardedDataParallel`` (its child ``_fsdp_wrapped_module``) and torch's
+``checkpoint_wrapper`` (``_checkpoint_wrapped_module``) are looked through the same way: a
+block Lightning's ``FSDPStrategy`` wrapped is still ``model.blocks.0``, and the segment is the
+user's module inside, whose forward runs once its unit's parameters are gathered. FSDP2's
+``fully_shard`` wraps nothing (it changes the module's class in place), so names never move.
 """
 
 from __future__ import annotations
@@ -63,16 +68,29 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList)
 
 
 _WRAPPED = "_orig_mod"
+#: (module defining the wrapper class, its name, the child holding the wrapped module).
+_WRAPPERS = (
+    ("torch._dynamo.eval_frame", "OptimizedModule", _WRAPPED),
+    ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel", "_fsdp_wrapped_module"),
+    ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "ActivationWrapper", "_checkpoint_wrapped_module"),
+)
+_WRAPPED_PARTS = frozenset(child for _, _, child in _WRAPPERS)
+
+
+def _wrapper_child(module: nn.Module) -> str | None:
+    # No wrapper can exist before its module is imported: do not import it here.
+    for where, cls_name, child in _WRAPPERS:
+        cls = getattr(sys.modules.get(where), cls_name, None)
+        if cls is not None and isinstance(module, cls):
+            return child
+    return None
 
 
 def unwrap_compiled(module: nn.Module) -> nn.Module:
-    """The module a ``torch.compile`` wrapper (``OptimizedModule``) holds; ``module`` itself if
-    it is not one (Note [Canonical segment names])."""
-    # No OptimizedModule can exist before torch._dynamo is imported: do not import it here.
-    dynamo = sys.modules.get("torch._dynamo.eval_frame")
-    optimized = getattr(dynamo, "OptimizedModule", None)
-    while optimized is not None and isinstance(module, optimized):
-        module = module._orig_mod
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``), an FSDP1 wrapper or a
+    ``checkpoint_wrapper`` holds; ``module`` itself if it is none (Note [Canonical segment names])."""
+    while (child := _wrapper_child(module)) is not None:
+        module = getattr(module, child)
     return module
 
 
@@ -95,8 +113,9 @@ def split_call(name: str) -> tuple[str, int]:
 
 
 def canonical_name(name: str) -> str:
-    """``name`` without the ``_orig_mod`` parts ``torch.compile`` wrappers add."""
-    return ".".join(part for part in name.split(".") if part != _WRAPPED)
+    """``name`` without the parts wrappers add (``_orig_mod``, ``_fsdp_wrapped_module``,
+    ``_checkpoint_wrapped_module``)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPED_PARTS)
 
 
 def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

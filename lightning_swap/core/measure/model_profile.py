@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional
 from ..actions import Action
 from ..segments import split_call
 
-__all__ = ["ModelProfile", "SegmentProfile"]
+__all__ = ["ModelProfile", "SegmentProfile", "max_profile"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +70,11 @@ class SegmentProfile:
     #: segment under them (:mod:`.costs`); ``None``: estimated from the forward's time.
     recompute_ms: Optional[float] = None
     selective_ms: Optional[float] = None
+    #: Under FSDP: bytes of the parameters gathered while this segment computes (its unit's, on
+    #: this rank), freed again after its forward and gathered anew for its backward; part of
+    #: every window's measured base whatever the plan (Note [Sharded state is local] in
+    #: ``sharded.py``). 0 for a model that is not sharded.
+    gathered_parameter_bytes: int = 0
     #: Actions this segment did not run as planned when tried (Note [Refused actions]): the
     #: planner never gives it one of them. ``refusal`` says why, for the log.
     refused: tuple[Action, ...] = ()
@@ -132,6 +137,9 @@ class ModelProfile:
     #: Peak bytes of the optimizer step (after the backward), when the profiled step included
     #: it (a real step observed by the adapters): foreach AdamW's parameter-sized temporaries.
     optimizer_peak_bytes: int = 0
+    #: Processes the model is sharded over (FSDP); every byte above is this process's own
+    #: (Note [Sharded state is local] in ``sharded.py``), so a budget is per process.
+    world_size: int = 1
     #: Bytes of every storage the step saved for backward, in the segments or not (parameters
     #: excluded): what the segments' ``saved_bytes`` are a part of (Note [Finding the blocks]
     #: in ``segments.py``); -1: not known.
@@ -242,3 +250,46 @@ class ModelProfile:
             reference=dataclasses.replace(self, reference=None),
             **top,
         )
+
+
+def _largest(values: list[Any]) -> Any:
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    if isinstance(known[0], bool):
+        return any(known)
+    if isinstance(known[0], (int, float)):
+        return max(known)
+    if isinstance(known[0], tuple):  # refused actions: refused on any process, refused
+        return tuple(dict.fromkeys(a for v in known for a in v))
+    if any(v != known[0] for v in known):
+        raise ValueError(f"`profiles` disagree on a value every process must share: {known}.")
+    return known[0]
+
+
+def max_profile(profiles: "list[ModelProfile]") -> "ModelProfile":
+    """One profile from the same step measured on several processes (Note [Observe every rank]
+    in ``observe.py``): every byte count and time the largest any process measured, every
+    yes/no true if it was true on any (the conservative reading; they agree when the processes
+    run the same model), names and kinds as they all have them (a ``ValueError`` if they do not:
+    the processes cut the model differently). One process's profile is itself."""
+    profiles = list(profiles)
+    if not profiles:
+        raise ValueError("`profiles` is empty.")
+    first = profiles[0]
+    if len(profiles) == 1:
+        return first
+    if any(len(p.segments) != len(first.segments) for p in profiles):
+        raise ValueError(f"`profiles` have different numbers of segments: {[len(p.segments) for p in profiles]}.")
+    segments = tuple(
+        SegmentProfile(**{
+            f.name: next((s.refusal for s in column if s.refusal), "") if f.name == "refusal"
+            else _largest([getattr(s, f.name) for s in column])
+            for f in dataclasses.fields(SegmentProfile)
+        })
+        for column in zip(*(p.segments for p in profiles))
+    )
+    refs = [p.reference for p in profiles]
+    top = {f.name: _largest([getattr(p, f.name) for p in profiles]) for f in dataclasses.fields(ModelProfile) if f.name not in ("segments", "reference")}
+    reference = max_profile(refs) if all(r is not None for r in refs) else None
+    return ModelProfile(segments=segments, reference=reference, **top)

@@ -11,6 +11,16 @@ context, the user's own loss and optimizer step included) and observe it
 (:mod:`.costs`, no user code), and the plan for the steps that follow is solved from that
 profile, shifted to the steady state (Note [Steady-state shift] in ``profiler.py``). The user's
 step runs exactly as often as in plain training.
+
+Note [Observe every rank]: under FSDP every process runs every collective of the step (the
+gathers of each unit's parameters, the gradients' reduce-scatters), so nothing that runs the
+model may run on one process alone: the segments of a sharded model are not timed on their own
+afterwards (``time_actions`` is off: recomputation is priced from the forward's time, and a
+forward's working set without saved tensors is taken as the kept one's, which never
+under-predicts: on CPU an offloading segment's forward is priced up to its saved bytes over,
+measured 5% of the peak on the tests' GPT at batch 8), and every process observes the same step. What each measured is its own (its
+shards, the units it gathered); the plan is made from the largest of every process's
+measurements (:func:`~.model_profile.max_profile`), so it fits the fullest rank.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from .profiler import assemble
 from ..tensors import tensors_in
 from ..engine.streams import StreamOps, default_ops
 from .trace import StepTracer
+from ..sharded import is_sharded
 
 __all__ = ["ObservedStep"]
 
@@ -65,12 +76,12 @@ class ObservedStep:
         self.batch_size = infer_batch_size(batch)
         self.ops = ops if ops is not None else default_ops(device)
         self.modules = modules if modules is not None else dict(model.named_modules())
-        self.time_actions = time_actions
+        self.time_actions = time_actions and not is_sharded(model)  # Note [Observe every rank]
         params = list(model.parameters())
         static = [*params, *model.buffers(), *(p.grad for p in params if p.grad is not None), *tensors_in([batch, track])]
         self.tracer = StepTracer(
             model, self.names, device=device, static=static, params=params, fake=False,
-            min_offload_bytes=min_offload_bytes, ops=self.ops, capture_inputs=time_actions,
+            min_offload_bytes=min_offload_bytes, ops=self.ops, capture_inputs=self.time_actions,
         )
         self.open = False
         self.backward_over = False

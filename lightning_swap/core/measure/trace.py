@@ -37,6 +37,8 @@ from torch.utils._pytree import tree_leaves
 from ..engine.meter import DeviceMemoryMeter
 from ..engine.recompute import compute_heavy_ops
 from ..segments import call_name, resolve_modules, split_call
+from ..sharded import gathered_bytes, gathered_parameters, is_sharded
+from ..tensors import local_tensor
 
 __all__ = ["CapturedCall", "StepTrace", "StepTracer", "run_trace", "run_timing"]
 
@@ -51,6 +53,7 @@ def _first_tensor(value: Any) -> Optional[torch.Tensor]:
 
 
 def _storage(t: torch.Tensor) -> Optional[torch.UntypedStorage]:
+    t = local_tensor(t)  # a shard's bytes (Note [Sharded state is local])
     if t.layout != torch.strided:
         return None
     try:
@@ -98,6 +101,8 @@ class StepTrace:
     est_all_ms: dict[Any, float] = field(default_factory=lambda: defaultdict(float))
     static_bytes: int = 0
     peak_bytes: int = 0
+    #: Bytes of the parameters FSDP gathered for each segment's forward (a sharded model only).
+    gathered_bytes: dict[int, int] = field(default_factory=dict)
     #: Milliseconds from the step's start to each segment boundary (``StepTracer`` with ``ops``).
     marks: dict[Any, float] = field(default_factory=dict)
     #: What each segment was called with (``StepTracer(capture_inputs=True)``).
@@ -243,6 +248,7 @@ class _Recorder:
         self.capture_inputs = False
         self.inputs: dict[int, "CapturedCall"] = {}
         self._bwd_ops: dict[int, list[tuple[int, set]]] = {}
+        self.sharded = is_sharded(model)
 
     def mark(self, key: Any) -> None:
         if self.ops is not None:
@@ -286,6 +292,8 @@ class _Recorder:
             self.switch(("fwd", i))
             self.trace.fwd_start_bytes[i] = self.meter.current_bytes
             self.region = i
+            if self.sharded:
+                self._gathered(module, i)
             x = _first_tensor(args)
             if x is not None and (s := _storage(x)) is not None:
                 self.trace.input_key[i] = (self.keys.key(s), s.nbytes())
@@ -375,6 +383,17 @@ class _Recorder:
                 if estimate > self.trace.offload_bwd_peak.get(i, 0):
                     self.trace.offload_bwd_peak[i] = estimate
 
+    def _gathered(self, module: nn.Module, i: Optional[int] = None) -> None:
+        """FSDP gathered these parameters just now (its hook runs before ours): they are not
+        saved activations, and their bytes are the segment's (Note [Sharded state is local])."""
+        tensors = [t for t in gathered_parameters(module) if t.layout == torch.strided]
+        self.param_storages.update(id(t.untyped_storage()) for t in tensors)
+        if i is not None:
+            self.trace.gathered_bytes[i] = gathered_bytes(tensors)
+
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        self._gathered(module)  # the root unit's parameters, saved by the head and the embedding
+
     # -- saved tensors ------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         s = _storage(t)
@@ -392,6 +411,8 @@ class _Recorder:
             module = self.modules[name]
             self.handles.append(module.register_forward_pre_hook(self.pre(module_name), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self.post(module_name)))
+        if self.sharded:
+            self.handles.append(self.model.register_forward_pre_hook(self._root_pre))
         for p in params:
             if p.requires_grad and p.grad is None:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))

@@ -71,6 +71,7 @@ from ..engine.offload import OffloadEngine
 from ..decide.plan import Plan
 from ..engine.recompute import RecomputeTimer, checkpointed
 from ..segments import resolve_modules, split_call, unwrap_compiled
+from ..sharded import gathered_parameters, units_inside
 from ..engine.streams import Timing, default_ops
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, UMMode, check_inflight_segments, check_min_offload_bytes
 from ..tensors import ModuleHook, normalize_device, on_backward_start, tensors_in
@@ -136,6 +137,25 @@ def _prefetch_for(device: torch.device, prefetch_segments: Optional[int]) -> int
     return prefetch_segments
 
 
+def _checked_actions(plan: Plan) -> Mapping[str, Action]:
+    for name, action in plan.actions.items():
+        if not isinstance(action, Action):
+            raise ValueError(f"`plan` action for {name!r} must be an Action; got {action!r}.")
+    return plan.actions
+
+
+def _check_selective(plan: Plan, modules: Mapping[str, nn.Module]) -> None:
+    """Note [Selective around FSDP hooks]: no ``SELECTIVE`` on a segment holding an FSDP unit."""
+    for name, action in plan.actions.items():
+        units = units_inside(modules[name]) if action is Action.SELECTIVE else []
+        if units:
+            raise ValueError(
+                f"`plan`: segment {name!r} is selective but holds FSDP units of its own ({units}); their hooks run inside "
+                "the selective region, which torch's selective checkpointing cannot replay (Note [Selective around FSDP "
+                "hooks]). Use 'recompute' for it, or shard the block as one unit."
+            )
+
+
 class SwapRuntime:
     """Applies ``plan`` (or a mapping from segment name to action) to ``model``.
 
@@ -165,12 +185,10 @@ class SwapRuntime:
         self.device = normalize_device(device)
         self.prefetch_segments = _prefetch_for(self.device, prefetch_segments)
         self.inflight_segments = check_inflight_segments(inflight_segments)
-        for name, action in self.plan.actions.items():
-            if not isinstance(action, Action):
-                raise ValueError(f"`plan` action for {name!r} must be an Action; got {action!r}.")
         # Canonical names (Note [Canonical segment names]); a call's segment is its module's.
-        self._calls = SegmentCalls(self.plan.actions)
+        self._calls = SegmentCalls(_checked_actions(self.plan))
         self._modules = resolve_modules(model, [*self.plan.actions, *self._calls.groups], field="plan")
+        _check_selective(self.plan, self._modules)
         self._names = list(self.plan.actions)
         #: Note [Measured rows]: a plan without predicted rows gets rows measured in its first step.
         self.measure_rows = not self.plan.rows
@@ -377,7 +395,7 @@ class SwapRuntime:
                 with engine.hooks(index):
                     return forward(*args, **kwargs)
 
-            return _SegmentForward(module, self._also_direct(offloaded, index))
+            return _SegmentForward(module, self._also_direct(offloaded, index, module))
         outer = (lambda: engine.hooks(index)) if action is Action.RECOMPUTE_OFFLOAD else None
         fn = checkpointed(
             module, forward, action, self.timer, outer=outer, name=self._names[index], compiled=compiled, on_refuse=self._refused,
@@ -390,7 +408,7 @@ class SwapRuntime:
                 return forward(*args, **kwargs)
             return fn(*args, **kwargs)
 
-        return _SegmentForward(module, self._also_direct(recomputed_offloaded, index))
+        return _SegmentForward(module, self._also_direct(recomputed_offloaded, index, module))
 
     def _user_recomputes(self, index: int) -> bool:
         """Note [A user's checkpoint inside a segment]."""
@@ -410,7 +428,7 @@ class SwapRuntime:
             )
         return True
 
-    def _also_direct(self, fn: Any, index: int) -> Any:
+    def _also_direct(self, fn: Any, index: int, module: nn.Module) -> Any:
         """Note [Direct forward calls]: ``block.forward(x)`` skips the module's forward hooks,
         which bound what is in flight and trigger the prefetch; the segment's own forward then
         does what they would have done."""
@@ -418,16 +436,18 @@ class SwapRuntime:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if index in self._in_call or torch._C._current_graph_task_id() != -1:
                 return fn(*args, **kwargs)
-            self._segment_started()
+            self._segment_started(module)
             output = fn(*args, **kwargs)
             self._segment_ended(output)
             return output
 
         return forward
 
-    def _segment_started(self) -> None:
+    def _segment_started(self, module: nn.Module) -> None:
         if torch.is_grad_enabled():
             self.engine.segment_started()
+            # FSDP gathered this segment's parameters just now (its hooks run first): never offloaded.
+            self.engine.segment_parameters(gathered_parameters(module))
 
     def _segment_ended(self, output: Any) -> None:
         engine = self.engine
@@ -448,7 +468,7 @@ class SwapRuntime:
             i = index() if callable(index) else index
             if i is not None:
                 self._in_call.add(i)
-            self._segment_started()
+            self._segment_started(module)
 
         return ModuleHook(hook)
 

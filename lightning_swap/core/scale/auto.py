@@ -8,8 +8,9 @@ Note [Auto: observe, plan, check]: before every training step the session asks
   step runs under the lowest-memory plan, measured (Note [Observe only what fits]); after it
   the main process decides for every process (``VERDICT``, broadcast) what comes next;
 - ``OBSERVE``: the guard steps bound plain's peak within the budget: the step runs with every
-  segment kept and the main process observes it (Note [Observe, do not re-run] in
-  ``observe.py``);
+  segment kept and every process observes it (Note [Observe, do not re-run] in
+  ``observe.py``; the profiles merge by their largest values: Note [Decide from the largest
+  measurement] in ``collectives.py``);
 - ``PLAN``: a plan is due: the first step after an observation (the profile is shifted to the
   state alive now, Note [Steady-state shift]), the step after a new plan's first step (the
   check below), or the gradients and optimizer state grew;
@@ -17,7 +18,7 @@ Note [Auto: observe, plan, check]: before every training step the session asks
 
 The answer depends only on what every data-parallel process sees alike (batch shapes, the
 order of steps, the sizes of gradients and optimizer state), so all enter the plan's broadcast
-together; the main process alone solves.
+together; the main process alone solves, from the largest of every process's measurements.
 
 The check: the first step under a new plan is measured. If its peak exceeded the prediction,
 the difference is learned (the model misses allocator rounding, workspaces, ...: it only grows)
@@ -151,9 +152,11 @@ class AutoPlanner:
 
     def __init__(
         self, *, budget_bytes: Optional[int], segments: Sequence[str], config: SwapConfig = SwapConfig(),
-        grads_freed_before_backward: bool = False,
+        grads_freed_before_backward: bool = False, actions: Optional[Sequence[Action]] = None,
     ) -> None:
         self.budget_bytes = budget_bytes
+        #: The actions plans may use (``None``: all; Note [Selective around FSDP hooks]).
+        self.actions = None if actions is None else tuple(actions)
         self.segments = tuple(segments)
         self.config = config
         self.grads_freed_before_backward = grads_freed_before_backward
@@ -303,14 +306,15 @@ class AutoPlanner:
 
     # -- observing ------------------------------------------------------------------------
     def begin_observe(self, step: StepInputs) -> None:
-        """Every process, as the observed step begins (the main process traces it): what was
-        observed is recorded everywhere, so that all take the same decisions afterwards."""
+        """Every process, as the observed step begins (each traces it): what was observed is
+        recorded everywhere, so that all take the same decisions afterwards."""
         self._plan_due, self._check_pending = True, False
         self._profile_shape, self._profile_batch = step.batch.shape, step.batch.size
         self._observing, self._observed_state = step.batch, step.state
 
     def finish_observe(self, profile: ModelProfile) -> None:
-        """The main process: the observed step's profile, which the next plans are solved from."""
+        """Every process: the observed step's profile (the largest over the processes), which the
+        next plans are solved from."""
         self.set_profile(profile, self._observing)
 
     def set_profile(self, profile: ModelProfile, batch: Optional[BatchKey], *, steady: bool = False) -> None:
@@ -379,7 +383,7 @@ class AutoPlanner:
 
     def _solve(self, state: StateSizes) -> Plan:
         """The fastest plan within the budget less what the checks learned."""
-        budget, window = self.budget_bytes, copy_window_of(self.config)
+        budget, window = self.budget_bytes, dict(copy_window_of(self.config), actions=self.actions)
         profile = self.steady_profile(state).refusing(self.refusals)
         if self._scalable and self._planned_batch != profile.batch_size:
             profile = profile.at_batch(self._planned_batch)

@@ -27,13 +27,14 @@ from ..decide.plan import Plan, format_bytes
 from ..engine.streams import SyncOps, Timing
 from ..engine.unified.memory import UnifiedMemory
 from ..errors import is_out_of_memory
-from ..measure.model_profile import ModelProfile
+from ..measure.model_profile import ModelProfile, max_profile
 from ..measure.observe import ObservedStep
 from ..measure.profiler import profile as profile_step
 from ..measure.timeline import Timeline
 from ..runtime.runtime import SwapRuntime
 from ..runtime.stats import StatsHistory, StepRecord, StepStats
 from ..segments import describe_segments, find_segments, resolve_modules, split_call
+from ..sharded import units_inside
 from ..tensors import device_budget_bytes, normalize_device, tensors_in
 from .auto import AutoPlanner, BatchKey, StepInputs, StepKind
 from .collectives import Collectives
@@ -44,6 +45,20 @@ __all__ = ["SwapSession"]
 
 
 log = logging.getLogger(__name__)
+
+
+def _largest_rows(gathered: list[Any]) -> Optional[tuple[Any, ...]]:
+    """Every process's measured rows (``None`` where one measured none) as one: per segment the
+    largest bytes kept, offloaded and recomputed (Note [Decide from the largest measurement])."""
+    if any(rows is None for rows in gathered) or not gathered:
+        return None
+    largest = []
+    for column in zip(*gathered):
+        largest.append(replace(
+            column[0], kept_bytes=max(r.kept_bytes for r in column), offloaded_bytes=max(r.offloaded_bytes for r in column),
+            recomputed_bytes=max(r.recomputed_bytes for r in column), added_ms=max(r.added_ms for r in column),
+        ))
+    return tuple(largest)
 
 
 def _log_segments(names: list[str], *, found: bool) -> None:
@@ -106,7 +121,7 @@ class SwapSession:
         self._warned_no_budget = False
         self._state: Optional[StateSizes] = None
         self._guard_states: Any = None
-        #: The step being observed (the main process), and (batch, states, RNG state) of the
+        #: The step being observed (every process), and (batch, states, RNG state) of the
         #: step observed last (every process: Note [The observed step does not fit]).
         self.observation: Optional[ObservedStep] = None
         self._observed_call: Optional[tuple[Any, Any, tuple]] = None
@@ -119,7 +134,7 @@ class SwapSession:
     def _new_planner(self) -> AutoPlanner:
         planner = AutoPlanner(
             budget_bytes=self._budget_bytes, segments=self.segments, config=self.config,
-            grads_freed_before_backward=self._grads_freed,
+            grads_freed_before_backward=self._grads_freed, actions=self.allowed_actions(),
         )
         planner.refusals = self.refusals  # the session's, as its steps find them (Note [Refused actions])
         return planner
@@ -190,7 +205,7 @@ class SwapSession:
             self.apply(self.auto.begin_guard(step))
             self._guard_states = states
             self.begin_step(track, measure=True)
-        elif kind is StepKind.OBSERVE:  # the other processes run the same step plainly
+        elif kind is StepKind.OBSERVE:  # every process observes (Note [Decide from the largest measurement])
             self._begin_observe(batch, track, states, step)
         else:
             if kind is StepKind.PLAN:
@@ -218,21 +233,23 @@ class SwapSession:
         self.remove()
         self.plan = None
         self.auto.begin_observe(step)
-        if self.collectives.is_main:
-            self.observation = ObservedStep(
-                self.model, list(self.segments), device=self.device, batch=batch, track=track,
-                min_offload_bytes=self.config.min_offload_bytes, modules=self.modules,
-            ).begin()
+        self.observation = ObservedStep(
+            self.model, list(self.segments), device=self.device, batch=batch, track=track,
+            min_offload_bytes=self.config.min_offload_bytes, modules=self.modules,
+        ).begin()
         self._observed_call = (batch, states, rng_state(self.device))
 
     def _plan(self, step: StepInputs) -> None:
         """A plan solved on the main process, applied on every process."""
 
+        newest = self.records.newest()
+        # The check reads the fullest process's peak (Note [Decide from the largest measurement]).
+        peak = self.collectives.largest(newest.peak_device_bytes if newest is not None else None)
+
         def solve() -> Plan:
             if self._budget_bytes is None:
                 self.warn_no_budget()
-            newest = self.records.newest()
-            return self.auto.plan(step.state, newest.peak_device_bytes if newest is not None else None)
+            return self.auto.plan(step.state, peak)
 
         plan = self._received(self.collectives.on_main(solve))
         if plan != self.plan:  # by value: other processes get a new object each time
@@ -265,8 +282,9 @@ class SwapSession:
         if self.auto is not None and self.auto.guarding and self.runtime is not None:
             stats = self.records.newest()
             measured = self.runtime.measured_plan(wait=True)
+            rows = _largest_rows(self.collectives.gather(measured.rows if measured else None))
             self.auto.end_guard(
-                stats.peak_device_bytes if stats is not None else None, measured.rows if measured else None,
+                self.collectives.largest(stats.peak_device_bytes if stats is not None else None), rows,
                 self._state_sizes(self._guard_states),
             )
             self._guard_states = None
@@ -274,7 +292,7 @@ class SwapSession:
                 self.plan = measured
         if self.observation is not None:
             observed, self.observation = self.observation, None
-            profile = observed.finish()
+            profile = max_profile(self.collectives.gather(observed.finish()))
             self.auto.finish_observe(profile)
             self.records.add(_observed_record(profile))
             self.note_profile(profile)
@@ -363,11 +381,16 @@ class SwapSession:
         )
 
     def allowed_actions(self) -> Optional[tuple[Action, ...]]:
-        """The actions the planner may use: all for ``"auto"``, the one for a single forced action.
+        """The actions the planner may use: all for ``"auto"`` (but ``SELECTIVE`` when a segment
+        holds FSDP units of its own: Note [Selective around FSDP hooks]), the one for a single
+        forced action.
 
         A per-segment mapping cannot be re-planned at another batch size: ``ValueError``
         (:func:`~lightning_swap.core.actions.allowed_actions`)."""
-        return allowed_actions(self.config.policy)
+        allowed = allowed_actions(self.config.policy)
+        if allowed is None and any(units_inside(m) for m in self.modules.values()):
+            return tuple(a for a in Action if a is not Action.SELECTIVE)
+        return allowed
 
     def reset(self) -> None:
         """Remove the runtime and forget the plan and the steps measured so far (a batch-size
@@ -419,7 +442,7 @@ class SwapSession:
         """The loss's backward is over (what follows, the optimizer step, is its own window in
         an observed step)."""
         if self.auto is not None and self.auto.guarding and self.runtime is not None and self.runtime.measuring:
-            self.auto.guard_backward_done(self.runtime.meter.peak_bytes)
+            self.auto.guard_backward_done(self.collectives.largest(self.runtime.meter.peak_bytes))
         if self.observation is not None and not self.observation.backward_over:
             self.observation.backward_done()
 
