@@ -69,6 +69,11 @@ def _allowed(actions: Optional[Iterable[Action]]) -> tuple[Action, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def _runs(profile: ModelProfile, plan: Iterable[Action]) -> bool:
+    """No segment gets an action it refused (Note [Refused actions] in model_profile.py)."""
+    return all(a not in s.refused for s, a in zip(profile.segments, plan))
+
+
 class _Transitions:
     """Per-transition numbers of the cost model, precomputed for the DP (Note [Deep copy windows])."""
 
@@ -79,6 +84,8 @@ class _Transitions:
         k = len(acts)
         self.overlap = profile.copies_overlap
         self.prefetch, self.inflight = window
+        #: Note [Refused actions] in model_profile.py: what each segment may run.
+        self.allowed = [[a not in s.refused for a in acts] for s in segs]
         self.copies = [[copied_bytes(s, a) for a in acts] for s in segs]
         #: The most any allowed action copies, per segment: the bound for segments the state forgot.
         self.most = [max(row) for row in self.copies]
@@ -171,6 +178,8 @@ def _dp(chain: _Transitions, budget: Optional[int], fixed_peak: int, *, minimise
         new: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
         for pi, (kept, score) in fronts.items():
             for ai in range(k):
+                if not chain.allowed[i][ai]:
+                    continue
                 need = kept + np.maximum(chain.fwd_need[i, pi, ai], chain.bwd_need[i, pi, ai])
                 ok = need <= limit
                 if not ok.any():
@@ -212,12 +221,16 @@ def _min_peak_plan(profile: ModelProfile, costs: SegmentCosts, chain: _Transitio
     (Note [Deep copy windows]) the least of it and the uniform plans, as simulated."""
     acts, window = chain.acts, (chain.prefetch, chain.inflight)
     result = _dp(chain, None, costs.fixed_peak_bytes, minimise_peak=True, max_states=max_states)
-    assert result is not None  # without a budget every plan is allowed
+    if result is None:  # without a budget every plan is allowed, unless a segment refused them all
+        stuck = [f"{s.name} ({s.refusal})" for s, ok in zip(profile.segments, chain.allowed) if not any(ok)]
+        raise ValueError(f"`actions` {[a.value for a in acts]}: no allowed action runs on segment(s) {stuck}.")
     picks = [acts[a] for a in result[0]]
     best = (picks, simulate(profile, picks, costs, prefetch_segments=window[0], inflight_segments=window[1]))
     if not chain.exact:
         for action in acts:
             uniform = [action] * chain.n
+            if not _runs(profile, uniform):
+                continue
             candidate = simulate(profile, uniform, costs, prefetch_segments=window[0], inflight_segments=window[1])
             if candidate.peak_bytes < best[1].peak_bytes:
                 best = (uniform, candidate)
@@ -266,7 +279,7 @@ def _fastest_fitting(
     if best is None and not chain.exact:
         candidates.append(_min_peak_plan(profile, costs, chain, max_states)[0])
     for plan in candidates:
-        if best is not None and plan == best[0]:
+        if (best is not None and plan == best[0]) or not _runs(profile, plan):
             continue
         candidate = simulate(profile, plan, costs, **window)
         if candidate.peak_bytes <= budget_bytes and (best is None or candidate.step_ms < best[1].step_ms - 1e-9):
@@ -333,6 +346,8 @@ def brute_force(
     costs = segment_costs(profile)
     best = None
     for combo in itertools.product(acts, repeat=len(profile.segments)):
+        if not _runs(profile, combo):
+            continue
         pred = simulate(profile, combo, costs, prefetch_segments=prefetch_segments, inflight_segments=inflight_segments)
         if pred.peak_bytes <= budget_bytes and (best is None or pred.step_ms < best[1] - 1e-9):
             best = (combo, pred.step_ms, pred.peak_bytes)

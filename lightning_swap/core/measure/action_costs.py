@@ -11,7 +11,10 @@ time, timed with events on the compute stream. ``RECOMPUTE`` reruns the forward:
 the kept forward's time (Note [An action is never free] in ``decide/costmodel.py``), and the
 steady state's measurements re-price it (Note [Re-plan from the steady state] in
 ``scale/auto.py``). Each run costs a segment's step, so the runs are few: Note [Planning costs
-a few steps] in ``observe.py``.
+a few steps] in ``observe.py``. What the runs find a segment cannot do is refused for planning
+(Note [Refused actions] in ``model_profile.py``): a write into its input, heard by the wrapper
+(every recomputing action), or an action that fails (``SELECTIVE`` alone, or, when ``RECOMPUTE``
+run once after it fails too, every recomputing action).
 
 Note [Timing a segment leaves no trace]: the model's buffers (BatchNorm statistics) and the
 RNG state are restored afterwards, gradients are taken with ``torch.autograd.grad`` so no
@@ -47,6 +50,7 @@ from ..actions import Action
 from ..engine.recompute import RecomputeTimer, checkpointed
 from ..engine.streams import StreamOps, Timing
 from ..compiled import is_compiled
+from .model_profile import SELECTIVE_REFUSAL
 from .trace import CapturedCall, StepTrace, StepTracer
 
 __all__ = ["ActionCosts", "measure_action_costs", "measure_released_working", "trace_alone"]
@@ -68,6 +72,9 @@ class ActionCosts:
     selective_ms: Optional[float]
     released_working_bytes: int = -1
     alone: Optional[StepTrace] = None
+    #: Why an action cannot run on this segment as planned, "" if all ran (Note [Refused actions]
+    #: in ``model_profile.py``): the first refusal seen.
+    refusal: str = ""
 
 
 def measure_released_working(module: nn.Module, call: CapturedCall, device: torch.device) -> int:
@@ -144,19 +151,52 @@ def trace_alone(module: nn.Module, call: CapturedCall, device: torch.device, *, 
     return tracer.finish()
 
 
-def _timed(module: nn.Module, forward: Any, call: CapturedCall, ops: StreamOps, runs: int, warm: bool) -> Optional[tuple[float, float]]:
+def _timed(
+    module: nn.Module, forward: Any, call: CapturedCall, ops: StreamOps, runs: int, warm: bool, failed: Optional[list[str]] = None,
+) -> Optional[tuple[float, float]]:
     """The median (forward ms, backward ms) of ``runs`` runs (after one warm-up if ``warm``);
-    ``None`` when the action cannot run here."""
+    ``None`` when the action cannot run here (why, appended to ``failed``)."""
     try:
         if warm:
             _run(module, forward, call, ops)
         timed = [_run(module, forward, call, ops) for _ in range(runs)]
-    except Exception as exc:  # noqa: BLE001 - an action that cannot run here is not timed
+    except Exception as exc:  # noqa: BLE001 - an action that cannot run here is not timed, nor planned
         log.debug("timing %s failed: %s", getattr(module, "_get_name", lambda: "segment")(), exc)
+        if failed is not None:
+            failed.append(f"{type(exc).__name__}: {exc}")
         return None
     # Medians, not minima: a minimum of a shared machine's timings is its luckiest run, and a
     # lucky KEEP against an unlucky RECOMPUTE misprices both (issue 20).
     return statistics.median(r[0] for r in timed), statistics.median(r[1] for r in timed)
+
+
+def _worst(refusals: list[str]) -> str:
+    """The refusal that rules out most: one of every recomputing action over selective's alone."""
+    broad = [r for r in refusals if not r.startswith(SELECTIVE_REFUSAL)]
+    return (broad or refusals or [""])[0]
+
+
+def _refusals(name: str, module: nn.Module, call: CapturedCall, ops: StreamOps, warm: bool) -> tuple[Optional[tuple[float, float]], list[str]]:
+    """``SELECTIVE`` run once through the runtime's own wrapper: (its (forward ms, backward ms),
+    ``None`` where it failed; the refusals heard). Note [Refused actions] in ``model_profile.py``:
+    a write into the segment's input is heard by the wrapper (every recomputing action refused);
+    where selective fails, ``RECOMPUTE`` is run once too, to tell a failure of selective alone
+    from one of every recomputing action (their only run: recomputation is priced, not timed)."""
+    timer, refusals, failed = RecomputeTimer(ops), [], []
+
+    def refuse(segment: str, why: str) -> None:
+        refusals.append(why)
+
+    def wrapped(action: Action) -> Any:
+        return checkpointed(module, module.forward, action, timer, name=name, on_refuse=refuse)
+
+    selective = _timed(module, wrapped(Action.SELECTIVE), call, ops, 1, warm, failed)
+    if selective is None and failed:
+        recomputed: list[str] = []
+        if _timed(module, wrapped(Action.RECOMPUTE), call, ops, 1, False, recomputed) is None and recomputed:
+            refusals.append(f"recompute failed: {recomputed[0]}"[:300])
+        refusals.append(f"{SELECTIVE_REFUSAL} selective failed: {failed[0]}"[:300])
+    return selective, refusals
 
 
 def _segment_costs(
@@ -164,12 +204,12 @@ def _segment_costs(
     alone: bool, min_offload_bytes: int,
 ) -> Optional[ActionCosts]:
     """One segment's :class:`ActionCosts` (Note [Planning costs a few steps] in ``observe.py``):
-    kept, the median of ``repeats`` runs; ``SELECTIVE`` once, after them; ``RECOMPUTE`` not run:
-    it reruns the forward, and is priced from the kept forward (Note [An action is never free])."""
+    kept, the median of ``repeats`` runs; ``SELECTIVE`` once, after them (and what it refused:
+    :func:`_refusals`); ``RECOMPUTE`` priced from the kept forward (Note [An action is never free])."""
     keep = _timed(module, module.forward, call, ops, repeats, warm)
     if keep is None:
         return None
-    selective = _timed(module, checkpointed(module, module.forward, Action.SELECTIVE, RecomputeTimer(ops)), call, ops, 1, warm)
+    selective, refusals = _refusals(name, module, call, ops, warm)
     try:
         working = measure_released_working(module, call, device)
     except Exception as exc:  # noqa: BLE001
@@ -184,7 +224,7 @@ def _segment_costs(
             return None
     return ActionCosts(
         keep[0], keep[1], recompute_ms=keep[0], selective_ms=None if selective is None else max(0.0, sum(selective) - sum(keep)),
-        released_working_bytes=working, alone=traced,
+        released_working_bytes=working, alone=traced, refusal=_worst(refusals),
     )
 
 
@@ -218,10 +258,11 @@ def measure_action_costs(
         for name, call in calls.items():
             # Note [Planning costs a few steps]: identical blocks (a transformer's) cost the same;
             # one of each is run.
-            key = (repr(modules[name]), _shapes(modules[name]), call.signature(), name in alone)
+            module = modules[name]  # a call's segment (``name#1``) is its module's: Note [A segment per call]
+            key = (type(module), repr(module), _shapes(module), call.signature(), name in alone)
             if key not in measured:
                 measured[key] = _segment_costs(
-                    name, modules[name], call, ops, device, repeats=repeats, warm=warm, alone=name in alone,
+                    name, module, call, ops, device, repeats=repeats, warm=warm, alone=name in alone,
                     min_offload_bytes=min_offload_bytes,
                 )
             if measured[key] is not None:

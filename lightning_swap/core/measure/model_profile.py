@@ -3,15 +3,26 @@ step, one :class:`SegmentProfile` per segment.
 
 The planner (``decide/``) reads profiles and nothing else of ``measure/``. Note [Batch scaling]
 and Note [Steady-state shift] describe how a profile is moved to another batch size or state.
+
+Note [Refused actions]: ``auto`` never plans an action for a segment that has not run as planned
+there. Each segment's recomputing actions are tried on it after the observed step (``.costs``:
+one that raises is refused), and the runtime reports what it found in real steps (a segment
+that writes into its input, a compiled segment's selective: ``SwapRuntime.refusals``); the
+session keeps those and :meth:`ModelProfile.refusing` marks them on the profile before each
+plan, so the solver leaves them out for that segment only. The lowest-memory plan of a guard
+step offloads a segment whose recomputation is refused instead of recomputing it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
-__all__ = ["ModelProfile", "SegmentProfile"]
+from ..actions import Action
+from ..segments import split_call
+
+__all__ = ["ModelProfile", "SegmentProfile", "max_profile"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +70,28 @@ class SegmentProfile:
     #: segment under them (:mod:`.costs`); ``None``: estimated from the forward's time.
     recompute_ms: Optional[float] = None
     selective_ms: Optional[float] = None
+    #: Under FSDP: bytes of the parameters gathered while this segment computes (its unit's, on
+    #: this rank), freed again after its forward and gathered anew for its backward; part of
+    #: every window's measured base whatever the plan (Note [Sharded state is local] in
+    #: ``sharded.py``). 0 for a model that is not sharded.
+    gathered_parameter_bytes: int = 0
+    #: Actions this segment did not run as planned when tried (Note [Refused actions]): the
+    #: planner never gives it one of them. ``refusal`` says why, for the log.
+    refused: tuple[Action, ...] = ()
+    refusal: str = ""
+
+
+#: Note [Refused actions]: a segment that writes into its input cannot be recomputed from it
+#: as it was (it is, from a copy, at the copy's cost, so the planner leaves recomputation out);
+#: a compiled segment's selective recomputes everything (Note [Selective under compile]).
+_RECOMPUTING = (Action.RECOMPUTE, Action.SELECTIVE, Action.RECOMPUTE_OFFLOAD)
+SELECTIVE_REFUSAL = "selective:"
+
+
+def refused_actions(why: str) -> tuple[Action, ...]:
+    """The actions a refusal rules out: ``SELECTIVE`` alone for one that starts with
+    :data:`SELECTIVE_REFUSAL`, else every recomputing action."""
+    return (Action.SELECTIVE,) if why.startswith(SELECTIVE_REFUSAL) else _RECOMPUTING
 
 
 _SCALED_INT_FIELDS = tuple(
@@ -109,10 +142,42 @@ class ModelProfile:
     #: [The tail opens holding the last input] in ``trace.py``; used by ``decide/under_plan.py``).
     tail_start_bytes: int = -1
     tail_rest_bytes: int = -1
+    #: Processes the model is sharded over (FSDP); every byte above is this process's own
+    #: (Note [Sharded state is local] in ``sharded.py``), so a budget is per process.
+    world_size: int = 1
+    #: Bytes of every storage the step saved for backward, in the segments or not (parameters
+    #: excluded): what the segments' ``saved_bytes`` are a part of (Note [Finding the blocks]
+    #: in ``segments.py``); -1: not known.
+    total_saved_bytes: int = -1
+    #: The part of those saved while a segment's forward ran (each storage once): the segments'
+    #: coverage is ``segment_saved_bytes / total_saved_bytes`` (:meth:`coverage`); -1: not known.
+    segment_saved_bytes: int = -1
+
+    def coverage(self) -> Optional[float]:
+        """The fraction of the step's saved bytes that the segments hold (Note [Finding the blocks]
+        in ``segments.py``); ``None`` when not measured."""
+        if self.total_saved_bytes <= 0 or self.segment_saved_bytes < 0:
+            return None
+        return min(self.segment_saved_bytes / self.total_saved_bytes, 1.0)
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.segments)
+
+    def refusing(self, refusals: Mapping[str, str]) -> "ModelProfile":
+        """This profile with the actions ``refusals`` (segment name -> why) rule out
+        (Note [Refused actions]); a name without a call number covers every call of its module."""
+        if not refusals:
+            return self
+        segments = []
+        for seg in self.segments:
+            why = refusals.get(seg.name) or refusals.get(split_call(seg.name)[0])
+            if why:
+                refused = tuple(dict.fromkeys(seg.refused + refused_actions(why)))
+                seg = dataclasses.replace(seg, refused=refused, refusal=seg.refusal or why)
+            segments.append(seg)
+        reference = self.reference.refusing(refusals) if self.reference is not None else None
+        return dataclasses.replace(self, segments=tuple(segments), reference=reference)
 
     @property
     def copies_overlap(self) -> bool:
@@ -196,6 +261,9 @@ class ModelProfile:
             f: line(getattr(self, f), getattr(ref, f))
             for f in ("static_bytes", "prefix_forward_peak_bytes", "prefix_backward_peak_bytes", "tail_peak_bytes", "peak_bytes")
         }
+        for f in ("total_saved_bytes", "segment_saved_bytes"):
+            if getattr(self, f) >= 0 and getattr(ref, f) >= 0:
+                top[f] = line(getattr(self, f), getattr(ref, f))
         return dataclasses.replace(
             self,
             segments=tuple(segments),
@@ -206,3 +274,46 @@ class ModelProfile:
             reference=dataclasses.replace(self, reference=None),
             **top,
         )
+
+
+def _largest(values: list[Any]) -> Any:
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    if isinstance(known[0], bool):
+        return any(known)
+    if isinstance(known[0], (int, float)):
+        return max(known)
+    if isinstance(known[0], tuple):  # refused actions: refused on any process, refused
+        return tuple(dict.fromkeys(a for v in known for a in v))
+    if any(v != known[0] for v in known):
+        raise ValueError(f"`profiles` disagree on a value every process must share: {known}.")
+    return known[0]
+
+
+def max_profile(profiles: "list[ModelProfile]") -> "ModelProfile":
+    """One profile from the same step measured on several processes (Note [Observe every rank]
+    in ``observe.py``): every byte count and time the largest any process measured, every
+    yes/no true if it was true on any (the conservative reading; they agree when the processes
+    run the same model), names and kinds as they all have them (a ``ValueError`` if they do not:
+    the processes cut the model differently). One process's profile is itself."""
+    profiles = list(profiles)
+    if not profiles:
+        raise ValueError("`profiles` is empty.")
+    first = profiles[0]
+    if len(profiles) == 1:
+        return first
+    if any(len(p.segments) != len(first.segments) for p in profiles):
+        raise ValueError(f"`profiles` have different numbers of segments: {[len(p.segments) for p in profiles]}.")
+    segments = tuple(
+        SegmentProfile(**{
+            f.name: next((s.refusal for s in column if s.refusal), "") if f.name == "refusal"
+            else _largest([getattr(s, f.name) for s in column])
+            for f in dataclasses.fields(SegmentProfile)
+        })
+        for column in zip(*(p.segments for p in profiles))
+    )
+    refs = [p.reference for p in profiles]
+    top = {f.name: _largest([getattr(p, f.name) for p in profiles]) for f in dataclasses.fields(ModelProfile) if f.name not in ("segments", "reference")}
+    reference = max_profile(refs) if all(r is not None for r in refs) else None
+    return ModelProfile(segments=segments, reference=reference, **top)

@@ -26,6 +26,20 @@ runs each (about twelve steps' worth). Now: plain three times (a median), ``SELE
 bytes) and, under a plan, one traced run of each segment the plan does not keep — a few steps'
 worth; the steady state's measurements correct the prices afterwards (Note [Re-plan from the
 steady state] in ``scale/auto.py``).
+
+Note [Observe every rank]: under FSDP every process runs every collective of the step (the
+gathers of each unit's parameters, the gradients' reduce-scatters), so nothing that runs the
+model may run on one process alone: the segments of a sharded model are not timed on their own
+afterwards (``time_actions`` is off: recomputation is priced from the forward's time, and a
+forward's working set without saved tensors is taken as the kept one's, which never
+under-predicts: on CPU an offloading segment's forward is priced up to its saved bytes over,
+measured 5% of the peak on the tests' GPT at batch 8), nor measured alone (Note [A segment
+measured alone]: so a guard step is not observed under its plan there, and plain's peak is
+bounded from the guard's measurements instead: Note [Observe only what fits] in
+``scale/auto.py``), and every process observes the same step. What each measured is its own
+(its shards, the units it gathered); the plan is made from the largest of every process's
+measurements (:func:`~.model_profile.max_profile`), so it fits the fullest rank. Without FSDP
+every process observes too, and measures its segments alone on its own.
 """
 
 from __future__ import annotations
@@ -40,10 +54,13 @@ import torch
 from torch import nn
 
 from ..actions import Action
+from ..compiled import compile_context, is_compiled
 from ..engine.streams import StreamOps, default_ops
+from ..segments import split_call
+from ..sharded import is_sharded
 from ..tensors import infer_batch_size, tensors_in
 from .action_costs import ActionCosts, measure_action_costs
-from .model_profile import ModelProfile
+from .model_profile import SELECTIVE_REFUSAL, ModelProfile
 from .profiler import assemble
 from .trace import StepTrace, StepTracer
 
@@ -88,14 +105,14 @@ class ObservedStep:
         self.batch_size = infer_batch_size(batch)
         self.ops = ops if ops is not None else default_ops(device)
         self.modules = modules if modules is not None else dict(model.named_modules())
-        self.time_actions = time_actions
+        self.time_actions = time_actions and not is_sharded(model)  # Note [Observe every rank]
         self.under = None if under is None else dict(under)
         self.costs = costs
         params = list(model.parameters())
         static = [*params, *model.buffers(), *(p.grad for p in params if p.grad is not None), *tensors_in([batch, track])]
         self.tracer = StepTracer(
             model, self.names, device=device, static=static, params=params, fake=False,
-            min_offload_bytes=min_offload_bytes, ops=self.ops, capture_inputs=time_actions,
+            min_offload_bytes=min_offload_bytes, ops=self.ops, capture_inputs=self.time_actions,
         )
         self.open = False
         self.backward_over = False
@@ -131,14 +148,32 @@ class ObservedStep:
 
     @property
     def acting(self) -> list[str]:
-        """The segments the step's plan does not keep (none for a plain step)."""
-        return [n for n in self.names if self.under is not None and self.under.get(n, Action.KEEP) is not Action.KEEP]
+        """The segments the step's plan does not keep (none for a plain step), one per call of a
+        module run several times (Note [A segment per call]: a plan may name the module alone)."""
+        under = self.under
+        if under is None:
+            return []
+        names = self.trace.names if self.trace is not None else self.names
+        return [n for n in names if under.get(n, under.get(split_call(n)[0], Action.KEEP)) is not Action.KEEP]
+
+    def _modules_of(self, names: list[str]) -> dict[str, nn.Module]:
+        return {name: self.modules.get(name) or self.modules[split_call(name)[0]] for name in names}
+
+    def _compiled(self, name: str) -> str:
+        """Note [Selective under compile]: a compiled segment's selective is refused for planning."""
+        module_name = split_call(name)[0]
+        module = self.modules.get(module_name)
+        if compile_context(self.model, module_name) is not None or (module is not None and is_compiled(module)):
+            return f"{SELECTIVE_REFUSAL} compiled, it would recompute everything (Note [Selective under compile])"
+        return ""
 
     def finish(self) -> Optional[ModelProfile]:
         """Close the trace, time each segment's actions (unless ``costs`` were given), and build
         the profile; ``None`` when a segment the plan does not keep could not be measured alone."""
         self.close()
-        trace, n = self.trace, len(self.names)
+        trace = self.trace
+        names = trace.names  # one per call of a module run several times (Note [A segment per call])
+        n = len(names)
         marks = trace.marks
         end = marks.get("end", 0.0)
         fwd = {i: max(marks.get(("fe", i), 0.0) - marks.get(("fs", i), 0.0), 0.0) for i in range(n)}
@@ -147,30 +182,30 @@ class ObservedStep:
         # step's measured time (StepStats.step_ms) covers it.
         outside = max(marks.get("stop", end) - sum(fwd.values()) - sum(bwd.values()), 0.0)
         if self.costs is None and self.time_actions and trace.inputs:
-            calls = {self.names[i]: call for i, call in trace.inputs.items()}
+            calls = {names[i]: call for i, call in trace.inputs.items()}
             self.costs = measure_action_costs(
-                self.model, self.modules, calls, self.ops, device=self.device, alone=self.acting,
+                self.model, self._modules_of(names), calls, self.ops, device=self.device, alone=self.acting,
                 min_offload_bytes=self.min_offload_bytes,
             )
         costs = self.costs or {}
         if any(costs.get(name) is None or costs[name].alone is None for name in self.acting):
             log.debug("observed a step under a plan, but not every segment it does not keep was measured alone")
             return None
-        measured: dict[int, tuple[Optional[float], Optional[float], int]] = {}
-        for i, name in enumerate(self.names):
+        measured: dict[int, tuple[Optional[float], Optional[float], int, str]] = {}
+        for i, name in enumerate(names):
             c = costs.get(name)
             if c is not None:
                 fwd[i], bwd[i] = c.forward_ms, c.backward_ms
-                measured[i] = (c.recompute_ms, c.selective_ms, c.released_working_bytes)
+                measured[i] = (c.recompute_ms, c.selective_ms, c.released_working_bytes, c.refusal or self._compiled(name))
         alone = {name: costs[name].alone for name in self.acting}
-        _splice_alone(trace, {self.names.index(name): own for name, own in alone.items()})
+        _splice_alone(trace, {names.index(name): own for name, own in alone.items()})
         heavy = {i: fwd[i] * trace.heavy_op_ms.get(i, 0.0) / max(trace.all_op_ms.get(i, 0.0), 1e-9) for i in range(n)}
         step_ms = outside + sum(fwd.values()) + sum(bwd.values())
         profile = assemble(
-            trace, self.model, self.names, batch_size=self.batch_size, device=self.device, fake=False,
+            trace, self.model, names, batch_size=self.batch_size, device=self.device, fake=False,
             min_offload_bytes=self.min_offload_bytes, fwd=fwd, bwd=bwd, heavy=heavy, step_ms=step_ms, measured=measured,
         )
-        profile = _with_alone_working(profile, trace, self.names, alone)
+        profile = _with_alone_working(profile, trace, names, alone)
         log.debug("observed a step at batch %d: peak %d bytes, %.1f ms", self.batch_size, profile.peak_bytes, step_ms)
         return profile
 

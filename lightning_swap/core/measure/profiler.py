@@ -34,8 +34,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ..engine.meter import host_allocation, mark_host
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
 from ..segments import SegmentSpec, find_segments, resolve_modules
-from ..tensors import infer_batch_size, loss_of, storage_bytes
-from .model_profile import _SCALED_INT_FIELDS, _SCALED_MS_FIELDS, ModelProfile, SegmentProfile
+from ..sharded import is_sharded, like_shard, world_size
+from ..tensors import infer_batch_size, local_tensor, loss_of, storage_bytes
+from .model_profile import _SCALED_INT_FIELDS, _SCALED_MS_FIELDS, ModelProfile, SegmentProfile, refused_actions
 from .trace import StepTrace, run_timing, run_trace
 from .action_costs import measure_released_working
 
@@ -168,6 +169,7 @@ def _segment_from_trace(trace: StepTrace, i: int, names: list[str], order: list[
         output_small=out_bytes < max(min_offload_bytes, 1),
         output_heavy=out_key is not None and out_key in heavy and out_bytes > 0,
         output_held_elsewhere=out_bytes > 0 and held_elsewhere(out_key, {i, nxt} if output_to_next else {i}),
+        gathered_parameter_bytes=trace.gathered_bytes.get(i, 0),
     )
 
 
@@ -190,9 +192,10 @@ class _Snapshot:
             self.grads = []
             for p in self.model.parameters():
                 saved = None
-                if p.grad is not None:
-                    saved = p.grad.detach().to("cpu", copy=True)
+                if p.grad is not None:  # a shard's local tensor (Note [Sharded state is local])
+                    saved = local_tensor(p.grad).detach().to("cpu", copy=True)
                     mark_host(saved)
+                    saved = (saved, like_shard(p.grad))
                 self.grads.append((p, saved))
         self.rng = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
         self.rng.__enter__()
@@ -204,7 +207,7 @@ class _Snapshot:
             for b, saved in self.buffers:
                 b.copy_(saved)
             for p, saved in self.grads:
-                p.grad = None if saved is None else saved.to(p.device, copy=True)
+                p.grad = None if saved is None else saved[1](saved[0].to(local_tensor(p).device, copy=True))
 
 
 def _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_offload_bytes) -> StepTrace:
@@ -241,11 +244,13 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
     measured: dict[int, tuple[None, None, int]] = {}
     with _Snapshot(model, device):
         trace = _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_offload_bytes)
+        names = trace.names  # one per call of a module run several times (Note [A segment per call])
         if not fake:
             fwd, bwd, step_ms = run_timing(model, names, lambda: loss_of(step_fn(model, batch)), device)
             modules = resolve_modules(model, names)  # canonical names, compiled or not
-            for i, call in trace.inputs.items():  # Note [A forward that does not keep]
-                measured[i] = (None, None, measure_released_working(modules[names[i]], call, device))
+            # Note [A forward that does not keep]; never a sharded segment alone: Note [Observe every rank].
+            for i, call in trace.inputs.items() if not is_sharded(model) else ():
+                measured[i] = (None, None, measure_released_working(modules[names[i]], call, device), "")
             trace.inputs = {}
     n = len(names)
     if fake:
@@ -260,21 +265,29 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
                     fwd=fwd, bwd=bwd, heavy=heavy, step_ms=step_ms, measured=measured)
 
 
+def _saved_bytes(trace: StepTrace, regions: Callable[[Any], bool]) -> int:
+    """Bytes of the storages saved for backward in the ``regions`` chosen, each storage once."""
+    return sum({key: nbytes for region, saved in trace.saved.items() if regions(region) for key, nbytes in saved.items()}.values())
+
+
 def assemble(
     trace: StepTrace, model: nn.Module, names: list[str], *, batch_size: int, device: torch.device, fake: bool, min_offload_bytes: int,
     fwd: dict[int, float], bwd: dict[int, float], heavy: dict[int, float], step_ms: float,
-    measured: Optional[dict[int, tuple[Optional[float], Optional[float], int]]] = None,
+    measured: Optional[dict[int, tuple[Optional[float], Optional[float], int, str]]] = None,
 ) -> ModelProfile:
     """A :class:`ModelProfile` from a step's trace and its times (``measured``: per segment
-    index the recompute and selective costs and the released forward's working bytes, timed and
-    measured by :mod:`.costs`)."""
+    index the recompute and selective costs, the released forward's working bytes and what
+    was refused, timed and measured by :mod:`.costs`)."""
     measured = measured or {}
     order = [names.index(name) for name in trace.order]
+    none = (None, None, -1, "")
     segments = tuple(
         dataclasses.replace(
             _segment_from_trace(trace, i, names, order, fwd_ms=fwd[i], bwd_ms=bwd[i], heavy_ms=heavy[i], min_offload_bytes=min_offload_bytes),
-            recompute_ms=measured.get(i, (None, None, -1))[0], selective_ms=measured.get(i, (None, None, -1))[1],
-            released_forward_working_bytes=measured.get(i, (None, None, -1))[2],
+            recompute_ms=measured.get(i, none)[0], selective_ms=measured.get(i, none)[1],
+            released_forward_working_bytes=measured.get(i, none)[2],
+            refused=refused_actions(measured.get(i, none)[3]) if measured.get(i, none)[3] else (),
+            refusal=measured.get(i, none)[3],
         )
         for i in order
     )
@@ -302,6 +315,9 @@ def assemble(
         d2h_bytes_per_ms=d2h,
         h2d_bytes_per_ms=h2d,
         optimizer_peak_bytes=trace.window_peak.get("optimizer", 0),
+        world_size=world_size(model),
+        total_saved_bytes=_saved_bytes(trace, lambda region: True),
+        segment_saved_bytes=_saved_bytes(trace, lambda region: isinstance(region, int) and region >= 0),
     )
 
 
@@ -325,7 +341,9 @@ def profile(
     model does not own (optimizer state), counted as the runtime's ``begin_step(track=)`` does.
     ``fake=True`` measures memory without arithmetic (Note [Fake-mode times are estimates]);
     ``scale=True`` also fake-measures twice the batch so :meth:`ModelProfile.at_batch` works.
-    ``min_offload_bytes`` must match the runtime's.
+    ``min_offload_bytes`` must match the runtime's. A sharded (FSDP) model is profiled for
+    real only, on every process at once (each runs the same collectives): Note [Observe every
+    rank] in ``observe.py``.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"`model` must be an nn.Module; got {type(model).__name__}.")
@@ -339,6 +357,7 @@ def profile(
         device = first.device if first is not None else torch.device("cpu")
     device = torch.device(device)
     names = find_segments(model, segments)
+    _check_fake(model, fake)
     step_fn = step_fn or _default_step
     track = [t for t in tree_leaves(list(track)) if isinstance(t, torch.Tensor)]
     rates = _compute_rates(device) if fake or scale else (1.0, 1.0)
@@ -351,7 +370,7 @@ def profile(
     if scale:
         big = 2 * batch_size
         bigger = _resize(batch, batch_size, big)
-        fake_big = _try_fake(lambda: build(bigger, big, True), lambda: None)
+        fake_big = None if is_sharded(model) else _try_fake(lambda: build(bigger, big, True), lambda: None)
         if fake_big is None:  # Note [Fake mode is an optimisation]
             ref = build(bigger, big, False)
         elif result.fake:
@@ -362,6 +381,14 @@ def profile(
         result = dataclasses.replace(result, reference=ref)
     log.debug("profiled %d segments at batch %d in %.2f s (fake=%s)", len(names), batch_size, time.perf_counter() - start, fake)
     return result
+
+
+def _check_fake(model: nn.Module, fake: bool) -> None:
+    if fake and is_sharded(model):
+        raise ValueError(
+            "`fake`: a sharded (FSDP) model cannot be profiled on fake tensors (its forward gathers parameters from the "
+            "other processes); profile it with fake=False, on every process at once."
+        )
 
 
 def _fake_unsupported(exc: BaseException) -> bool:

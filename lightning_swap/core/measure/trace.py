@@ -36,7 +36,9 @@ from torch.utils._pytree import tree_leaves
 
 from ..engine.meter import DeviceMemoryMeter
 from ..engine.recompute import compute_heavy_ops
-from ..segments import resolve_modules
+from ..segments import call_name, resolve_modules, split_call
+from ..sharded import gathered_bytes, gathered_parameters, is_sharded
+from ..tensors import local_tensor
 
 __all__ = ["CapturedCall", "StepTrace", "StepTracer", "run_trace", "run_timing"]
 
@@ -51,6 +53,7 @@ def _first_tensor(value: Any) -> Optional[torch.Tensor]:
 
 
 def _storage(t: torch.Tensor) -> Optional[torch.UntypedStorage]:
+    t = local_tensor(t)  # a shard's bytes (Note [Sharded state is local])
     if t.layout != torch.strided:
         return None
     try:
@@ -100,12 +103,16 @@ class StepTrace:
     peak_bytes: int = 0
     #: Bytes alive as the tail opens (Note [The tail opens holding the last input]).
     tail_start_bytes: int = -1
+    #: Bytes of the parameters FSDP gathered for each segment's forward (a sharded model only).
+    gathered_bytes: dict[int, int] = field(default_factory=dict)
     #: Milliseconds from the step's start to each segment boundary (``StepTracer`` with ``ops``).
     marks: dict[Any, float] = field(default_factory=dict)
     #: What each segment was called with (``StepTracer(capture_inputs=True)``).
     inputs: dict[int, "CapturedCall"] = field(default_factory=dict)
     #: Segments whose input is alive before the step (the batch): never saved by the step.
     static_inputs: set[int] = field(default_factory=set)
+    #: Every segment by index, one per call of a module run several times (Note [A segment per call]).
+    names: list[str] = field(default_factory=list)
 
 
 #: Tensors up to this size are kept by value for re-running a segment; larger ones by shape only.
@@ -161,16 +168,20 @@ class CapturedCall:
         return (str(spec), tuple(part(v) for v in leaves), self.autocast)
 
     def make(self) -> tuple[tuple, dict]:
-        """Fresh arguments: tensors that required grad require it again."""
+        """Fresh arguments: tensors that required grad require it again (outputs of a copy, not
+        leaves, as in the step: a segment may write into its input)."""
         from torch.utils._pytree import tree_map
 
         def fresh(v: Any) -> Any:
             if isinstance(v, tuple) and v and v[0] == "value":
-                return v[1].clone().requires_grad_(v[2]) if v[2] else v[1].clone()
-            if isinstance(v, tuple) and v and v[0] == "shape":
+                t, rg = v[1].clone(), v[2]
+            elif isinstance(v, tuple) and v and v[0] == "shape":
                 _, shape, dtype, device, rg = v
-                return torch.randn(shape, dtype=dtype, device=device).requires_grad_(rg)
-            return v
+                t = torch.randn(shape, dtype=dtype, device=device)
+            else:
+                return v
+            # Not a leaf, as it was not in the step: a segment may write into its input in place.
+            return t.requires_grad_(True).clone() if rg else t
 
         is_leaf = lambda v: isinstance(v, tuple) and bool(v) and v[0] in ("value", "shape")  # noqa: E731
         return tree_map(fresh, self.args, is_leaf=is_leaf), tree_map(fresh, self.kwargs, is_leaf=is_leaf)
@@ -230,9 +241,15 @@ class _Recorder:
 
     def __init__(self, model: nn.Module, names: list[str], meter: DeviceMemoryMeter, param_storages: set, fake: bool) -> None:
         self.model = model
-        self.names = names
+        #: Segment names by index: the given ones, then a call's segment for each call of a module
+        #: beyond those named (Note [A segment per call] in segments.py), in the order first run.
+        self.names = list(names)
+        self.given = len(names)
         self.index = {name: i for i, name in enumerate(names)}
         self.modules = resolve_modules(model, names)  # canonical names, compiled or not
+        #: Module name -> calls so far this step, and the indices of its calls still running.
+        self.calls: dict[str, int] = {}
+        self.running: dict[str, list[int]] = {}
         self.meter = meter
         self.param_storages = param_storages
         self.fake = fake
@@ -241,6 +258,9 @@ class _Recorder:
         self.keys = _Storages()
         self.region: Any = PREFIX
         self.window: Any = "prefix_fwd"
+        #: Segment -> bytes alive as the window after its forward opened (the last one's is the
+        #: tail's: Note [The tail opens holding the last input]).
+        self.gap_start: dict[int, int] = {}
         self.phase_is_forward = True
         self.handles: list[Any] = []
         self._exec: list[int] = []  # segment indices in execution order
@@ -250,6 +270,7 @@ class _Recorder:
         self.capture_inputs = False
         self.inputs: dict[int, "CapturedCall"] = {}
         self._bwd_ops: dict[int, list[tuple[int, set]]] = {}
+        self.sharded = is_sharded(model)
 
     def mark(self, key: Any) -> None:
         if self.ops is not None:
@@ -275,16 +296,29 @@ class _Recorder:
         peak = self.meter.peak_bytes
         self.trace.peak_bytes = max(self.trace.peak_bytes, peak)
         self.trace.window_peak[self.window] = max(self.trace.window_peak.get(self.window, 0), peak)
-        if window == "tail":
-            self.trace.tail_start_bytes = self.meter.current_bytes
-        self.meter.reset_peak(after_next_change=window == "tail")
+        # The window after a segment's forward is the tail's after the last call (``merge_gaps``);
+        # another's merges into that segment's forward window, which already holds this level.
+        gap = isinstance(window, tuple) and window[0] == "gap"
+        if gap:
+            self.gap_start[window[1]] = self.meter.current_bytes
+        self.meter.reset_peak(after_next_change=gap)
         self.window = window
 
     # -- forward hooks ------------------------------------------------------------------
-    def pre(self, i: int):
+    def _call_index(self, module_name: str) -> int:
+        """The segment of this call of ``module_name`` (Note [A segment per call])."""
+        call = self.calls.get(module_name, 0)
+        self.calls[module_name] = call + 1
+        name = call_name(module_name, call)
+        if name not in self.index:
+            self.index[name] = len(self.names)
+            self.names.append(name)
+        return self.index[name]
+
+    def pre(self, module_name: str):
         def hook(module, args, kwargs):
-            if i in self._exec:
-                raise ValueError(f"`segments`: segment {self.names[i]!r} ran twice in one step; segments must run once.")
+            i = self._call_index(module_name)
+            self.running.setdefault(module_name, []).append(i)
             self._exec.append(i)
             self.mark(("fs", i))
             if self.capture_inputs:
@@ -292,6 +326,8 @@ class _Recorder:
             self.switch(("fwd", i))
             self.trace.fwd_start_bytes[i] = self.meter.current_bytes
             self.region = i
+            if self.sharded:
+                self._gathered(module, i)
             x = _first_tensor(args)
             if x is not None and (s := _storage(x)) is not None:
                 self.trace.input_key[i] = (self.keys.key(s), s.nbytes())
@@ -302,8 +338,9 @@ class _Recorder:
 
         return hook
 
-    def post(self, i: int):
+    def post(self, module_name: str):
         def hook(module, args, output):
+            i = self.running[module_name].pop()
             self.mark(("fe", i))
             y = _first_tensor(output)
             if y is not None and (s := _storage(y)) is not None:
@@ -311,10 +348,21 @@ class _Recorder:
                 if y.requires_grad:
                     self.handles.append(y.register_hook(self._on_bwd_start(i)))
             self.region = ("after", i)
-            if i == len(self.names) - 1:
-                self.switch("tail")
+            # Until the next segment starts: its own forward's window, or the tail's after the last
+            # call (only known at the end: ``merge_gaps``).
+            self.switch(("gap", i))
 
         return hook
+
+    def merge_gaps(self) -> None:
+        """Each ``("gap", i)`` window into segment ``i``'s forward, the last one's into the tail."""
+        last = self._exec[-1] if self._exec else None
+        if last in self.gap_start:
+            self.trace.tail_start_bytes = self.gap_start[last]
+        peaks = self.trace.window_peak
+        for key in [k for k in peaks if isinstance(k, tuple) and k[0] == "gap"]:
+            target = "tail" if key[1] == last else ("fwd", key[1])
+            peaks[target] = max(peaks.get(target, 0), peaks.pop(key))
 
     # -- backward hooks (Note [Backward windows from tensor hooks]) ---------------------
     def _on_bwd_start(self, i: int):
@@ -373,6 +421,17 @@ class _Recorder:
                 if estimate > self.trace.offload_bwd_peak.get(i, 0):
                     self.trace.offload_bwd_peak[i] = estimate
 
+    def _gathered(self, module: nn.Module, i: Optional[int] = None) -> None:
+        """FSDP gathered these parameters just now (its hook runs before ours): they are not
+        saved activations, and their bytes are the segment's (Note [Sharded state is local])."""
+        tensors = [t for t in gathered_parameters(module) if t.layout == torch.strided]
+        self.param_storages.update(id(t.untyped_storage()) for t in tensors)
+        if i is not None:
+            self.trace.gathered_bytes[i] = gathered_bytes(tensors)
+
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        self._gathered(module)  # the root unit's parameters, saved by the head and the embedding
+
     # -- saved tensors ------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         s = _storage(t)
@@ -381,11 +440,17 @@ class _Recorder:
         return t
 
     def install(self, params: list[torch.Tensor]) -> None:
+        hooked: set[str] = set()
         for name in self.names:
+            module_name = split_call(name)[0]
+            if module_name in hooked:
+                continue
+            hooked.add(module_name)
             module = self.modules[name]
-            i = self.index[name]
-            self.handles.append(module.register_forward_pre_hook(self.pre(i), with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self.post(i)))
+            self.handles.append(module.register_forward_pre_hook(self.pre(module_name), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self.post(module_name)))
+        if self.sharded:
+            self.handles.append(self.model.register_forward_pre_hook(self._root_pre))
         for p in params:
             if p.requires_grad and p.grad is None:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -487,12 +552,14 @@ class StepTracer:
             rec.mark("end")
         rec.switch("end")
         self._close()
+        rec.merge_gaps()
         rec.offload_peaks()
         trace = rec.trace
-        missing = [self.names[i] for i in range(len(self.names)) if i not in rec._exec]
+        missing = [rec.names[i] for i in range(rec.given) if i not in rec._exec]
         if missing:
             raise ValueError(f"`segments` {missing} did not run in the profiled step.")
-        trace.order = [self.names[i] for i in rec._exec]
+        trace.order = [rec.names[i] for i in rec._exec]
+        trace.names = list(rec.names)
         trace.inputs = rec.inputs
         if rec.ops is not None:
             trace.marks = rec.resolve_marks()
@@ -541,21 +608,37 @@ def run_trace(
     return tracer.finish()
 
 
+def _timed_windows(marks: dict, n: int, end: float, fwd: dict[int, float], bwd: dict[int, float]) -> float:
+    """Each segment's forward and backward ms from one step's marks, kept if faster; ``end``."""
+    for i in range(n):
+        fwd[i] = min(fwd.get(i, float("inf")), marks[("fe", i)] - marks[("fs", i)])
+        finish = marks.get(("be", i), end)  # input without grad: the backward ends with the step
+        bwd[i] = min(bwd.get(i, float("inf")), max(finish - marks.get(("bs", i), finish), 0.0))
+    return end
+
+
 def run_timing(model: nn.Module, names: list[str], step: Callable[[], torch.Tensor], device: torch.device, *, repeats: int = 2) -> tuple[dict[int, float], dict[int, float], float]:
-    """Forward and backward milliseconds per segment, and of the whole step, from one plain step."""
+    """Forward and backward milliseconds per segment, and of the whole step, from one plain step
+    (``names`` as the trace found them: one per call of a module run several times)."""
     cuda = device.type == "cuda"
     index = {name: i for i, name in enumerate(names)}
     modules = resolve_modules(model, names)  # canonical names, compiled or not
     marks: dict[Any, float] = {}
     handles: list[Any] = []
+    calls: dict[str, int] = {}
+    running: dict[str, list[int]] = {}
 
     def now() -> float:
         if cuda:
             torch.cuda.synchronize(device)  # per-segment times need the device idle at each mark
         return time.perf_counter() * 1e3
 
-    def pre(i):
+    def pre(module_name):
         def hook(module, args):
+            call = calls.get(module_name, 0)
+            calls[module_name] = call + 1
+            i = index.get(call_name(module_name, call), -1)  # -1: a call the trace did not see
+            running.setdefault(module_name, []).append(i)
             marks[("fs", i)] = now()
             x = _first_tensor(args)
             if x is not None and x.requires_grad:
@@ -563,8 +646,9 @@ def run_timing(model: nn.Module, names: list[str], step: Callable[[], torch.Tens
 
         return hook
 
-    def post(i):
+    def post(module_name):
         def hook(module, args, output):
+            i = running[module_name].pop()
             marks[("fe", i)] = now()
             y = _first_tensor(output)
             if y is not None and y.requires_grad:
@@ -572,23 +656,19 @@ def run_timing(model: nn.Module, names: list[str], step: Callable[[], torch.Tens
 
         return hook
 
-    for name in names:
-        handles.append(modules[name].register_forward_pre_hook(pre(index[name])))
-        handles.append(modules[name].register_forward_hook(post(index[name])))
+    for module_name in dict.fromkeys(split_call(name)[0] for name in names):
+        handles.append(modules[module_name].register_forward_pre_hook(pre(module_name)))
+        handles.append(modules[module_name].register_forward_hook(post(module_name)))
     fwd: dict[int, float] = {}
     bwd: dict[int, float] = {}
     total = float("inf")
     try:
         for _ in range(repeats):  # the fastest of a few steps: the first pays for warm-up
             marks.clear()
+            calls.clear()
             start = now()
             step().backward()
-            end = now()
-            total = min(total, end - start)
-            for i in range(len(names)):
-                fwd[i] = min(fwd.get(i, float("inf")), marks[("fe", i)] - marks[("fs", i)])
-                finish = marks.get(("be", i), end)  # input without grad: the backward ends with the step
-                bwd[i] = min(bwd.get(i, float("inf")), max(finish - marks.get(("bs", i), finish), 0.0))
+            total = min(total, _timed_windows(marks, len(names), now(), fwd, bwd) - start)
     finally:
         for h in handles:
             h.remove()

@@ -5,20 +5,23 @@ Note [Auto: observe, plan, check]: before every training step the session asks
 
 - ``GUARD``: no profile covers this batch (the first step, or a batch larger or shaped
   differently than the one profiled): the step runs under the lowest-memory plan, measured
-  and, on the main process, observed (Note [Observe only what fits]); after it the main process
+  and observed on every process (Note [Observe only what fits]); after it the main process
   decides for every process (``VERDICT``, broadcast) what comes next;
-- ``OBSERVE``: the guard step's profile predicts that plain training fits: the step runs with
-  every segment kept and the main process observes it (Note [Observe, do not re-run] in
-  ``observe.py``);
+- ``OBSERVE``: the guard step's profile predicts that plain training fits (or, where none could
+  be made, its bound does): the step runs with every segment kept and every process observes
+  it (Note [Observe, do not re-run] in ``observe.py``);
 - ``PLAN``: a plan is due: the first step after a profile was made (the profile is shifted to
   the state alive now, Note [Steady-state shift]), the step after a new plan's first step (the
-  check below), the gradients and optimizer state grew, or the plan's steady state has been
+  check below), the gradients and optimizer state grew, a segment refused an action since
+  (Note [Refused actions] in ``model_profile.py``), or the plan's steady state has been
   measured (Note [Re-plan from the steady state]);
-- ``RUN``: the installed plan runs.
+- ``RUN``: the installed plan runs (the lowest-memory one where plain's bound is over budget).
 
 The answer depends only on what every data-parallel process sees alike (batch shapes agreed
 across processes, the order of steps, the sizes of gradients and optimizer state), so all
-enter the plan's broadcast together; the main process alone solves.
+enter the plan's broadcast together; the main process alone solves, from the largest of every
+process's measurements (the profiles merge by their largest values: Note [Decide from the
+largest measurement] in ``collectives.py``).
 
 The check: the first step under a new plan is measured. If its peak exceeded the prediction,
 the difference is learned (the model misses allocator rounding, workspaces, ...: it only grows)
@@ -42,7 +45,7 @@ import enum
 import logging
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from ..actions import Action
@@ -52,7 +55,8 @@ from ..decide.plan import Plan, format_bytes
 from ..decide.solver import min_budget_bytes, solve
 from ..decide.under_plan import as_plain, time_factors
 from ..errors import InfeasibleBudgetError
-from ..measure.model_profile import ModelProfile
+from ..measure.model_profile import ModelProfile, refused_actions
+from ..segments import split_call
 from ..tensors import infer_batch_size, tensors_in
 from .steady_state import StateSizes, state_growth
 
@@ -103,8 +107,8 @@ class Verdict:
     decision: StepKind
     plain_bound_bytes: Optional[int]
     least_bytes: Optional[int]
-    #: ``PLAN``: the batch size the main process's profile was measured at (its own batch:
-    #: under DDP another process's may be larger, and those steps guard again)
+    #: ``PLAN``: the batch size the profile was measured at (the largest of the processes'
+    #: batches; a larger batch later guards again)
     batch_size: Optional[int] = None
 
 
@@ -124,17 +128,19 @@ def guard_action(device_type: str, config: SwapConfig = SwapConfig()) -> Action:
 # observing a plain step (Note [Observe, do not re-run]), and a plain step can need several
 # times the budget (issue 20: 2.4x on a 6-block MLP). So the first step on a new batch shape
 # runs under the lowest-memory plan instead (:func:`guard_action` on every segment: if any plan
-# fits, it does), measured, with its rows (Note [Measured rows]), and on the main process
-# observed as a step under that plan (Note [A step measured under a plan] in
-# ``decide/under_plan.py``): its windows, and each segment measured alone, kept (Note [A segment
-# measured alone]). Guard steps go on while a step grows the state (the optimizer state
+# fits, it does), measured, with its rows (Note [Measured rows]), and observed on every process
+# as a step under that plan (Note [A step measured under a plan] in ``decide/under_plan.py``):
+# its windows, and each segment measured alone, kept (Note [A segment measured alone]); the
+# processes' profiles merge by their largest values (Note [Decide from the largest
+# measurement]). Under FSDP no segment runs alone (every rank runs every collective: Note
+# [Observe every rank] in ``observe.py``), so no profile is made there: the bound below. Guard steps go on while a step grows the state (the optimizer state
 # appearing in the first optimizer step, gradients under accumulation), so the guard's peak is
 # that of a steady step: the lowest-memory plan's minimum, measured, and the profile is a
 # steady step's. From that profile the main process predicts plain's peak (exactly, on the
 # tests' models and the issue's LM: the cost model run backwards) and decides for every
 # process before any of them runs the next step: ``OBSERVE`` plain when it fits (its profile is
 # then exact), else ``PLAN`` the fastest mix that fits from the guard's profile. Where no
-# profile could be made (a segment that cannot run alone), plain's peak is bounded instead —
+# profile could be made (a segment that cannot run alone, FSDP), plain's peak is bounded instead —
 #
 #     plain <= guard peak + sum over segments (recomputed + offloaded bytes)
 #
@@ -157,9 +163,10 @@ class _Guard:
     bound: Optional[int] = None  # plain's bound, once a guard step began in the steady state
     least: Optional[int] = None  # the lowest-memory plan's steady peak (from the verdict)
     start: StateSizes = StateSizes()  # the state the running guard step began with
+    actions: dict = field(default_factory=dict)  # the lowest-memory plan it ran (Note [Refused actions])
     decision: Optional[StepKind] = None
     open: bool = False
-    #: The steady guard step's profile as plain's (the main process only; None: not made)
+    #: The steady guard step's profile as plain's (the largest of every process's; None: not made)
     profile: Optional[ModelProfile] = None
 
     def covers(self, batch: BatchKey) -> bool:
@@ -174,7 +181,7 @@ class _Guard:
 # from a step in which no segment was kept; each segment's rise when kept was measured alone,
 # where small things differ from the step (when a parameter's gradient is made, what the next
 # segment still holds: a few KiB on the tests' CNN, 0.1-0.3% of ResNet-18's peak, always over).
-# The first plan made from it is therefore observed too, on the main process, under that plan
+# The first plan made from it is therefore observed too, on every process, under that plan
 # (Note [A step measured under a plan]): its kept segments are measured in the step itself, so
 # the profile made from it is nearer to what plain and the plans near it hold. The check of that
 # plan is made against the refined profile, and the plan is solved again from it (a budget at
@@ -212,9 +219,11 @@ class AutoPlanner:
 
     def __init__(
         self, *, budget_bytes: Optional[int], segments: Sequence[str], config: SwapConfig = SwapConfig(),
-        grads_freed_before_backward: bool = False, device_type: str = "cpu",
+        grads_freed_before_backward: bool = False, device_type: str = "cpu", actions: Optional[Sequence[Action]] = None,
     ) -> None:
         self.budget_bytes = budget_bytes
+        #: The actions plans may use (``None``: all; Note [Selective around FSDP hooks]).
+        self.actions = None if actions is None else tuple(actions)
         self.segments = tuple(segments)
         self.config = config
         self.grads_freed_before_backward = grads_freed_before_backward
@@ -241,8 +250,8 @@ class AutoPlanner:
         self._revisits = 0
         self._revisit_due = False
         self._settled: list[dict] = []  # plans (their actions) a revisit kept: not revisited again
-        #: Note [A plan's first step refines its profile]: the next plan applied is observed (the
-        #: main process), this one is, and its step's profile has replaced the guard's.
+        #: Note [A plan's first step refines its profile]: the next plan applied is observed (every
+        #: process), this one is, and its step's profile has replaced the guard's.
         self._refinable = False
         self._refine_due = False
         self._refined = False
@@ -251,6 +260,10 @@ class AutoPlanner:
         self.correction_bytes = 0
         #: Plain training's peak as the last guard verdict predicted (or bounded) it.
         self.plain_predicted_bytes: Optional[int] = None
+        #: Segment -> why its recomputation cannot run as planned, as the session's steps found
+        #: (Note [Refused actions] in ``model_profile.py``): never planned, offloaded when guarding.
+        self.refusals: dict[str, str] = {}
+        self._refusals_planned = 0  # how many of them the last plan knew of
 
     @property
     def check_pending(self) -> bool:
@@ -260,7 +273,7 @@ class AutoPlanner:
     @property
     def refine_due(self) -> bool:
         """The plan just applied is the first made from a guard step's profile: its first step is
-        observed under it (the main process) and refines the profile (Note [A plan's first step
+        observed under it (every process) and refines the profile (Note [A plan's first step
         refines its profile])."""
         return self._refine_due
 
@@ -273,7 +286,7 @@ class AutoPlanner:
     # -- what the next step does ---------------------------------------------------------
     def next_step(self, step: StepInputs) -> StepKind:
         """The decision table (Note [Auto: observe, plan, check])."""
-        if self.budget_bytes is None:
+        if self.budget_bytes is None or not self.segments:
             return StepKind.PLAN if self._plan_due else StepKind.RUN
         batch = step.batch
         if self._adopt_shape:  # a profile made elsewhere (a batch-size search): this batch's shape
@@ -287,8 +300,8 @@ class AutoPlanner:
         if self._scalable and batch.size != self._planned_batch:
             self._planned_batch = batch.size
             return StepKind.PLAN  # a profile measured at two batch sizes rescales (Note [Batch scaling])
-        if self._plan_due or self._check_pending:
-            return StepKind.PLAN
+        if self._plan_due or self._check_pending or len(self.refusals) != self._refusals_planned:
+            return StepKind.PLAN  # ... or a segment refused an action since (Note [Refused actions])
         if step.state.signature != self._signature:
             self._signature = step.state.signature
             if step.state.total_bytes > self._planned_state:
@@ -324,15 +337,18 @@ class AutoPlanner:
         return guard.decision
 
     def guard_plan(self) -> Plan:
-        """The lowest-memory plan (:func:`guard_action` on every segment)."""
-        return Plan(actions={name: self.guard_action for name in self.segments})
+        """The lowest-memory plan (:func:`guard_action` on every segment); a segment whose
+        recomputation was refused is offloaded instead (Note [Refused actions])."""
+        refused = {split_call(name)[0] for name, why in self.refusals.items() if Action.RECOMPUTE_OFFLOAD in refused_actions(why)}
+        return Plan(actions={name: Action.OFFLOAD if name in refused else self.guard_action for name in self.segments})
 
     def begin_guard(self, step: StepInputs) -> Plan:
         """The lowest-memory plan for this step; :meth:`end_guard` takes what it measured."""
         if self._guard is None or not self._guard.covers(step.batch):
             self._guard = _Guard(step.batch)
         self._guard.start, self._guard.decision, self._guard.open = step.state, None, True
-        return self.guard_plan()
+        self._guard.actions = dict(self.guard_plan().actions)  # what it runs, refusals known (Note [Refused actions])
+        return Plan(actions=self._guard.actions)
 
     def guard_forward_done(self, peak_bytes: int) -> None:
         """The guard step's peak up to the start of its backward (the loss computed)."""
@@ -369,14 +385,14 @@ class AutoPlanner:
     @property
     def guard_steady(self) -> bool:
         """The guard step that just ended began in the steady state: its profile is the one to
-        plan from (the main process makes it: :meth:`guard_observed`)."""
+        plan from (every process makes it: :meth:`guard_observed`)."""
         return self._guard is not None and self._guard.steady
 
     def guard_observed(self, profile: Optional[ModelProfile]) -> None:
-        """The main process: the steady guard step observed under the lowest-memory plan (its
+        """Every process: the steady guard step observed under the lowest-memory plan (its
         windows as measured: Note [A step measured under a plan]); ``None``: no profile."""
         if profile is not None:
-            profile = self._held_gradients(as_plain(profile, self.guard_plan().actions, **copy_window_of(self.config)), self._guard.start)
+            profile = self._held_gradients(as_plain(profile, self._guard.actions, **copy_window_of(self.config)), self._guard.start)
         self._guard.profile = profile
 
     def _held_gradients(self, profile: ModelProfile, start: StateSizes) -> ModelProfile:
@@ -426,9 +442,15 @@ class AutoPlanner:
     def take_verdict(self, verdict: Verdict) -> None:
         """Every process, with the main process's verdict."""
         guard = self._guard
-        guard.decision, guard.least = verdict.decision, verdict.least_bytes
+        decision = verdict.decision
+        if decision in (StepKind.RUN, StepKind.PLAN) and dict(self.guard_plan().actions) != guard.actions:
+            # A segment refused the recomputation the guard plan gave it (it ran on a copy of its
+            # input): guard once more with it offloaded, and keep or plan from that step (Note
+            # [Refused actions]).
+            decision = StepKind.GUARD
+        guard.decision, guard.least = decision, verdict.least_bytes
         self.plain_predicted_bytes = verdict.plain_bound_bytes
-        if verdict.decision is StepKind.PLAN:  # plans from the guard's profile (on the main process)
+        if decision is StepKind.PLAN:  # plans from the guard's profile (on the main process)
             guard.decision = StepKind.GUARD  # a batch it covers but the profile does not: guarded again
             self._adopt(BatchKey(guard.batch.shape, verdict.batch_size or guard.batch.size), guard.start)
             self._refinable = True
@@ -437,7 +459,7 @@ class AutoPlanner:
                 "step measured under the lowest-memory plan (%s).", format_bytes(verdict.plain_bound_bytes),
                 format_bytes(self.budget_bytes), format_bytes(verdict.least_bytes),
             )
-        elif verdict.decision is StepKind.RUN:
+        elif decision is StepKind.RUN:
             log.info(
                 "lightning-swap: plain training may need up to %s, over the budget of %s: every segment stays "
                 "%s (measured %s) rather than observe a step that would not fit.",
@@ -465,13 +487,14 @@ class AutoPlanner:
 
     # -- observing ------------------------------------------------------------------------
     def begin_observe(self, step: StepInputs) -> None:
-        """Every process, as the observed step begins (the main process traces it): what was
-        observed is recorded everywhere, so that all take the same decisions afterwards."""
+        """Every process, as the observed step begins (each traces it): what was observed is
+        recorded everywhere, so that all take the same decisions afterwards."""
         self._adopt(step.batch, step.state)
         self._observing = step.batch
 
     def finish_observe(self, profile: ModelProfile) -> None:
-        """The main process: the observed step's profile, which the next plans are solved from."""
+        """Every process: the observed step's profile (the largest over the processes), which the
+        next plans are solved from."""
         self.set_profile(profile, self._observing)
 
     def set_profile(self, profile: ModelProfile, batch: Optional[BatchKey], *, steady: bool = False) -> None:
@@ -507,7 +530,8 @@ class AutoPlanner:
         ``measured_peak_bytes``: the newest step's measured peak, the check of the plan applied
         last when one is pending; ``step_times``: when :attr:`revisit_due`, the measured (step,
         recomputation, exposed copies) milliseconds of the plan's last steps."""
-        if self.budget_bytes is None:
+        self._refusals_planned = len(self.refusals)
+        if self.budget_bytes is None or not self.segments:
             return Plan(actions={name: Action.KEEP for name in self.segments})
         if self._revisit_due:
             return self._revisit(state, step_times)
@@ -536,7 +560,7 @@ class AutoPlanner:
         return fresh
 
     def refine(self, profile: Optional[ModelProfile]) -> None:
-        """The main process: the first step of the plan applied last, observed under it (Note [A
+        """Every process: the first step of the plan applied last, observed under it (Note [A
         plan's first step refines its profile]); ``None``: no profile, the guard's stays, as it
         does when the step's batch was not the profile's (a smaller last batch)."""
         if profile is not None and profile.batch_size == self._profile_batch:
@@ -568,7 +592,7 @@ class AutoPlanner:
         return False
 
     def _profile_for(self, state: StateSizes) -> ModelProfile:
-        profile = self.steady_profile(state)
+        profile = self.steady_profile(state).refusing(self.refusals)
         if self._scalable and self._planned_batch != profile.batch_size:
             profile = profile.at_batch(self._planned_batch)
         return profile
@@ -577,16 +601,17 @@ class AutoPlanner:
         """The fastest plan within the budget less what the checks learned; where the model finds
         none but the guard's measured peak fits, the lowest-memory plan."""
         budget, window = self.budget_bytes, copy_window_of(self.config)
+        allowed = dict(window, actions=self.actions)  # Note [Selective around FSDP hooks]
         profile = profile if profile is not None else self._profile_for(state)
         effective = budget - self.correction_bytes
         try:
             if effective <= 0:
-                raise InfeasibleBudgetError(budget_bytes=budget, min_budget_bytes=min_budget_bytes(profile, **window), batch_size=profile.batch_size)
-            plan = solve(profile, budget_bytes=effective, **window)
+                raise InfeasibleBudgetError(budget_bytes=budget, min_budget_bytes=min_budget_bytes(profile, **allowed), batch_size=profile.batch_size)
+            plan = solve(profile, budget_bytes=effective, **allowed)
         except InfeasibleBudgetError as err:
             least = self._guard_least(profile.batch_size)  # measured: what the guard step needs
             if least is not None and least <= budget:
-                actions = self.guard_plan().actions
+                actions = self._guard.actions  # the plan that measured it
                 return Plan(
                     actions=actions, predicted_peak_bytes=least, predicted_step_ms=simulate(profile, actions, **window).step_ms,
                     budget_bytes=budget, batch_size=profile.batch_size,
