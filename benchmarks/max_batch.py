@@ -47,7 +47,15 @@ from common import (
     setup,
 )
 
-HEADER = ("method", "max batch", "x plain", "step ms", "samples/s", "peak MiB", "found by")
+HEADER = ("method", "max batch", "x plain", "step ms", "samples/s", "peak MiB", "unplanned", "found by")
+
+
+def unplanned(m) -> str:
+    """Note [Unplanned bytes]: what stayed on the device because no action can move it, and its
+    share of the saved bytes the engine saw ("-": nothing offloaded, nothing counted)."""
+    if m is None or m.unplanned_bytes is None or not m.saved_bytes:
+        return "-"
+    return f"{m.unplanned_bytes / MiB:.2f} MiB ({100 * m.unplanned_bytes / m.saved_bytes:.1f}%)"
 
 
 def run_model(spec, device, args, budgets: dict) -> list:
@@ -84,6 +92,7 @@ def run_model(spec, device, args, budgets: dict) -> list:
             fmt(m.step_ms if m else None),
             fmt(m.samples_per_s if m else None, ".1f"),
             fmt(m.peak_bytes / MiB if m else None, ".1f") + (" OVER" if m and m.peak_bytes > budget else ""),
+            unplanned(m),
             r.how,
         ))
     print_table(HEADER, rows)

@@ -24,11 +24,14 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from typing import Union
+from typing import Optional, Union
 
 from torch import nn
 
-__all__ = ["SegmentSpec", "canonical_name", "find_segments", "named_modules", "resolve_modules", "unwrap_compiled"]
+__all__ = [
+    "PREFIX_REGION", "TAIL_REGION", "SegmentSpec", "canonical_name", "find_segments", "named_modules", "outside_region_names",
+    "region_after", "resolve_modules", "unwrap_compiled",
+]
 
 SegmentSpec = Union[None, Sequence[Union[str, type]]]
 
@@ -176,3 +179,26 @@ def find_segments(model: nn.Module, segments: SegmentSpec = None) -> list[str]:
     if missing_classes:
         raise ValueError(f"`segments` names module classes the model does not contain: {missing_classes}.")
     return names
+
+
+#: Note [Names of the regions outside the segments]: the code before the first segment, after
+#: each segment (up to the next) and after the last one (the head and the loss) are named from
+#: the segments' names in execution order, so that a plan made without a profile (every region
+#: offloaded) names the regions a profile would.
+PREFIX_REGION = "<prefix>"
+TAIL_REGION = "<tail>"
+
+
+def region_after(segments: "tuple[str, ...] | list[str]", last: Optional[str]) -> str:
+    """The region that runs after segment ``last`` (``None``: before any) in a forward over
+    ``segments`` (Note [Names of the regions outside the segments])."""
+    if last is None:
+        return PREFIX_REGION
+    if segments and last == segments[-1]:
+        return TAIL_REGION
+    return f"<after {last}>"
+
+
+def outside_region_names(segments: "tuple[str, ...] | list[str]") -> tuple[str, ...]:
+    """Every region name a forward over ``segments`` can have, in execution order."""
+    return (PREFIX_REGION, *(region_after(segments, s) for s in segments))

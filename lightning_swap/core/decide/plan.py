@@ -13,6 +13,7 @@ from ..actions import Action
 __all__ = ["Plan", "PlanRow", "format_bytes"]
 
 
+
 def format_bytes(nbytes: Optional[int]) -> str:
     if nbytes is None:
         return "-"
@@ -52,15 +53,33 @@ class Plan:
     rows: tuple[PlanRow, ...] = field(default=())
     #: ``rows`` were measured in the plan's first step (Note [Measured rows]), not predicted.
     measured: bool = False
+    #: The regions outside the segments (Note [Regions outside the segments] in
+    #: ``measure/model_profile.py``), by name (:func:`outside_region_names`), kept or offloaded;
+    #: a region not named is kept.
+    outside: Mapping[str, Action] = field(default_factory=dict)
+    #: The copy windows in bytes the plan was priced for (Note [Copy windows in bytes, priced] in
+    #: ``costmodel.py``), which the runtime then uses unless told otherwise; ``None``: in segments.
+    prefetch_bytes: Optional[int] = None
+    inflight_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", MappingProxyType(dict(self.actions)))
+        outside = dict(self.outside)
+        for name, action in outside.items():
+            if action not in (Action.KEEP, Action.OFFLOAD):
+                raise ValueError(f"`outside[{name!r}]` must be Action.KEEP or Action.OFFLOAD (a region is not a module); got {action!r}.")
+        object.__setattr__(self, "outside", MappingProxyType(outside))
 
     def __reduce__(self):
         # A mapping proxy does not pickle; plans cross processes (broadcast under DDP).
         state = {f.name: getattr(self, f.name) for f in fields(self)}
         state["actions"] = dict(self.actions)
+        state["outside"] = dict(self.outside)
         return (_rebuild_plan, (state,))
+
+    @property
+    def offloads_outside(self) -> bool:
+        return any(a is Action.OFFLOAD for a in self.outside.values())
 
     @property
     def segments(self) -> tuple[str, ...]:
@@ -72,7 +91,11 @@ class Plan:
         return {a: c.get(a, 0) for a in Action}
 
     def summary(self) -> str:
-        return " ".join(f"{a.value}={n}" for a, n in self.counts().items() if n)
+        """``keep=12 offload=4``, and ``outside offload=2`` when regions outside the segments
+        are offloaded."""
+        text = " ".join(f"{a.value}={n}" for a, n in self.counts().items() if n)
+        moved = sum(a is Action.OFFLOAD for a in self.outside.values())
+        return f"{text} outside offload={moved}" if moved else text
 
     def render(self) -> str:
         """The plan as a text table: segment, action, and — predicted by the planner, or measured
@@ -87,7 +110,7 @@ class Plan:
             ]
         else:
             header = ("segment", "action")
-            body = [(name, action.value) for name, action in self.actions.items()]
+            body = [(name, action.value) for name, action in {**self.actions, **self.outside}.items()]
         widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
         lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
         lines.append("  ".join("-" * w for w in widths))

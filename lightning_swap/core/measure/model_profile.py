@@ -43,6 +43,17 @@ class SegmentProfile:
     backward_peak_bytes: int  # peak bytes alive during the backward (all segments kept)
     #: the same, estimated for this segment offloaded and fetched on demand (no prefetch)
     offload_backward_peak_bytes: int
+    #: ... and how much lower that is when nothing else holds the segment's input, so that it
+    #: too comes back on demand (Note [Offloaded backward fetches on demand] in ``trace.py``)
+    offload_input_saving_bytes: int = 0
+    #: ... and, fetched per saved tensor (a prefetch window of 0 bytes: Note [Copy windows in
+    #: bytes] in ``engine/offload.py``), how much lower than ``offload_backward_peak_bytes`` with
+    #: the input and output held by neighbours, and how much lower than that again with the input,
+    #: the output, or both fetched per tensor too
+    tensor_saving_bytes: int = 0
+    tensor_input_saving_bytes: int = 0
+    tensor_output_saving_bytes: int = 0
+    tensor_both_saving_bytes: int = 0
     #: the forward's peak above its start with its saved tensors not held for backward
     #: (recomputed, or offloaded by synchronous copies), measured by running the segment so
     #: (:mod:`.costs`); -1: not measured (Note [A forward that does not keep] in ``costmodel.py``)
@@ -104,10 +115,43 @@ class ModelProfile:
     #: Peak bytes of the optimizer step (after the backward), when the profiled step included
     #: it (a real step observed by the adapters): foreach AdamW's parameter-sized temporaries.
     optimizer_peak_bytes: int = 0
+    #: Note [Regions outside the segments]: the code before the first segment, between two
+    #: segments and after the last (head and loss) that saves tensors for backward, each profiled
+    #: as a segment is, in its own windows; ``outside_after[j]`` is the index in ``segments`` of
+    #: the segment ``outside[j]`` runs after (-1: before the first).
+    outside: tuple[SegmentProfile, ...] = ()
+    outside_after: tuple[int, ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.segments)
+
+    @property
+    def chain(self) -> tuple[tuple[SegmentProfile, bool], ...]:
+        """Segments and outside regions in execution order, each with whether it is an outside
+        region (Note [Regions outside the segments])."""
+        before: dict[int, list[SegmentProfile]] = {}
+        for region, after in zip(self.outside, self.outside_after):
+            before.setdefault(after, []).append(region)
+        out = [(r, True) for r in before.get(-1, ())]
+        for i, s in enumerate(self.segments):
+            out.append((s, False))
+            out.extend((r, True) for r in before.get(i, ()))
+        return tuple(out)
+
+    @property
+    def outside_names(self) -> tuple[str, ...]:
+        return tuple(r.name for r in self.outside)
+
+    def has_prefix_region(self) -> bool:
+        """Whether the part before the first segment is planned (a region of ``outside``):
+        then its windows are the region's, not fixed."""
+        return -1 in self.outside_after
+
+    def has_tail_region(self) -> bool:
+        """Whether the head and loss are planned: then ``tail_peak_bytes`` is only the moment the
+        loss's backward begins (Note [Windows outside the segments] in ``trace.py``)."""
+        return bool(self.segments) and len(self.segments) - 1 in self.outside_after
 
     @property
     def copies_overlap(self) -> bool:
@@ -128,16 +172,20 @@ class ModelProfile:
         f, b = int(forward_bytes), int(backward_bytes)
         if f == 0 and b == 0:
             return self
-        segments = tuple(
-            dataclasses.replace(
-                seg, forward_peak_bytes=seg.forward_peak_bytes + f, backward_peak_bytes=seg.backward_peak_bytes + b,
-                offload_backward_peak_bytes=seg.offload_backward_peak_bytes + b,
+
+        def shifted(elements: tuple[SegmentProfile, ...]) -> tuple[SegmentProfile, ...]:
+            return tuple(
+                dataclasses.replace(
+                    seg, forward_peak_bytes=seg.forward_peak_bytes + f, backward_peak_bytes=seg.backward_peak_bytes + b,
+                    offload_backward_peak_bytes=seg.offload_backward_peak_bytes + b,
+                )
+                for seg in elements
             )
-            for seg in self.segments
-        )
+
         reference = self.reference.with_state(forward_bytes=f, backward_bytes=b) if self.reference is not None else None
         return dataclasses.replace(
-            self, segments=segments, static_bytes=self.static_bytes + f, prefix_forward_peak_bytes=self.prefix_forward_peak_bytes + f,
+            self, segments=shifted(self.segments), outside=shifted(self.outside), static_bytes=self.static_bytes + f,
+            prefix_forward_peak_bytes=self.prefix_forward_peak_bytes + f,
             prefix_backward_peak_bytes=self.prefix_backward_peak_bytes + b, tail_peak_bytes=self.tail_peak_bytes + max(f, b),
             peak_bytes=self.peak_bytes + max(f, b), reference=reference,
         )
@@ -154,27 +202,40 @@ class ModelProfile:
                 "`batch_size`: this profile was measured at one batch size only "
                 f"({self.batch_size}); profile with scale=True to predict other batch sizes."
             )
-        b0, b1 = self.batch_size, ref.batch_size
+        ratio = batch_size / self.batch_size
+        # Note [Batch scaling]: the line through this profile and its reference, or beyond the
+        # reference, through it and the reference's own (a farther point), where there is one.
+        lo = self
+        far = ref.reference
+        if far is not None and batch_size > ref.batch_size and far.batch_size > ref.batch_size:
+            lo, ref = ref, far
+        b0, b1 = lo.batch_size, ref.batch_size
 
         def line(v0: float, v1: float) -> int:
             return max(0, round(v0 + (v0 - v1) / (b0 - b1) * (batch_size - b0)))
 
-        ratio = batch_size / b0
-        segments = []
-        for s, r in zip(self.segments, ref.segments):
-            changes: dict[str, Any] = {f: line(getattr(s, f), getattr(r, f)) for f in _SCALED_INT_FIELDS}
+        def scaled(s: SegmentProfile, r: Optional[SegmentProfile]) -> SegmentProfile:
+            # A region the other batch did not have: not scaled.
+            low = next((e for e in (*lo.segments, *lo.outside) if e.name == s.name), s) if lo is not self else s
+            r = r if r is not None else low
+            changes: dict[str, Any] = {f: line(getattr(low, f), getattr(r, f)) for f in _SCALED_INT_FIELDS}
             changes.update({f: getattr(s, f) * ratio for f in _SCALED_MS_FIELDS})
             changes.update({f: getattr(s, f) * ratio for f in _MEASURED_MS_FIELDS if getattr(s, f) is not None})
             if s.released_forward_working_bytes >= 0:  # a working set grows with the batch
                 changes["released_forward_working_bytes"] = round(s.released_forward_working_bytes * ratio)
-            segments.append(dataclasses.replace(s, **changes))
+            return dataclasses.replace(s, **changes)
+
+        segments = [scaled(s, r) for s, r in zip(self.segments, ref.segments)]
+        theirs = {r.name: r for r in ref.outside}
+        outside = tuple(scaled(s, theirs.get(s.name)) for s in self.outside)
         top = {
-            f: line(getattr(self, f), getattr(ref, f))
+            f: line(getattr(lo, f), getattr(ref, f))
             for f in ("static_bytes", "prefix_forward_peak_bytes", "prefix_backward_peak_bytes", "tail_peak_bytes", "peak_bytes")
         }
         return dataclasses.replace(
             self,
             segments=tuple(segments),
+            outside=outside,
             batch_size=batch_size,
             prefix_ms=self.prefix_ms * ratio,
             tail_ms=self.tail_ms * ratio,

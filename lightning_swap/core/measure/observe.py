@@ -27,7 +27,7 @@ from ..tensors import infer_batch_size
 from .profiler import assemble
 from ..tensors import tensors_in
 from ..engine.streams import StreamOps, default_ops
-from .trace import StepTracer
+from .trace import StepTracer, region_times
 
 __all__ = ["ObservedStep"]
 
@@ -104,6 +104,8 @@ class ObservedStep:
         fwd = {i: max(marks.get(("fe", i), 0.0) - marks.get(("fs", i), 0.0), 0.0) for i in range(n)}
         bwd = {i: max(marks.get(("be", i), end) - marks.get(("bs", i), end), 0.0) for i in range(n)}
         outside = max(end - sum(fwd.values()) - sum(bwd.values()), 0.0)
+        order = [self.names.index(name) for name in trace.order]
+        regions = region_times(marks, order, end)
         measured: dict[int, tuple[Optional[float], Optional[float], int]] = {}
         if self.time_actions and trace.inputs:
             calls = {self.names[i]: call for i, call in trace.inputs.items()}
@@ -117,7 +119,8 @@ class ObservedStep:
         step_ms = outside + sum(fwd.values()) + sum(bwd.values())
         profile = assemble(
             trace, self.model, self.names, batch_size=self.batch_size, device=self.device, fake=False,
-            min_offload_bytes=self.min_offload_bytes, fwd=fwd, bwd=bwd, heavy=heavy, step_ms=step_ms, measured=measured,
+            min_offload_bytes=self.min_offload_bytes, fwd={**fwd, **{k: v[0] for k, v in regions.items()}},
+            bwd={**bwd, **{k: v[1] for k, v in regions.items()}}, heavy=heavy, step_ms=step_ms, measured=measured,
         )
         log.debug("observed a step at batch %d: peak %d bytes, %.1f ms", self.batch_size, profile.peak_bytes, step_ms)
         return profile

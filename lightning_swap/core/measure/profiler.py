@@ -10,10 +10,15 @@ times are a roofline guess per op (FLOPs of matmul/convolution at a measured mat
 bytes touched at a measured copy rate; backward taken as twice the forward). They rank plans
 sensibly but are not measurements; a real profile times one plain step per segment.
 
-Note [Batch scaling]: every byte count is taken as ``a + b * batch_size``. The profile is
-measured at the given batch and, in fake mode (cheap), at twice that batch; the two points fix
-``a`` and ``b`` per field (:meth:`ModelProfile.at_batch`). Times are taken as proportional to
-the batch size.
+Note [Batch scaling]: every byte count is taken as piecewise linear in the batch size. The
+profile is measured at the given batch and, in fake mode (cheap), at twice and at eight times
+that batch; between two of these points a field is on the line through them, beyond the last
+on the line through the last two (:meth:`ModelProfile.at_batch`). One line through the first
+two is not enough: a window's peak is the largest of several moments, some fixed (parameter
+gradients arriving) and some growing with the batch (activations), so it is convex in the
+batch and bends where the growing one takes over. DenseNet-121's third dense block at 32 px
+had its backward window at 89.4 / 104.3 MiB at batch 8 / 16, whose line gives 159.8 MiB at
+batch 46, measured 176.1 (issue 23). Times are taken as proportional to the batch size.
 
 The profile leaves the model as it found it: buffers (BatchNorm statistics), gradients and
 the RNG state are restored.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 import time
 from collections.abc import Iterable
 from typing import Any, Callable, Optional
@@ -33,10 +39,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..engine.meter import host_allocation, mark_host
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
-from ..segments import SegmentSpec, find_segments, resolve_modules
+from ..segments import PREFIX_REGION, SegmentSpec, find_segments, region_after, resolve_modules
 from ..tensors import infer_batch_size, loss_of
 from .model_profile import _SCALED_INT_FIELDS, _SCALED_MS_FIELDS, ModelProfile, SegmentProfile
-from .trace import StepTrace, run_timing, run_trace
+from .trace import PREFIX, StepTrace, run_timing, run_trace
 from .action_costs import measure_released_working
 
 __all__ = ["ModelProfile", "SegmentProfile", "measure_bandwidth", "profile"]
@@ -120,29 +126,101 @@ def _resize(batch: Any, old: int, new: int) -> Any:
     return tree_map(grow, batch)
 
 
-def _segment_from_trace(trace: StepTrace, i: int, names: list[str], order: list[int], *, fwd_ms: float, bwd_ms: float, heavy_ms: float, min_offload_bytes: int) -> SegmentProfile:
-    pos = order.index(i)
-    prev = order[pos - 1] if pos > 0 else None
-    nxt = order[pos + 1] if pos + 1 < len(order) else None
-    saved = trace.saved.get(i, {})
-    heavy = trace.heavy.get(i, {})
-    in_key, in_bytes = trace.input_key.get(i, (None, 0))
-    out_key, out_bytes = trace.output_key.get(i, (None, 0))
+@dataclass(frozen=True)
+class _Element:
+    """One element of the chain as the trace saw it: a segment (``key`` its index) or a region
+    outside the segments (``PREFIX``, ``("after", i)``), its windows and its boundaries."""
+
+    key: Any
+    name: str
+    fwd_windows: tuple
+    bwd_windows: tuple
+    inp: tuple  # (storage key, bytes) of its input
+    out: tuple
+
+
+def _chain_elements(trace: StepTrace, names: list[str], order: list[int]) -> list[_Element]:
+    """Note [Regions outside the segments]: the segments and, between them, the regions that
+    saved something for backward; a region that saved nothing has its windows folded into its
+    neighbours' (the segment before it in forward, the one after it in backward), as before
+    regions were planned, and the prefix's and tail's into the profile's fixed windows."""
+
+    def size(pair: Any) -> tuple:
+        return pair if pair is not None else (None, 0)
+
+    elements: list[_Element] = []
+    tail_ok = trace.turnaround_bytes >= 0
+    prefix = trace.saved.get(PREFIX)
+    if prefix and order:
+        elements.append(_Element(PREFIX, PREFIX_REGION, ("prefix_fwd",), ("prefix_bwd",), (None, 0), size(trace.input_key.get(order[0]))))
+    for pos, i in enumerate(order):
+        nxt = order[pos + 1] if pos + 1 < len(order) else None
+        own = _Element(i, names[i], (("fwd", i),), (("bwd", i),), size(trace.input_key.get(i)), size(trace.output_key.get(i)))
+        after = ("after", i)
+        planned = bool(trace.saved.get(after)) and (nxt is not None or tail_ok)
+        if not planned and nxt is not None:  # folded: forward into this segment, backward into the next
+            own = dataclasses.replace(own, fwd_windows=own.fwd_windows + (after,))
+        elements.append(own)
+        if planned:
+            out = size(trace.input_key.get(nxt)) if nxt is not None else (None, 0)
+            name = region_after([names[j] for j in order], names[i])
+            elements.append(_Element(after, name, (after,), (("after_bwd", i),), size(trace.output_key.get(i)), out))
+    planned_keys = {e.key for e in elements}
+    for pos, i in enumerate(order[1:], start=1):  # a folded region's backward: into the next segment's window
+        before = ("after", order[pos - 1])
+        if before not in planned_keys:
+            e = next(e for e in elements if e.key == i)
+            elements[elements.index(e)] = dataclasses.replace(e, bwd_windows=e.bwd_windows + (("after_bwd", order[pos - 1]),))
+    return elements
+
+
+def _window_peak(trace: StepTrace, windows: tuple) -> tuple[int, int]:
+    """The peak over ``windows`` (consecutive in time) and the bytes alive when the first began."""
+    peak = max((trace.window_peak.get(w, 0) for w in windows), default=0)
+    return peak, trace.window_start.get(windows[0], peak)
+
+
+def _offload_savings(trace: StepTrace, key: Any, bwd_peak: int) -> dict[str, int]:
+    """Note [Offloaded backward fetches on demand] in ``trace.py``: the estimates of an
+    offloaded element's backward peak, as savings below the first (the storages held from their
+    first unpack to their last, the boundaries kept)."""
+    held = min(bwd_peak, trace.offload_bwd_peak.get(key, bwd_peak))
+
+    def below(estimates: dict) -> int:
+        return max(0, held - min(bwd_peak, estimates.get(key, bwd_peak)))
+
+    tensor = below(trace.tensor_bwd_peak)
+    return dict(
+        offload_input_saving_bytes=below(trace.offload_bwd_peak_in), tensor_saving_bytes=tensor,
+        tensor_input_saving_bytes=max(0, below(trace.tensor_bwd_peak_in) - tensor),
+        tensor_output_saving_bytes=max(0, below(trace.tensor_bwd_peak_out) - tensor),
+        tensor_both_saving_bytes=max(0, below(trace.tensor_bwd_peak_both) - tensor),
+    )
+
+
+def _element_profile(
+    trace: StepTrace, e: _Element, prev: Optional[_Element], nxt: Optional[_Element], *, fwd_ms: float, bwd_ms: float, heavy_ms: float,
+    min_offload_bytes: int,
+) -> SegmentProfile:
+    saved = trace.saved.get(e.key, {})
+    heavy = trace.heavy.get(e.key, {}) if isinstance(e.key, int) and e.key >= 0 else {}
+    (in_key, in_bytes), (out_key, out_bytes) = e.inp, e.out
     if out_key == in_key:  # the segment returned (a view of) its input: no new storage
         out_bytes = 0
     boundary = {in_key, out_key}
     internal = {k: b for k, b in saved.items() if k not in boundary}
     heavy_internal = {k: b for k, b in heavy.items() if k not in boundary}
-    input_from_previous = prev is not None and trace.output_key.get(prev, (None,))[0] == in_key
-    output_to_next = nxt is not None and trace.input_key.get(nxt, (None,))[0] == out_key
+    input_from_previous = prev is not None and in_key is not None and prev.out[0] == in_key
+    output_to_next = nxt is not None and out_key is not None and nxt.inp[0] == out_key
 
     def held_elsewhere(key: Any, mine: set) -> bool:
         return key is not None and any(key in s for region, s in trace.saved.items() if region not in mine)
 
-    fwd_peak = trace.window_peak.get(("fwd", i), 0)
-    bwd_peak = trace.window_peak.get(("bwd", i), 0)
+    fwd_peak, fwd_start = _window_peak(trace, e.fwd_windows)
+    bwd_peak, bwd_start = _window_peak(trace, e.bwd_windows)
+    small = max(min_offload_bytes, 1)
     return SegmentProfile(
-        name=names[i],
+        name=e.name,
         forward_ms=fwd_ms,
         backward_ms=bwd_ms,
         heavy_forward_ms=min(heavy_ms, fwd_ms),
@@ -150,24 +228,25 @@ def _segment_from_trace(trace: StepTrace, i: int, names: list[str], order: list[
         output_bytes=out_bytes,
         saved_bytes=sum(saved.values()),
         internal_saved_bytes=sum(internal.values()),
-        internal_small_bytes=sum(b for b in internal.values() if b < max(min_offload_bytes, 1)),
+        internal_small_bytes=sum(b for b in internal.values() if b < small),
         heavy_bytes=sum(heavy_internal.values()),
         heavy_unsaved_bytes=sum(b for k, b in heavy_internal.items() if k not in saved),
-        offload_bytes=sum(b for b in saved.values() if b >= max(min_offload_bytes, 1)),
-        gradient_bytes=trace.grad_bytes.get(i, 0),
-        forward_working_bytes=max(0, fwd_peak - trace.fwd_start_bytes.get(i, fwd_peak)),
-        backward_working_bytes=max(0, bwd_peak - trace.bwd_start_bytes.get(i, bwd_peak)),
+        offload_bytes=sum(b for b in saved.values() if b >= small),
+        gradient_bytes=trace.grad_bytes.get(e.key, 0) if isinstance(e.key, int) and e.key >= 0 else 0,
+        forward_working_bytes=max(0, fwd_peak - fwd_start),
+        backward_working_bytes=max(0, bwd_peak - bwd_start),
         forward_peak_bytes=fwd_peak,
         backward_peak_bytes=bwd_peak,
-        offload_backward_peak_bytes=min(bwd_peak, trace.offload_bwd_peak.get(i, bwd_peak)),
+        offload_backward_peak_bytes=min(bwd_peak, trace.offload_bwd_peak.get(e.key, bwd_peak)),
+        **_offload_savings(trace, e.key, bwd_peak),
         input_saved=in_key in saved,
-        input_small=in_bytes < max(min_offload_bytes, 1),
+        input_small=in_bytes < small,
         input_from_previous=input_from_previous,
-        input_held_elsewhere=held_elsewhere(in_key, {i, prev} if input_from_previous else {i}),
+        input_held_elsewhere=held_elsewhere(in_key, {e.key, prev.key} if input_from_previous else {e.key}),
         output_saved=out_key is not None and out_key in saved and out_bytes > 0,
-        output_small=out_bytes < max(min_offload_bytes, 1),
+        output_small=out_bytes < small,
         output_heavy=out_key is not None and out_key in heavy and out_bytes > 0,
-        output_held_elsewhere=out_bytes > 0 and held_elsewhere(out_key, {i, nxt} if output_to_next else {i}),
+        output_held_elsewhere=out_bytes > 0 and held_elsewhere(out_key, {e.key, nxt.key} if output_to_next else {e.key}),
     )
 
 
@@ -242,7 +321,9 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
     with _Snapshot(model, device):
         trace = _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_offload_bytes)
         if not fake:
-            fwd, bwd, step_ms = run_timing(model, names, lambda: loss_of(step_fn(model, batch)), device)
+            fwd, bwd, step_ms, regions = run_timing(model, names, lambda: loss_of(step_fn(model, batch)), device)
+            fwd = {**fwd, **{k: v[0] for k, v in regions.items()}}
+            bwd = {**bwd, **{k: v[1] for k, v in regions.items()}}
             modules = resolve_modules(model, names)  # canonical names, compiled or not
             for i, call in trace.inputs.items():  # Note [A forward that does not keep]
                 measured[i] = (None, None, measure_released_working(modules[names[i]], call, device))
@@ -250,9 +331,10 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
     n = len(names)
     if fake:
         fwd = {i: trace.est_all_ms.get(i, 0.0) for i in range(n)}
-        bwd = {i: 2 * fwd[i] for i in range(n)}
         outside = sum(v for k, v in trace.est_all_ms.items() if not isinstance(k, int) or k < 0)
         step_ms = 3 * (sum(fwd.values()) + outside)
+        fwd.update({k: v for k, v in trace.est_all_ms.items() if not isinstance(k, int) or k < 0})
+        bwd = {k: 2 * v for k, v in fwd.items()}
         heavy = {i: trace.est_heavy_ms.get(i, 0.0) for i in range(n)}
     else:
         heavy = {i: fwd[i] * trace.heavy_op_ms.get(i, 0.0) / max(trace.all_op_ms.get(i, 0.0), 1e-9) for i in range(n)}
@@ -262,25 +344,47 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
 
 def assemble(
     trace: StepTrace, model: nn.Module, names: list[str], *, batch_size: int, device: torch.device, fake: bool, min_offload_bytes: int,
-    fwd: dict[int, float], bwd: dict[int, float], heavy: dict[int, float], step_ms: float,
+    fwd: dict[Any, float], bwd: dict[Any, float], heavy: dict[int, float], step_ms: float,
     measured: Optional[dict[int, tuple[Optional[float], Optional[float], int]]] = None,
 ) -> ModelProfile:
-    """A :class:`ModelProfile` from a step's trace and its times (``measured``: per segment
-    index the recompute and selective costs and the released forward's working bytes, timed and
-    measured by :mod:`.costs`)."""
+    """A :class:`ModelProfile` from a step's trace and its times (``fwd`` / ``bwd``: per segment
+    index, and per region outside the segments, ``PREFIX`` or ``("after", i)``, where known;
+    ``measured``: per segment index the recompute and selective costs and the released forward's
+    working bytes, timed and measured by :mod:`.costs`)."""
     measured = measured or {}
     order = [names.index(name) for name in trace.order]
-    segments = tuple(
-        dataclasses.replace(
-            _segment_from_trace(trace, i, names, order, fwd_ms=fwd[i], bwd_ms=bwd[i], heavy_ms=heavy[i], min_offload_bytes=min_offload_bytes),
-            recompute_ms=measured.get(i, (None, None, -1))[0], selective_ms=measured.get(i, (None, None, -1))[1],
-            released_forward_working_bytes=measured.get(i, (None, None, -1))[2],
+    elements = _chain_elements(trace, names, order)
+    profiles = []
+    for pos, e in enumerate(elements):
+        prev = elements[pos - 1] if pos else None
+        nxt = elements[pos + 1] if pos + 1 < len(elements) else None
+        p = _element_profile(
+            trace, e, prev, nxt, fwd_ms=fwd.get(e.key, 0.0), bwd_ms=bwd.get(e.key, 0.0), heavy_ms=heavy.get(e.key, 0.0),
+            min_offload_bytes=min_offload_bytes,
         )
-        for i in order
-    )
-    seg_ms = sum(fwd.values()) + sum(bwd.values())
-    outside_ms = max(step_ms - seg_ms, 0.0)
+        if isinstance(e.key, int) and e.key >= 0:
+            m = measured.get(e.key, (None, None, -1))
+            p = dataclasses.replace(p, recompute_ms=m[0], selective_ms=m[1], released_forward_working_bytes=m[2])
+        profiles.append((e, p))
+    segments = tuple(p for e, p in profiles if isinstance(e.key, int) and e.key >= 0)
+    outside, outside_after, seen = [], [], -1
+    for e, p in profiles:
+        if isinstance(e.key, int) and e.key >= 0:
+            seen += 1
+        else:
+            outside.append(p)
+            outside_after.append(seen)
+    # What no element's forward or backward accounts for (launches, the optimizer), half each side.
+    elements_ms = sum(p.forward_ms + p.backward_ms for _, p in profiles)
+    outside_ms = max(step_ms - elements_ms, 0.0)
     d2h, h2d = measure_bandwidth(device)
+    last = ("after", order[-1]) if order else None
+    planned_tail = any(e.key == last for e in elements)
+    tail_windows = ("after", "after_bwd")
+    tail_peak = (
+        trace.turnaround_bytes if planned_tail
+        else max([trace.window_peak.get("tail", 0)] + [trace.window_peak.get((w, order[-1]), 0) for w in tail_windows if order])
+    )
     return ModelProfile(
         segments=segments,
         batch_size=batch_size,
@@ -292,7 +396,7 @@ def assemble(
         gradient_bytes=sum(trace.grad_bytes.values()),
         prefix_forward_peak_bytes=trace.window_peak.get("prefix_fwd", 0),
         prefix_backward_peak_bytes=trace.window_peak.get("prefix_bwd", 0),
-        tail_peak_bytes=trace.window_peak.get("tail", 0),
+        tail_peak_bytes=tail_peak,
         peak_bytes=trace.peak_bytes,
         prefix_ms=outside_ms / 2,
         tail_ms=outside_ms / 2,
@@ -300,6 +404,8 @@ def assemble(
         d2h_bytes_per_ms=d2h,
         h2d_bytes_per_ms=h2d,
         optimizer_peak_bytes=trace.window_peak.get("optimizer", 0),
+        outside=tuple(outside),
+        outside_after=tuple(outside_after),
     )
 
 
@@ -347,19 +453,29 @@ def profile(
 
     result = _try_fake(lambda: build(batch, batch_size, True), lambda: build(batch, batch_size, False)) if fake else build(batch, batch_size, False)
     if scale:
-        big = 2 * batch_size
-        bigger = _resize(batch, batch_size, big)
-        fake_big = _try_fake(lambda: build(bigger, big, True), lambda: None)
-        if fake_big is None:  # Note [Fake mode is an optimisation]
-            ref = build(bigger, big, False)
-        elif result.fake:
-            ref = fake_big
-        else:  # Note [Batch scaling]: the slope from fake points, anchored at the real one
-            fake_here = _try_fake(lambda: build(batch, batch_size, True), lambda: None)
-            ref = _anchor(result, fake_big, fake_here=fake_here) if fake_here is not None else build(bigger, big, False)
-        result = dataclasses.replace(result, reference=ref)
+        result = dataclasses.replace(result, reference=_references(result, batch, batch_size, build))
     log.debug("profiled %d segments at batch %d in %.2f s (fake=%s)", len(names), batch_size, time.perf_counter() - start, fake)
     return result
+
+
+def _references(result: ModelProfile, batch: Any, batch_size: int, build: Callable[[Any, int, bool], ModelProfile]) -> ModelProfile:
+    """The profile at twice the batch, itself referring to the profile at eight times it, where
+    fake mode can measure them (Note [Batch scaling]); fake slopes are anchored at a real
+    profile; without fake mode, one real point at twice the batch."""
+    big = 2 * batch_size
+    bigger = _resize(batch, batch_size, big)
+    fake_big = _try_fake(lambda: build(bigger, big, True), lambda: None)
+    if fake_big is None:  # Note [Fake mode is an optimisation]
+        return build(bigger, big, False)
+    far = 8 * batch_size
+    fake_far = _try_fake(lambda: build(_resize(batch, batch_size, far), far, True), lambda: None)
+    if result.fake:
+        return dataclasses.replace(fake_big, reference=fake_far)
+    fake_here = _try_fake(lambda: build(batch, batch_size, True), lambda: None)
+    if fake_here is None:
+        return build(bigger, big, False)
+    ref_far = _anchor(result, fake_far, fake_here=fake_here) if fake_far is not None else None
+    return dataclasses.replace(_anchor(result, fake_big, fake_here=fake_here), reference=ref_far)
 
 
 def _fake_unsupported(exc: BaseException) -> bool:
@@ -392,12 +508,18 @@ def _anchor(real: ModelProfile, fake_big: ModelProfile, *, fake_here: ModelProfi
     def moved(r: Any, big: Any, here: Any, names: Iterable[str]) -> dict[str, int]:
         return {f: max(0, getattr(r, f) + getattr(big, f) - getattr(here, f)) for f in names}
 
-    segments = tuple(
-        dataclasses.replace(r, **moved(r, b, h, _SCALED_INT_FIELDS), **{f: getattr(r, f) * 2 for f in _SCALED_MS_FIELDS})
-        for r, b, h in zip(real.segments, fake_big.segments, fake_here.segments)
-    )
+    k = fake_big.batch_size / real.batch_size
+
+    def element(r: SegmentProfile, b: Optional[SegmentProfile], h: Optional[SegmentProfile]) -> SegmentProfile:
+        if b is None or h is None:  # a region the fake steps did not have: not moved
+            b = h = r
+        return dataclasses.replace(r, **moved(r, b, h, _SCALED_INT_FIELDS), **{f: getattr(r, f) * k for f in _SCALED_MS_FIELDS})
+
+    segments = tuple(element(r, b, h) for r, b, h in zip(real.segments, fake_big.segments, fake_here.segments))
+    big, here = {e.name: e for e in fake_big.outside}, {e.name: e for e in fake_here.outside}
+    outside = tuple(element(r, big.get(r.name), here.get(r.name)) for r in real.outside)
     top = ("static_bytes", "prefix_forward_peak_bytes", "prefix_backward_peak_bytes", "tail_peak_bytes", "peak_bytes")
     return dataclasses.replace(
-        real, segments=segments, batch_size=fake_big.batch_size, prefix_ms=real.prefix_ms * 2, tail_ms=real.tail_ms * 2,
-        step_ms=real.step_ms * 2, reference=None, **moved(real, fake_big, fake_here, top),
+        real, segments=segments, outside=outside, batch_size=fake_big.batch_size, prefix_ms=real.prefix_ms * k, tail_ms=real.tail_ms * k,
+        step_ms=real.step_ms * k, reference=None, **moved(real, fake_big, fake_here, top),
     )

@@ -67,9 +67,9 @@ from ..engine.meter import DeviceMemoryMeter
 from ..engine.offload import OffloadEngine
 from ..decide.plan import Plan
 from ..engine.recompute import RecomputeTimer, checkpointed
-from ..segments import resolve_modules, unwrap_compiled
+from ..segments import region_after, resolve_modules, unwrap_compiled
 from ..engine.streams import Timing, default_ops
-from ..config import DEFAULT_MIN_OFFLOAD_BYTES, UMMode, check_inflight_segments, check_min_offload_bytes
+from ..config import DEFAULT_MIN_OFFLOAD_BYTES, UMMode, check_inflight_segments, check_min_offload_bytes, check_window_bytes
 from ..tensors import ModuleHook, normalize_device, on_backward_start, tensors_in
 from .measured_rows import RowMeasure
 from .stats import StatsHistory, StepRecord, StepStats
@@ -149,6 +149,8 @@ class SwapRuntime:
         prefetch_segments: Optional[int] = None,
         inflight_segments: int = 1,
         unified: Optional[Any] = None,
+        prefetch_bytes: Optional[int] = None,
+        inflight_bytes: Optional[int] = None,
     ) -> None:
         self.model = model
         #: A :class:`~lightning_swap.core.engine.unified.memory.UnifiedMemory`: offloaded activations go to
@@ -162,6 +164,10 @@ class SwapRuntime:
         self.device = normalize_device(device)
         self.prefetch_segments = _prefetch_for(self.device, prefetch_segments)
         self.inflight_segments = check_inflight_segments(inflight_segments)
+        # Note [Copy windows in bytes] (engine/offload.py): given here, or those the plan was
+        # priced for, else the windows are in segments.
+        self.prefetch_bytes = check_window_bytes(prefetch_bytes if prefetch_bytes is not None else self.plan.prefetch_bytes, "prefetch_bytes")
+        self.inflight_bytes = check_window_bytes(inflight_bytes if inflight_bytes is not None else self.plan.inflight_bytes, "inflight_bytes")
         for name, action in self.plan.actions.items():
             if not isinstance(action, Action):
                 raise ValueError(f"`plan` action for {name!r} must be an Action; got {action!r}.")
@@ -189,6 +195,12 @@ class SwapRuntime:
         #: forward calls].
         self._in_call: set[int] = set()
         self._reported_checkpoints: set[str] = set()
+        #: Note [Regions outside the segments are hooked for the whole step] (engine/offload.py):
+        #: segment forwards running now, the last one that ended in this step's forward, and the
+        #: whole-step hooks while a step is open.
+        self._depth = 0
+        self._last_ran: Optional[int] = None
+        self._outside_hooks: Optional[Any] = None
         self.engine: Optional[OffloadEngine] = None
         #: The stream layer every timing and copy of this runtime goes through (Note [Stream protocol]).
         self.ops = default_ops(self.device)
@@ -209,7 +221,7 @@ class SwapRuntime:
         if self.installed:
             return self
         self._active = True
-        if any(a.offloads for a in self.plan.actions.values()):
+        if any(a.offloads for a in self.plan.actions.values()) or self.plan.offloads_outside:
             self.engine = OffloadEngine(
                 self.device,
                 min_offload_bytes=self.min_offload_bytes,
@@ -217,6 +229,8 @@ class SwapRuntime:
                 inflight_segments=self.inflight_segments,
                 pool=self.unified.host_pool() if self.unified is not None else None,
                 ops=self.ops,
+                prefetch_bytes=self.prefetch_bytes,
+                inflight_bytes=self.inflight_bytes,
             )
         try:
             self._install_forwards()
@@ -383,17 +397,20 @@ class SwapRuntime:
                 return fn(*args, **kwargs)
             self._segment_started()
             output = fn(*args, **kwargs)
-            self._segment_ended(output)
+            self._segment_ended(output, index)
             return output
 
         return forward
 
     def _segment_started(self) -> None:
+        self._depth += 1
         if torch.is_grad_enabled():
             self.engine.segment_started()
 
-    def _segment_ended(self, output: Any) -> None:
+    def _segment_ended(self, output: Any, index: int) -> None:
         engine = self.engine
+        self._depth = max(self._depth - 1, 0)
+        self._last_ran = index
         if torch.is_grad_enabled():
             run = engine.run  # this forward's place in the execution order, not the plan's
             engine.segment_ended()
@@ -421,9 +438,46 @@ class SwapRuntime:
             if torch._C._current_graph_task_id() != -1:
                 return
             self._in_call.discard(index)
-            self._segment_ended(output)
+            self._segment_ended(output, index)
 
         return ModuleHook(hook)
+
+    def _outside_region(self) -> Optional[str]:
+        """The region outside the segments running now, if the plan offloads it (Note [Regions
+        outside the segments are hooked for the whole step] in engine/offload.py); ``None``
+        inside a segment's forward or in a region the plan keeps."""
+        if self._depth:
+            return None
+        last = self._names[self._last_ran] if self._last_ran is not None else None
+        name = region_after(self._names, last)
+        return name if self.plan.outside.get(name) is Action.OFFLOAD else None
+
+    def _enter_outside_hooks(self) -> None:
+        self._depth, self._last_ran = 0, None
+        if self.engine is not None and self.plan.offloads_outside:
+            hooks = self.engine.outside_hooks(self._outside_region)
+            hooks.__enter__()
+            self._outside_hooks = hooks
+
+    def _exit_outside_hooks(self, *, strict: bool = True) -> None:
+        """Pops the whole-step hooks; they must be on top (a context the step entered and left
+        open would be popped instead, and its own exit would then pop ours). Not ``strict``
+        (teardown, a failed step): when they are not on top, someone popped them already (a
+        context entered before the step and left while unwinding an error); logged, left."""
+        hooks, self._outside_hooks = self._outside_hooks, None
+        if hooks is None:
+            return
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or top[0] is not hooks.pack_hook:
+            if not strict:
+                log.warning("lightning-swap: the saved-tensor hooks of the regions outside the segments were not on top at teardown; left alone")
+                return
+            raise RuntimeError(
+                "lightning-swap: saved-tensor hooks entered during the training step are still active at its end "
+                "(a `torch.autograd.graph.saved_tensors_hooks` / `save_on_cpu` context left open); the runtime's "
+                "hooks for the regions outside the segments cannot be removed under them."
+            )
+        hooks.__exit__(None, None, None)
 
     def _install_parameter_prefetch(self) -> None:
         """Under ``um="all"``: segment ``i+1``'s parameters are prefetched when segment ``i``'s
@@ -460,6 +514,8 @@ class SwapRuntime:
     def remove(self) -> None:
         if self.meter._open:
             self.meter.__exit__(None, None, None)
+        if self._outside_hooks is not None:
+            self._exit_outside_hooks(strict=False)
         self._step_open = False
         for handle in self._handles:
             handle.remove()
@@ -522,6 +578,9 @@ class SwapRuntime:
                 self.meter.track([*params, *self.model.buffers(), *(p.grad for p in params if p.grad is not None), *tracked])
             if self.engine is not None:
                 self.engine.begin_step([*params, *self.model.buffers(), *tracked])
+        if self._outside_hooks is not None:  # a step that neither ended nor aborted
+            self._exit_outside_hooks()
+        self._enter_outside_hooks()
         self._um_start = self.unified.stats() if self.unified is not None else None
         if self.measure_rows and self._row_measure is None:
             self._row_measure = RowMeasure(self).start()
@@ -542,6 +601,8 @@ class SwapRuntime:
     def abort_step(self) -> None:
         """Close the window of a step that failed, with no statistics; the offload engine lets go
         of everything the step held (copies in flight, prefetches, device copies)."""
+        if self._outside_hooks is not None:
+            self._exit_outside_hooks(strict=False)
         if self.engine is not None:
             self.engine.abort_step()
         if self.meter._open:
@@ -553,6 +614,7 @@ class SwapRuntime:
         on CUDA the times are ``None`` until :meth:`stats` finds the step finished."""
         if not self._step_open:
             raise RuntimeError("end_step() called without begin_step()")
+        self._exit_outside_hooks()
         counters, exposed = self.engine.end_step() if self.engine is not None else (None, None)
         if self._row_measure is not None and self._row_measure.open:
             self._row_measure.stop(counters)
@@ -570,6 +632,8 @@ class SwapRuntime:
             offloaded_tensors=counters.offloaded_tensors if counters else 0,
             deduplicated_tensors=counters.deduplicated_tensors if counters else 0,
             host_pool_bytes=self.engine.pool.reserved_bytes if self.engine is not None else 0,
+            saved_bytes=counters.saved_bytes if counters else None,
+            unplanned_bytes=counters.unplanned_bytes if counters else None,
             recompute_ms=None,
             exposed_transfer_ms=None,
             step_ms=None,

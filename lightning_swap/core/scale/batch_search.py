@@ -390,6 +390,8 @@ def search_batch_size(
     base_batch_size: Optional[int] = None,
     prefetch_segments: Optional[int] = None,
     inflight_segments: int = 1,
+    prefetch_bytes: Optional[int | str] = None,
+    inflight_bytes: Optional[int | str] = None,
 ) -> ScaleResult:
     """Search the batch size (see the module docstring).
 
@@ -397,8 +399,9 @@ def search_batch_size(
     applies the plan, runs ``config.steps_per_trial`` real steps at that batch, and returns a
     :class:`TrialMeasurement` (or raises out-of-memory); the caller restores model and
     optimizer state. ``actions`` restricts the planner (a forced single-action policy);
-    ``prefetch_segments`` / ``inflight_segments`` are the runtime's settings the trials run
-    under (Note [Copy windows] in decide/costmodel.py).
+    ``prefetch_segments`` / ``inflight_segments`` (or ``prefetch_bytes`` / ``inflight_bytes``;
+    ``"auto"``: the planner's choice, recorded in each plan) are the runtime's settings the
+    trials run under (Note [Copy windows] in decide/costmodel.py).
 
     ``base_batch_size``: the batch the user configured, in ``[min_batch_size,
     max_batch_size]``. In ``mode="throughput"`` plain training at it is measured and the answer
@@ -407,7 +410,10 @@ def search_batch_size(
     """
     budget_bytes = parse_bytes(budget_bytes, field="budget_bytes")
     _check_base_batch_size(base_batch_size, config)
-    window = {"prefetch_segments": prefetch_segments, "inflight_segments": inflight_segments}
+    window = {
+        "prefetch_segments": prefetch_segments, "inflight_segments": inflight_segments, "prefetch_bytes": prefetch_bytes,
+        "inflight_bytes": inflight_bytes,
+    }
     search = _Search(
         profile=profile, budget_bytes=budget_bytes, run_trial=run_trial, config=config, actions=actions,
         base_batch_size=base_batch_size, plan_at=_planner(profile, actions, window),
@@ -515,6 +521,8 @@ def predict_batch_size(
     actions: Optional[tuple[Action, ...]] = None,
     prefetch_segments: Optional[int] = None,
     inflight_segments: int = 1,
+    prefetch_bytes: Optional[int | str] = None,
+    inflight_bytes: Optional[int | str] = None,
 ) -> Optional[Plan]:
     """The plan at the largest batch in ``[config.min_batch_size, config.max_batch_size]``
     predicted to fit ``budget_bytes·(1-config.margin)`` (its ``batch_size`` is that batch), or
@@ -525,7 +533,10 @@ def predict_batch_size(
     """
     budget_bytes = parse_bytes(budget_bytes, field="budget_bytes")
     effective = int(budget_bytes * (1 - config.margin))
-    plan_at = _planner(profile, actions, {"prefetch_segments": prefetch_segments, "inflight_segments": inflight_segments})
+    plan_at = _planner(profile, actions, {
+        "prefetch_segments": prefetch_segments, "inflight_segments": inflight_segments, "prefetch_bytes": prefetch_bytes,
+        "inflight_bytes": inflight_bytes,
+    })
     batch = _largest_feasible(plan_at, effective, config.min_batch_size, config.max_batch_size)
     return None if batch is None else plan_at(batch, effective)
 

@@ -237,6 +237,8 @@ class SwapSession:
             prefetch_segments=self.config.prefetch_segments,
             inflight_segments=self.config.inflight_segments,
             unified=self.unified,
+            prefetch_bytes=self.config.prefetch_bytes,
+            inflight_bytes=self.config.inflight_bytes,
         )
         runtime.install()
         self.runtime, self.plan = runtime, plan
