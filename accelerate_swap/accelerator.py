@@ -27,9 +27,22 @@ segment kept and is observed on the main process, from its forward to the next t
 forward (the user's loss, ``accelerator.backward`` and the optimizer step included: the real
 step, not a stand-in for it); the next step plans from that profile for the steady state, and
 the one after checks the plan against its measured peak. The decisions depend only on what
-every process sees alike, so all of them enter the plan's broadcast in
-:meth:`SwapAccelerator._plan_on_main` together, and nothing is reduced across processes per
-step. Nothing runs the model or the user's code an extra time.
+every process sees alike, so all of them enter the plan's broadcast (the session's
+``Collectives``, :meth:`SwapAccelerator._swap_collectives`) together, and nothing is reduced
+across processes per step. Nothing runs the model or the user's code an extra time, but for one
+last resort: Note [Out of memory in the observed step].
+
+Note [Out of memory in the observed step]: the observed step runs without a plan, and only
+once the guard steps bound its peak within the budget; when it is out of memory all the same,
+in the model's forward (seen by a forward hook that runs when the forward raises) or in
+:meth:`SwapAccelerator.backward`, the core's fallback profiles the step on fake tensors (the
+model's forward once more, with :func:`model_output_loss` standing for the user's loss), plans
+it, and sets the RNG back to the step's start (Note [The observed step does not fit] in
+``lightning_swap/core/scale/fallback.py``); a failed backward's gradients are discarded when the
+step began without any. The loop is the user's, so the library cannot run the step again as the
+Lightning strategy does: the error is raised as it was, with a warning, and a loop that runs the
+step again (catching ``torch.OutOfMemoryError``) runs it under the plan and trains as plain
+training would have.
 
 Note [Accelerate leaves no trace]: the runtime is applied to ``unwrap_model(model)``, never
 to the DDP wrapper, so segment names are the user's and ``state_dict`` keys do not change.
@@ -41,6 +54,8 @@ The session owns its forward pre-hook handle; ``swap_session.close()``,
 from __future__ import annotations
 
 import logging
+import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -52,11 +67,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lightning_swap.core import Collectives
+from lightning_swap.core import is_out_of_memory
 from lightning_swap.core import Plan
 from lightning_swap.core import StepStats
 from lightning_swap.core import tensors_in
 from lightning_swap.core import SwapConfig
-from lightning_swap.core import SwapSession
+from lightning_swap.core import StepKind, SwapSession
 from lightning_swap.core import UnifiedMemory, unified_memory_for
 
 from .plugin import SwapPlugin
@@ -71,11 +88,12 @@ _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MUL
 
 
 class AcceleratedSwapSession(SwapSession):
-    """A :class:`SwapSession` that also owns the forward pre-hook opening each step's window
-    (Note [Accelerate step window]); :meth:`close` removes both.
+    """A :class:`SwapSession` that also owns the forward hooks opening each step's window
+    (Note [Accelerate step window]) and watching the observed step's forward (Note [Out of
+    memory in the observed step]); :meth:`close` removes them with the runtime.
 
-    ``states()`` gives the prepared optimizers' states; ``plan_on_main(solve)`` runs ``solve``
-    on the main process and hands every process its result (Note [Auto policy in Accelerate]).
+    ``states()`` gives the prepared optimizers' states; ``collectives``: how the processes agree
+    (Note [Auto policy in Accelerate]).
     """
 
     def __init__(
@@ -85,16 +103,19 @@ class AcceleratedSwapSession(SwapSession):
         device: torch.device | str,
         *,
         states: Callable[[], list] = list,
-        is_main: bool = True,
-        plan_on_main: Optional[Callable[[Callable[[], Plan]], Plan]] = None,
+        collectives: Collectives = Collectives(),
         unified: Optional[UnifiedMemory] = None,
     ) -> None:
-        super().__init__(model, config, device, unified=unified)
+        super().__init__(model, config, device, unified=unified, collectives=collectives)
         self._states = states
-        self._is_main = is_main
-        self._plan_on_main = plan_on_main or (lambda solve: solve())
         self._planning_suspended = False
         self._pre_hook: Optional[RemovableHandle] = None
+        self._post_hook: Optional[RemovableHandle] = None
+        #: The running forward began an observed step (its failure is the fallback's business).
+        self._observed_forward = False
+        #: The fallback's own failure in the forward hook, where torch only warns: the next
+        #: training forward raises it.
+        self._fallback_error: Optional[BaseException] = None
         self._optimizer_hooks: dict[int, RemovableHandle] = {}
         #: A step's backward is over; the step ends after the optimizer step (a post-hook on each
         #: prepared optimizer) or, without one (accumulation), at the next forward.
@@ -109,6 +130,7 @@ class AcceleratedSwapSession(SwapSession):
     def install_hook(self) -> None:
         if self._pre_hook is None:
             self._pre_hook = self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+            self._post_hook = self.model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True)
 
     @contextmanager
     def planning_suspended(self) -> Iterator[None]:
@@ -140,26 +162,63 @@ class AcceleratedSwapSession(SwapSession):
         self.finish_pending_step()
         if not (module.training and torch.is_grad_enabled()):
             return None
+        if self._fallback_error is not None:
+            error, self._fallback_error = self._fallback_error, None
+            raise error
         states = self._states()
         track = [args, kwargs, states]
         if self.auto is not None and not self._planning_suspended:
-            self.before_step((args, kwargs), track, states, is_main=self._is_main, plan_on_main=self._plan_on_main)
+            self._observed_forward = self.before_step((args, kwargs), track, states) is StepKind.OBSERVE
         elif self.runtime is not None:
             self.begin_step(track)
         return None
 
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """After every forward, also one that raised (``always_call``): torch calls this hook
+        while handling the error, so ``sys.exc_info()`` holds it (Note [Out of memory in the
+        observed step])."""
+        observed, self._observed_forward = self._observed_forward, False
+        error = sys.exc_info()[1]
+        if observed and output is None and error is not None:
+            self.abort_step()
+            if is_out_of_memory(error):
+                try:
+                    self.plan_after_observed_out_of_memory(error)
+                except RuntimeError as failed:  # fake mode failed too (its message says what to do)
+                    self._fallback_error = failed
+        return None
+
+    def plan_after_observed_out_of_memory(self, exc: BaseException) -> None:
+        """Note [Out of memory in the observed step]: plan from a fake-mode profile, warn; the
+        caller raises ``exc`` as it was."""
+        previous, self._planning_suspended = self._planning_suspended, True  # the fake forward is not a step
+        try:
+            self.plan_after_out_of_memory(
+                exc, lambda model, call: model_output_loss(model(*call[0], **call[1])),
+                advice="Choose a policy for it instead, e.g. SwapPlugin(policy='recompute_offload'), or a smaller batch.",
+            )
+        finally:
+            self._planning_suspended = previous
+        if self.collectives.is_main:
+            warnings.warn(
+                "lightning-swap: the observed training step is out of memory without a plan; it was profiled on fake "
+                "tensors (the model's forward ran once more) and planned. The error is raised as it was: run the step "
+                "again (catch torch.OutOfMemoryError) and it runs under the plan, from the RNG state it started with.",
+                UserWarning, stacklevel=2,
+            )
+
+    @override
     def close(self) -> None:
-        """Remove the hook and the runtime. (:meth:`remove`, which the core calls to swap one
+        """Remove the hooks and the runtime. (:meth:`remove`, which the core calls to swap one
         plan for another or to profile, removes the runtime only.)"""
         self.abort_step()
         self.step_pending = False
-        if self._pre_hook is not None:
-            self._pre_hook.remove()
-            self._pre_hook = None
-        for handle in self._optimizer_hooks.values():
-            handle.remove()
+        for handle in (self._pre_hook, self._post_hook, *self._optimizer_hooks.values()):
+            if handle is not None:
+                handle.remove()
+        self._pre_hook = self._post_hook = None
         self._optimizer_hooks.clear()
-        self.remove()
+        super().close()
 
 
 def _optimizer_states(optimizers: Iterable[Any]) -> list[Any]:
@@ -288,14 +347,13 @@ class SwapAccelerator(Accelerator):
             self.swap_plugin.to_config(),
             self.device,
             states=lambda: _optimizer_states(self._optimizers),
-            is_main=self.is_main_process,
-            plan_on_main=lambda solve: self._plan_on_main(self._swap_session, solve),
+            collectives=self._swap_collectives(),
             unified=self.swap_unified_memory,
         )
         session.on_step_end = self._after_swap_step
         try:
             if not session.config.is_auto:  # Note [Auto policy in Accelerate]
-                session.apply(self._plan_on_main(session, session.forced_plan))
+                session.apply_forced_plan()
             session.install_hook()
             for optimizer in self._optimizers:
                 session.hook_optimizer(optimizer)
@@ -304,49 +362,45 @@ class SwapAccelerator(Accelerator):
             raise
         self._swap_session = session
 
-    def _plan_on_main(self, session: AcceleratedSwapSession, solve: Callable[[], Plan]) -> Plan:
-        """``solve()`` on the main process, broadcast, so every process applies the same plan.
+    def _swap_collectives(self) -> Collectives:
+        """How the processes agree (plans, verdicts, the batch-size search): the main process's
+        objects broadcast, numbers gathered; one process's identity when there is one."""
+        if self.num_processes == 1:
+            return Collectives()
 
-        Every process reaches this collective (``prepare``, or the same training forward); a
-        failure on the main process is broadcast too, so the others raise instead of waiting
-        forever.
-        """
-        payload: list[Any] = [None]
-        error: Optional[BaseException] = None
-        if self.is_main_process:
-            try:
-                payload[0] = ("plan", solve())
-            except Exception as err:  # re-raised below, after the others have been told
-                error = err
-                payload[0] = ("error", f"{type(err).__name__}: {err}")
-        broadcast_object_list(payload, from_process=0)
-        kind, body = payload[0]
-        if kind == "error":
-            if error is not None:
-                raise error
-            raise RuntimeError(f"the main process could not plan the model: {body}")
-        if not isinstance(body, Plan):
-            return body  # another decision taken on the main process (Note [Observe only what fits])
-        plan: Plan = body
-        # the planner lists segments in execution order, the forced plan in the model's order
-        if sorted(plan.segments) != sorted(session.segments):
-            raise ValueError(
-                f"process {self.process_index} cut the model into segments {list(session.segments)}, "
-                f"but the main process planned {list(plan.segments)}; every process must build the same model."
-            )
-        return plan
+        def broadcast(obj: Any) -> Any:
+            payload = [obj]
+            broadcast_object_list(payload, from_process=0)
+            return payload[0]
+
+        def gathered(value: float) -> torch.Tensor:
+            return self.gather(torch.tensor([float(value)], dtype=torch.float64, device=self.device))
+
+        return Collectives(
+            is_main=self.is_main_process,
+            broadcast=broadcast,
+            reduce_max=lambda v: float(gathered(v).max().item()),
+            reduce_min=lambda v: int(gathered(v).min().item()),
+        )
 
     # -- steps --------------------------------------------------------------------------
     @override
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         session = self.swap_session
+        observing = session is not None and session.observing
+        # Only a backward that starts without gradients can have a failed attempt's discarded.
+        fresh = observing and all(p.grad is None for p in session.model.parameters())
         if session is not None:
             session.backward_begins()
         try:
             super().backward(loss, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             if session is not None:
                 session.abort_step()
+                if fresh and is_out_of_memory(exc):  # Note [Out of memory in the observed step]
+                    for p in session.model.parameters():
+                        p.grad = None  # what the failed backward accumulated
+                    session.plan_after_observed_out_of_memory(exc)
             raise
         if session is None:
             return

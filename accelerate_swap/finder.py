@@ -30,14 +30,14 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
-from accelerate.utils import broadcast_object_list, send_to_device
+from accelerate.utils import send_to_device
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from lightning_swap.core import is_out_of_memory
 from lightning_swap.core import StepStats
 from lightning_swap.core import BatchSearchError, ScaleConfig, ScaleResult
-from lightning_swap.core import Collectives, adopt_search_profile, search_for_loop
+from lightning_swap.core import adopt_search_profile, search_for_loop
 from lightning_swap.core import ByteSize, parse_bytes
 
 from .accelerator import SwapAccelerator
@@ -188,26 +188,6 @@ def _restored(accelerator: SwapAccelerator, inner: nn.Module, optimizer: Any) ->
         accelerator.swap_steps, accelerator.swap_step_stats = counters
 
 
-def _collectives(accelerator: SwapAccelerator) -> Collectives:
-    if accelerator.num_processes == 1:
-        return Collectives()
-
-    def broadcast(obj: Any) -> Any:
-        payload = [obj]
-        broadcast_object_list(payload, from_process=0)
-        return payload[0]
-
-    def gathered(value: float) -> torch.Tensor:
-        return accelerator.gather(torch.tensor([float(value)], dtype=torch.float64, device=accelerator.device))
-
-    return Collectives(
-        is_main=accelerator.is_main_process,
-        broadcast=broadcast,
-        reduce_max=lambda v: float(gathered(v).max().item()),
-        reduce_min=lambda v: int(gathered(v).min().item()),
-    )
-
-
 def _search(
     accelerator: SwapAccelerator,
     model: nn.Module,
@@ -246,7 +226,7 @@ def _search(
                 profile_batch_size=profile_batch_size,
                 config=config,
                 track=lambda: [getattr(o, "optimizer", o).state for o in accelerator._optimizers],
-                collectives=_collectives(accelerator),
+                collectives=session.collectives,
                 base_batch_size=profile_batch_size,
             )
     finally:

@@ -42,7 +42,7 @@ from lightning_swap.core import Action, Plan, SwapRuntime, chunked_cross_entropy
 from lightning_swap.core import host_allocation, mark_host
 from lightning_swap.core import ScaleConfig, ScaleResult, TrialMeasurement, search_batch_size
 from lightning_swap.core.decide.costmodel import AUTO_WINDOW
-from plan_quality import GPT  # one definition of the GPT-2-small-like model for every benchmark
+from plan_quality import GPT  # examples/models.py: the one GPT of the repository (plan_quality puts the root on the path)
 
 MiB = 2**20
 
@@ -71,7 +71,7 @@ class ModelSpec:
         """The training loss of a batch: the plain one on the logits, or the chunked one."""
         if not self.chunked_loss:
             return loss_fn(model(x), y)
-        return chunked_cross_entropy(model.hidden_states(x), model.head.weight, y, bias=model.head.bias, chunk_size=self.chunk_size)
+        return chunked_cross_entropy(model.hidden_states(x), model.lm_head.weight, y, bias=model.lm_head.bias, chunk_size=self.chunk_size)
 
     def make_batch(self, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(batch_size)

@@ -18,54 +18,18 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torchvision
-from torch import nn
 from torch.nn import functional as F
 
 from lightning_swap.core import InfeasibleBudgetError, SwapRuntime, min_budget_bytes, profile, solve
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: examples/
+from examples.models import GPT  # noqa: E402 - the repository's one GPT (GPT-2 small by default)
+
 MiB = 2**20
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc, self.fc_out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """GPT-2 small: 12 layers, 768 wide, 12 heads, 50257 tokens, tied head (full size)."""
-
-    def __init__(self, vocab: int = 50257, dim: int = 768, heads: int = 12, layers: int = 12, seq: int = 1024) -> None:
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList([Block(dim, heads) for _ in range(layers)])
-        self.ln_f = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.wte.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.head(self.hidden_states(idx))
-
-    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
-        """The final hidden states, before the head (the chunked loss takes these)."""
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.ln_f(x)
 
 
 def configs(quick: bool, device: torch.device):

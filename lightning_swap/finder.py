@@ -16,7 +16,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Optional
 
-import torch
 from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.tuner import batch_size_scaling as _bss
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, _TunerExitException
@@ -25,7 +24,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from .core import Collectives, adopt_search_profile, search_for_loop
+from .core import adopt_search_profile, search_for_loop
 from .core import ScaleConfig, ScaleResult
 from .core import ByteSize, parse_bytes
 from .strategy import _SwapStrategyMixin
@@ -145,20 +144,6 @@ class SwapBatchSizeFinder(BatchSizeFinder):
         return None
 
 
-def _collectives(strategy: Any) -> Collectives:
-    device = strategy.root_device
-
-    def reduce(value: float, op: str) -> float:
-        return float(strategy.reduce(torch.tensor(float(value), device=device), reduce_op=op).item())
-
-    return Collectives(
-        is_main=strategy.is_global_zero,
-        broadcast=lambda obj: strategy.broadcast(obj, src=0),
-        reduce_max=lambda value: reduce(value, "max"),
-        reduce_min=lambda value: int(reduce(value, "min")),
-    )
-
-
 def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:
     strategy = trainer.strategy
     session = strategy.swap_session
@@ -192,7 +177,7 @@ def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:
             profile_batch_size=base_batch,
             config=config,
             track=lambda: [o.state for o in strategy.optimizers],
-            collectives=_collectives(strategy),
+            collectives=session.collectives,
             base_batch_size=base_batch,
         )
         lightning_setattr(trainer.lightning_module, finder._batch_arg_name, result.batch_size)

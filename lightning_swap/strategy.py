@@ -8,28 +8,27 @@ must subclass that package's own ``Strategy``).
 
 from __future__ import annotations
 
-import gc
 import inspect
 import logging
 from contextlib import contextmanager
-from dataclasses import MISSING, fields, replace
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as _lightning_pytorch
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from .core import AUTO, PolicyLike
+from .core import Collectives
 from .core import is_out_of_memory
-from .core import Plan, format_bytes
-from .core import tensors_in
+from .core import Plan
 from .core import DEFAULT_MIN_OFFLOAD_BYTES
 from .core import StepStats
 from .core import SegmentSpec
 from .core import SwapConfig
-from .core import SwapSession
+from .core import StepKind, SwapSession
 from .core import Timeline, TimelineRecorder
 from .core import ByteSize
 from .core import UnifiedMemory, unified_memory_for
@@ -156,7 +155,7 @@ class _SwapStrategyMixin:
             self.unified_memory = unified_memory_for(self.swap_config, self.root_device)
             if self.unified_memory is not None:
                 rank_zero_info(
-                    f"lightning-swap unified memory: um={self.swap_config.um!r} on {self.root_device}, "
+                    f"lightning-swap unified memory: um={self.swap_config.um.value!r} on {self.root_device}, "
                     f"at most {self.unified_memory.memory.max_bytes} bytes managed"
                 )
 
@@ -165,33 +164,34 @@ class _SwapStrategyMixin:
         self._pick_device(trainer)
         super().setup(trainer)
         module = self.lightning_module
-        self._session = SwapSession(module, self.swap_config, self.root_device, unified=self.unified_memory)
+        self._session = SwapSession(
+            module, self.swap_config, self.root_device, unified=self.unified_memory, collectives=self._swap_collectives(),
+            # Lightning's closure runs forward, zero_grad, backward: without accumulation the last
+            # step's gradients are gone before the backward (Note [Steady-state shift]).
+            grads_freed_before_backward=bool(module.automatic_optimization and getattr(trainer, "accumulate_grad_batches", 1) == 1),
+        )
         if not self.swap_config.is_auto:
             # Every rank runs rank 0's plan (identity on one device); it is logged once its first
             # step has measured its rows (Note [Measured rows]).
-            self._session.apply(self.broadcast(self._session.forced_plan(), src=0))
-        else:
-            # Lightning's closure runs forward, zero_grad, backward: without accumulation the last
-            # step's gradients are gone before the backward (Note [Steady-state shift]).
-            self._session.auto.grads_freed_before_backward = bool(
-                module.automatic_optimization and getattr(trainer, "accumulate_grad_batches", 1) == 1
-            )
+            self._session.apply_forced_plan()
         if self.log_stats and self._stats_callback_class is not None:
             self._stats_callback = self._stats_callback_class(self)
             trainer.callbacks.append(self._stats_callback)
 
-    def _plan_on_main(self, solve: Any) -> Plan:
-        """``solve()`` on rank 0, its plan (or its error) handed to every rank."""
-        payload: Any = None
-        if self.is_global_zero:
-            try:
-                payload = ("plan", solve())
-            except Exception as err:  # re-raised on every rank below
-                payload = ("error", err)
-        kind, body = self.broadcast(payload, src=0)
-        if kind == "error":
-            raise body
-        return body
+    def _swap_collectives(self) -> Collectives:
+        """How the ranks agree (plans, verdicts, the batch-size search): Lightning's broadcast
+        from rank 0 and its reductions."""
+        device = self.root_device
+
+        def reduce(value: float, op: str) -> float:
+            return float(self.reduce(torch.tensor(float(value), device=device), reduce_op=op).item())
+
+        return Collectives(
+            is_main=self.is_global_zero,
+            broadcast=lambda obj: self.broadcast(obj, src=0),
+            reduce_max=lambda value: reduce(value, "max"),
+            reduce_min=lambda value: int(reduce(value, "min")),
+        )
 
     def profile_step_fn(self) -> Any:
         """One training step as the batch-size finder's profiler runs it, in Lightning's closure
@@ -241,14 +241,12 @@ class _SwapStrategyMixin:
         track = [args, kwargs, states]
         # The planned timeline needs the meter open (Note [No dispatch mode under compile]).
         timeline_wanted = self.report and self.report_path is None and self._plain_timeline is not None and session.auto is not None
-        kind = session.before_step(
-            batch, track, states, is_main=self.is_global_zero, plan_on_main=self._plan_on_main, measure=timeline_wanted
-        )
-        if kind == "observe" and self.report and self._plain_timeline is None and session.observing:
+        kind = session.before_step(batch, track, states, measure=timeline_wanted)
+        if kind is StepKind.OBSERVE and self.report and self._plain_timeline is None and session.observing:
             self._recorder = TimelineRecorder(
-                self.lightning_module, session.segments, session.auto.observing.meter, "plain (the observed step)"
+                self.lightning_module, session.segments, session.observation.meter, "plain (the observed step)"
             ).__enter__()
-        elif kind == "plan":
+        elif kind is StepKind.PLAN:
             self._log_plan(session.plan)
         if self._report_due():
             plan = session.plan
@@ -256,60 +254,31 @@ class _SwapStrategyMixin:
                 self.lightning_module, session.segments, session.runtime.meter, f"planned ({plan.summary()})"
             ).__enter__()
         self._step_open = True
-        self._step_call = (args, kwargs, _rng_state(self.root_device) if kind == "observe" else None)
+        self._step_call = (args, kwargs)
         try:
             return super().training_step(*args, **kwargs)
         except BaseException as exc:
             self._step_open = False
             session.abort_step()
-            if kind == "observe" and is_out_of_memory(exc):
+            if kind is StepKind.OBSERVE and is_out_of_memory(exc):
                 self._plan_after_out_of_memory(exc)
                 return self.training_step(*args, **kwargs)
             raise
 
     def _plan_after_out_of_memory(self, exc: BaseException) -> None:
-        """Note [The observed step does not fit]: the observed step runs without a plan, and only
-        once the guard steps bound its peak within the budget (Note [Observe only what fits]);
-        when it is out of memory all the same (a last resort, not the path), the step is profiled in fake mode
-        (the user's ``training_step`` runs once more, on fake tensors, with ``self.log`` silenced
-        and the RNG, buffers and gradients restored), planned, and run again from the RNG state
-        it started with. The user's side effects of the failed attempt and of the fake one (a
-        counter, a metric update) cannot be undone: that is the one case where ``training_step``
-        runs more often than in plain training, and a warning says so."""
-        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-        from .core import profile
-
-        args, kwargs, rng = self._step_call
-        session = self._session
-        batch = args[0] if args else kwargs.get("batch")
-        states = _optimizer_states(self.optimizers)
-        gc.collect()
-        if self.root_device.type == "cuda":
-            torch.cuda.empty_cache()
-
-        def fake_profile() -> Any:
-            module = self.lightning_module
-            return profile(
-                module, batch, step_fn=self.profile_step_fn(), segments=list(session.segments), track=tensors_in(states),
-                fake=True, scale=False, min_offload_bytes=self.swap_config.min_offload_bytes, device=self.root_device,
-            )
-
-        try:
-            prof = self._plan_on_main(fake_profile)
-        except Exception as err:
-            raise RuntimeError(
-                "lightning-swap: the training step that policy='auto' runs without a plan to observe it "
-                f"is out of memory on {self.root_device}, and profiling it on fake tensors failed too ({type(err).__name__}: "
-                f"{err}). Choose a policy for it instead, e.g. CPUSwapStrategy(policy='recompute_offload'), or a smaller batch."
-            ) from exc
+        """The observed step is out of memory: the core profiles it on fake tensors (the user's
+        ``training_step`` runs once more there, with ``self.log`` silenced) and plans the step,
+        which the caller runs again (Note [The observed step does not fit] in
+        ``core/scale/fallback.py``)."""
+        self._session.plan_after_out_of_memory(
+            exc, self.profile_step_fn(),
+            advice="Choose a policy for it instead, e.g. CPUSwapStrategy(policy='recompute_offload'), or a smaller batch.",
+        )
         rank_zero_warn(
             "lightning-swap: the observed training step is out of memory without a plan; it was profiled on fake tensors "
             "(training_step ran once more, with self.log silenced) and runs again under the plan. Side effects of "
             "the failed attempt (counters, metric updates) were not undone."
         )
-        session.auto.set_profile(prof, batch)
-        _set_rng_state(self.root_device, rng)
 
     def _report_due(self) -> bool:
         """The planned timeline is recorded once, in the steady state: the plan's check passed."""
@@ -323,7 +292,7 @@ class _SwapStrategyMixin:
             and session.runtime is not None
             and session.runtime.measuring
             and session.auto is not None
-            and not session.auto._check_pending
+            and not session.check_pending
         )
 
     def _finish_report(self) -> None:
@@ -332,30 +301,14 @@ class _SwapStrategyMixin:
         if self._plain_timeline is None:  # the observed plain step: drawn shifted to the steady state
             self._plain_timeline = recorder.timeline
             return
-        timelines = [self._steady_plain_timeline(), recorder.timeline]
+        # The observed first step had no gradients or optimizer state yet; the steady state has them.
+        timelines = [self._session.steady_plain_timeline(self._plain_timeline, _optimizer_states(self.optimizers)), recorder.timeline]
         trainer = self.lightning_module.trainer
         path = Path(trainer.log_dir or trainer.default_root_dir) / "swap_memory_timeline.png"
         if self.is_global_zero:
             plot_timelines(timelines, path, budget_bytes=self._session.budget_bytes())
             rank_zero_info(f"lightning-swap memory timeline written to {path}")
         self.report_path = path
-
-    def _steady_plain_timeline(self) -> Timeline:
-        """The observed first step had no gradients or optimizer state yet; the steady state has
-        them (Note [Steady-state shift]): the picture adds them as the plan's model does, the
-        forward's shift up to the first backward mark and the backward's after it."""
-        plain = self._plain_timeline
-        auto = self._session.auto
-        states = _optimizer_states(self.optimizers)
-        steady = auto.steady_profile(states)
-        forward = steady.static_bytes - auto.profile.static_bytes
-        backward = steady.prefix_backward_peak_bytes - auto.profile.prefix_backward_peak_bytes
-        first_backward = next((x for x, label in plain.marks if label.startswith("B ")), len(plain.samples))
-        samples = tuple((x, b + (forward if x < first_backward else backward)) for x, b in plain.samples)
-        return replace(
-            plain, samples=samples, peak_bytes=max(b for _, b in samples),
-            label=f"plain (the observed first step + the steady state's {format_bytes(forward)} of gradients and optimizer state)",
-        )
 
     @override
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -379,7 +332,7 @@ class _SwapStrategyMixin:
             for p in self.lightning_module.parameters():
                 p.grad = None  # what the failed backward accumulated
             self._plan_after_out_of_memory(exc)
-            args_, kwargs_, _ = self._step_call
+            args_, kwargs_ = self._step_call
             loss = self.training_step(*args_, **kwargs_)
             loss = loss["loss"] if isinstance(loss, dict) else loss
             return self.backward(loss, optimizer, *args, **kwargs)
@@ -454,17 +407,6 @@ class _SwapStrategyMixin:
 
 def _optimizer_states(optimizers: Any) -> list:
     return [optimizer.state for optimizer in optimizers]
-
-
-def _rng_state(device: torch.device) -> tuple:
-    return torch.random.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def _set_rng_state(device: torch.device, state: Optional[tuple]) -> None:
-    if state is not None:
-        torch.random.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], device)
 
 
 @contextmanager

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torchvision
 from torch import nn
 from torch.nn import functional as F
+
+from examples.models import GPT
 
 
 def mlp_block(width: int) -> nn.Module:
@@ -55,50 +55,13 @@ def cnn_bn_dropout(**kwargs) -> nn.Module:
     return CNN(**kwargs)
 
 
-class GPTBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, p: float) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.ln2 = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, 4 * dim)
-        self.fc_out = nn.Linear(4 * dim, dim)
-        self.drop = nn.Dropout(p)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
-        x = x + self.drop(self.fc_out(F.gelu(self.fc(self.ln2(x)))))
-        return x
-
-
-class TinyGPT(nn.Module):
-    """GPT-style decoder: token + position embeddings, blocks in an ``nn.ModuleList``, tied head."""
+class TinyGPT(GPT):
+    """The example's GPT (``examples/models.py``, the repository's one definition), small, with
+    dropout and GPT-2's scaled initialisation: token + position embeddings, blocks in an
+    ``nn.ModuleList``, tied head."""
 
     def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 4, seq: int = 32, p: float = 0.1) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, dim)
-        self.wpe = nn.Embedding(seq, dim)
-        self.drop = nn.Dropout(p)
-        self.blocks = nn.ModuleList([GPTBlock(dim, heads, p) for _ in range(layers)])
-        self.ln_f = nn.LayerNorm(dim)
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * layers))
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+        super().__init__(vocab=vocab, dim=dim, heads=heads, layers=layers, seq=seq, p=p, scaled_init=True)
 
 
 def tiny_gpt(**kwargs) -> nn.Module:

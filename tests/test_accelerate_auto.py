@@ -16,7 +16,7 @@ from accelerate_swap import Action, BatchSearchError, SwapAccelerator, SwapPlugi
 from accelerate_swap.accelerator import model_output_loss
 
 from .helpers import assert_same_state
-from .models import CNN, MODELS
+from .models import CNN, MODELS, TinyGPT, _tokens, lm_loss
 from .test_accelerate import _clean, fresh_state  # noqa: F401 - a fixture
 
 _images = MODELS["cnn"][1]
@@ -114,6 +114,87 @@ def test_auto_replans_for_a_new_batch_shape(fresh_state):
     assert plans[7] is not None and plans[7] is not plans[2] and profiles[7].batch_size == 6
     assert profiles[7] is profiles[6] and profiles[7] is not profiles[4]  # observed again
     accelerator.free_memory()
+
+
+class RunsOutUnplanned(TinyGPT):
+    """Out of memory (injected) whenever a training step runs without a plan on real tensors:
+    after the forward's dropout drew its masks (``where="forward"``), or in the backward. (No
+    BatchNorm: the failed attempt's side effects on running statistics would stay, as the
+    Note says side effects do.)"""
+
+    def __init__(self, where: str, fake_fails: bool = False) -> None:
+        super().__init__()
+        self.where = where
+        self.fake_fails = fake_fails
+        self.accelerator = None
+
+    def forward(self, x):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if self.fake_fails and isinstance(x, FakeTensor):
+            raise RuntimeError("this forward cannot run on fake tensors (injected by the test)")
+        out = super().forward(x)
+        session = self.accelerator.swap_session if self.accelerator is not None else None
+        if session is None or session.runtime is not None or isinstance(x, FakeTensor) or not torch.is_grad_enabled():
+            return out
+        if self.where == "forward":
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+
+        def boom(grad):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+
+        out.register_hook(boom)
+        return out
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_an_observed_step_out_of_memory_is_planned_in_fake_mode_and_its_retry_equals_plain(fresh_state, where):
+    """Note [Out of memory in the observed step]: the error reaches the user's loop, which runs
+    the step again; that step runs under a plan made from a fake-mode profile, from the RNG state
+    the failed one started with, so training equals plain training."""
+    batches = [8] * 4
+    plain_accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(policy="keep", min_offload_bytes=0))
+    plain, _, _ = _train(plain_accelerator, batches, build=TinyGPT, data=_tokens, loss_fn=lm_loss)
+    plain_accelerator.free_memory()
+    accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=1 << 40, min_offload_bytes=0))
+    torch.manual_seed(0)
+    model = RunsOutUnplanned(where)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.accelerator = accelerator
+    torch.manual_seed(1)  # dropout masks
+    failures = []
+    with pytest.warns(UserWarning, match="out of memory without a plan"):
+        for batch in batches:
+            x, y = _tokens(batch)
+            for _ in range(2):  # the user's loop runs a step that ran out of memory once more
+                try:
+                    accelerator.backward(lm_loss(model(x), y))
+                    break
+                except torch.OutOfMemoryError:
+                    failures.append(accelerator.swap_session.plan)
+            optimizer.step()
+            optimizer.zero_grad()
+    # Step 1 guarded, step 2 observed and out of memory: planned from fake mode, run again.
+    assert failures == [None]
+    assert accelerator.swap_session.profile.fake and accelerator.swap_plan.predicted_peak_bytes is not None
+    assert_same_state(accelerator.unwrap_model(model), plain)
+    accelerator.free_memory()
+    assert _clean(accelerator.unwrap_model(model))
+
+
+def test_when_fake_mode_fails_too_the_retry_says_what_to_do(fresh_state):
+    accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=1 << 40, min_offload_bytes=0))
+    model = accelerator.prepare(RunsOutUnplanned("forward", fake_fails=True))
+    model.accelerator = accelerator
+    x, y = _tokens(8)
+    accelerator.backward(lm_loss(model(x), y))  # the guard step
+    with pytest.raises(torch.OutOfMemoryError):
+        model(x)  # observed: out of memory, and its fake-mode profile fails
+    with pytest.raises(RuntimeError, match=r"fake tensors failed too .*SwapPlugin\(policy='recompute_offload'\)"):
+        model(x)  # the retry raises the fallback's error instead of planning from nothing
+    accelerator.free_memory()
+    assert _clean(accelerator.unwrap_model(model))
 
 
 def test_model_output_loss():

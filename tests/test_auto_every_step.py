@@ -118,36 +118,32 @@ def test_a_miss_is_attributed_to_its_cause_and_over_the_budget_only_when_it_was(
     while the gradients grew is re-planned for the state, not learned as a correction, and the
     log does not say "over the budget"; a miss in the same state is learned and logged so."""
     import logging
-    from types import SimpleNamespace
-
-    from torch import nn
 
     from lightning_swap.core import SwapConfig
     from lightning_swap.core.scale.auto import AutoPlanner
+    from lightning_swap.core.scale.steady_state import StateSizes
 
     from .test_solver import random_chain
 
     profile = random_chain(0, 4)
     budget = 2 * profile.peak_bytes
-    peak = {"bytes": 0}
-    session = SimpleNamespace(
-        model=nn.Linear(64, 64), plan=None, segments=list(profile.names), budget_bytes=lambda: budget,
-        records=SimpleNamespace(newest=lambda: SimpleNamespace(peak_device_bytes=peak["bytes"])),
-        warn_no_budget=lambda: None, config=SwapConfig(),  # the copy windows the plan is priced for
-    )
-    planner = AutoPlanner(session)
+    # Note [Auto decides from values]: the budget, the segments and the options the plan is
+    # priced for (the copy windows) when it is made; the state and the measured peak per call.
+    planner = AutoPlanner(budget_bytes=budget, segments=list(profile.names), config=SwapConfig())
     planner.set_profile(profile, None, steady=True)
+    state = {"now": StateSizes()}
+    peak = {"bytes": 0}
 
     def first_step(measured):
-        session.plan = planner.plan([])
-        planner.applied(session.plan, [])
-        peak["bytes"] = measured(session.plan.predicted_peak_bytes)
-        return session.plan
+        plan = planner.plan(state["now"], peak["bytes"])
+        planner.applied(plan, state["now"])
+        peak["bytes"] = measured(plan.predicted_peak_bytes)
+        return plan
 
     caplog.set_level(logging.INFO, logger="lightning_swap")
     first_step(lambda predicted: predicted + (1 << 20))  # within the budget, above the prediction
-    session.model.weight.grad = torch.zeros_like(session.model.weight)  # the state grew meanwhile
-    planner.plan([])
+    state["now"] = StateSizes(gradient_bytes=64 * 64 * 4, signature=(1, 0))  # the state grew meanwhile: a Linear(64, 64)'s gradient
+    planner.plan(state["now"], peak["bytes"])
     assert planner.correction_bytes == 0
     assert not [r for r in caplog.records if "over the budget" in r.getMessage()]
     assert [r for r in caplog.records if "state grew" in r.getMessage()]
@@ -155,7 +151,7 @@ def test_a_miss_is_attributed_to_its_cause_and_over_the_budget_only_when_it_was(
     caplog.clear()
     first_step(lambda predicted: budget + (1 << 20))  # over the budget, nothing grew
     try:
-        planner.plan([])
+        planner.plan(state["now"], peak["bytes"])
     except InfeasibleBudgetError:
         pass
     assert planner.correction_bytes > 0

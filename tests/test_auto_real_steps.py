@@ -14,7 +14,7 @@ import torchmetrics
 
 from lightning_swap import Action, CPUSwapStrategy, InfeasibleBudgetError
 
-from .helpers import assert_same_state
+from .helpers import QUIET_TRAINER, assert_same_state
 from .lit import LitModel, fit
 
 
@@ -40,10 +40,7 @@ class Busy(LitModel):
 def _fit_busy(strategy, steps: int = 5, batch_size: int = 16):
     L.seed_everything(0, verbose=False)
     module = Busy("gpt", batch_size=batch_size, samples=batch_size * steps)
-    trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, **QUIET_TRAINER)
     trainer.fit(module)
     return module, trainer
 
@@ -111,13 +108,11 @@ def test_an_observed_step_out_of_memory_is_planned_in_fake_mode_and_run_again(wh
     more for that step (the failed attempt and the fake one), as the warning says."""
     L.seed_everything(0, verbose=False)
     plain = LitModel("gpt", batch_size=16, samples=48)
-    L.Trainer(strategy="auto", accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False).fit(plain)
+    L.Trainer(strategy="auto", accelerator="cpu", max_steps=3, **QUIET_TRAINER).fit(plain)
     L.seed_everything(0, verbose=False)
     module = RunsOutOnce("gpt", where, batch_size=16, samples=48)
     strategy = CPUSwapStrategy(budget_bytes=1 << 40, min_offload_bytes=0)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=3, **QUIET_TRAINER)
     with pytest.warns(UserWarning, match="out of memory without a plan"):
         trainer.fit(module)
     assert module.calls == 3 + 2
@@ -134,8 +129,8 @@ def test_the_batch_size_finder_works_with_item_in_training_step():
     module = Busy("gpt", batch_size=16, samples=512)
     finder = SwapBatchSizeFinder(mode="max", max_batch_size=64, max_trials=3)
     trainer = L.Trainer(
-        strategy=CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0), accelerator="cpu", max_steps=2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[finder],
+        strategy=CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0), accelerator="cpu", max_steps=2, **QUIET_TRAINER,
+        callbacks=[finder],
     )
     trainer.fit(module)
     assert finder.optimal_batch_size >= 16 and module.batch_size == finder.optimal_batch_size

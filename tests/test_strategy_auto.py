@@ -7,7 +7,7 @@ import pytest
 
 from lightning_swap import Action, CPUSwapStrategy
 
-from .helpers import assert_same_state
+from .helpers import QUIET_TRAINER, assert_same_state
 from .lit import fit
 
 
@@ -62,8 +62,7 @@ def test_auto_keeps_its_plan_for_a_smaller_batch_and_observes_a_new_shape():
     module = Shapes("gpt")
     strategy = CPUSwapStrategy(budget_bytes=1 << 40, min_offload_bytes=0)
     with mock.patch.object(AutoPlanner, "finish_observe", autospec=True, side_effect=AutoPlanner.finish_observe) as observed:
-        trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=5, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False)
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=5, **QUIET_TRAINER)
         trainer.fit(module)
     assert observed.call_count == 2  # the first step, and the first step of sequence length 32
     assert strategy.swap_session.profile.batch_size == 16

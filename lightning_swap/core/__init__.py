@@ -34,7 +34,9 @@ from .runtime.stats import StepStats
 from .scale.batch_search import (
     BatchSearchError, ScaleConfig, ScaleResult, TrialMeasurement, predict_batch_size, search_batch_size,
 )
-from .scale.loop_search import Collectives, adopt_search_profile, search_for_loop
+from .scale.auto import StepKind
+from .scale.collectives import Collectives
+from .scale.loop_search import adopt_search_profile, search_for_loop
 from .scale.session import SwapSession
 from .segments import SegmentSpec, find_segments
 from .tensors import tensors_in
@@ -59,6 +61,7 @@ __all__ = [
     "ScaleResult",
     "SegmentProfile",
     "SegmentSpec",
+    "StepKind",
     "StepStats",
     "SwapConfig",
     "SwapRuntime",

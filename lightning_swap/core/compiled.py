@@ -42,7 +42,7 @@ from torch import nn
 from .segments import canonical_name
 
 __all__ = [
-    "compile_context", "compiled_forward", "dynamo_context", "dynamo_disable", "force_eager", "fullgraph", "is_compiled",
+    "compile_context", "dynamo_context", "dynamo_disable", "force_eager", "fullgraph", "is_compiled",
 ]
 
 
@@ -169,9 +169,3 @@ def is_compiled(model: nn.Module) -> bool:
 def fullgraph(ctx: Any) -> bool:
     """Whether ``ctx`` was made with ``fullgraph=True`` (graph breaks are errors)."""
     return bool(getattr(ctx, "fullgraph", False))
-
-
-def compiled_forward(ctx: Any, forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward`` compiled with the user's context (Note [Actions around compiled segments])."""
-    return ctx(forward)
-

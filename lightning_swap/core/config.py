@@ -118,8 +118,10 @@ class SwapConfig:
     #: Log the plan table when a plan is applied.
     log_plan: bool = field(default=True)
     #: CUDA unified memory: ``"off"``, ``"offload"`` (offloaded activations in managed host
-    #: buffers, prefetched before their backward) or ``"all"`` (every CUDA allocation managed).
-    um: str = "off"
+    #: buffers, prefetched before their backward) or ``"all"`` (every CUDA allocation managed);
+    #: a name (case-insensitive) or a :class:`UMMode`, stored as the ``UMMode`` (a ``str`` enum:
+    #: ``config.um == "all"`` holds).
+    um: UMMode | str = UMMode.OFF
     #: Cap on managed memory in bytes (only with ``um`` on); ``None``: the device's free memory.
     um_max_bytes: Optional[ByteSize] = None
 
@@ -158,7 +160,7 @@ class SwapConfig:
         if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 0):
             raise ValueError(f"`prefetch_segments` must be an int >= 0 or None; got {p!r}.")
         um = UMMode.parse(self.um)
-        object.__setattr__(self, "um", um.value)
+        object.__setattr__(self, "um", um)
         if um is UMMode.OFF and self.um_max_bytes is not None:
             raise ValueError(
                 f"`um_max_bytes` caps unified memory and applies only with um='offload' or um='all'; got "

@@ -20,7 +20,7 @@ from .compiled import dynamo_disable
 
 __all__ = [
     "CUDA_BUDGET_MARGIN", "ModuleHook", "device_budget_bytes", "gradient_bytes", "infer_batch_size", "loss_of",
-    "normalize_device", "on_backward_start", "state_bytes", "storage_bytes", "tensors_in",
+    "normalize_device", "on_backward_start", "storage_bytes", "tensors_in",
 ]
 
 
@@ -54,16 +54,6 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def gradient_bytes(model: nn.Module) -> int:
     """Bytes of the parameters' gradients alive now (distinct storages)."""
     return storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
-
-
-def state_bytes(model: nn.Module, states: Any) -> int:
-    """Bytes of what a step starts with besides the batch: gradients and optimizer state.
-
-    Note [Re-plan when the optimizer state appears]: the first step runs before the optimizer
-    has state (momentum, Adam moments) and before gradients exist; from the second step on
-    both are alive during the forward. An auto plan is re-made when this total grows.
-    """
-    return gradient_bytes(model) + storage_bytes(tensors_in(states))
 
 
 def on_backward_start(output: Any, callback: Any) -> None:

@@ -9,6 +9,7 @@ from types import MappingProxyType
 from typing import Optional
 
 from ..actions import Action
+from ..segments import outside_region_names
 
 __all__ = ["Plan", "PlanRow", "format_bytes"]
 
@@ -76,6 +77,17 @@ class Plan:
         state["actions"] = dict(self.actions)
         state["outside"] = dict(self.outside)
         return (_rebuild_plan, (state,))
+
+    @classmethod
+    def lowest_memory(cls, segments: "tuple[str, ...] | list[str]") -> "Plan":
+        """The plan that leaves the least on the device without a profile: every segment
+        ``RECOMPUTE_OFFLOAD``, every region outside them offloaded (Note [Names of the regions
+        outside the segments] in ``segments.py``), copies waited for when issued and fetched per
+        saved tensor (Note [Copy windows in bytes] in ``engine/offload.py``)."""
+        return cls(
+            actions={name: Action.RECOMPUTE_OFFLOAD for name in segments},
+            outside={name: Action.OFFLOAD for name in outside_region_names(segments)}, prefetch_bytes=0, inflight_bytes=0,
+        )
 
     @property
     def offloads_outside(self) -> bool:

@@ -19,7 +19,7 @@ by :func:`~.costmodel.simulate`, whose numbers the plan reports, and never excee
 Note [Deep copy windows]: with ``prefetch_segments`` or ``inflight_segments`` above one, a
 window's bytes depend on the actions of segments further back than the previous one, which the
 DP's state does not hold. The DP then counts, for those older segments, the most any allowed
-action copies (:attr:`_Chain.most`): an upper bound, so whatever the DP picks fits when
+action copies (:attr:`_Transitions.most`): an upper bound, so whatever the DP picks fits when
 simulated, but a plan that fits only with the true older actions may be missed. So ``solve``
 and ``min_budget_bytes`` also try the uniform plans and, when the DP found nothing, the DP's
 least-peak plan, each checked by :func:`~.costmodel.simulate` (exact for any window), and keep
@@ -83,7 +83,7 @@ def _element_actions(acts: tuple[Action, ...], is_outside: bool) -> tuple[Action
     return (Action.KEEP,) + ((Action.OFFLOAD,) if any(a.offloads for a in acts) else ())
 
 
-class _Chain:
+class _Transitions:
     """Per-transition numbers of the cost model, precomputed for the DP (Note [Deep copy windows]).
 
     The chain is every element of :func:`~.costmodel.elements`; ``acts`` are the actions the DP
@@ -215,7 +215,7 @@ def _pareto(kept: np.ndarray, score: np.ndarray, max_states: int, width: float) 
     return keep
 
 
-def _dp(chain: _Chain, budget: Optional[int], fixed_peak: int, *, minimise_peak: bool, max_states: int) -> Optional[tuple[list[int], float]]:
+def _dp(chain: _Transitions, budget: Optional[int], fixed_peak: int, *, minimise_peak: bool, max_states: int) -> Optional[tuple[list[int], float]]:
     """Best action indices and their score (time, or peak when ``minimise_peak``), or None."""
     k = len(chain.acts)
     n = chain.n
@@ -265,7 +265,7 @@ def _dp(chain: _Chain, budget: Optional[int], fixed_peak: int, *, minimise_peak:
     return picks[::-1], score
 
 
-def _uniform_plans(chain: _Chain) -> list[list[Action]]:
+def _uniform_plans(chain: _Transitions) -> list[list[Action]]:
     """Note [Never slower than a uniform plan]: every segment given one allowed action, the
     regions outside kept, and (where they may) offloaded."""
     plans = []
@@ -277,7 +277,7 @@ def _uniform_plans(chain: _Chain) -> list[list[Action]]:
     return plans
 
 
-def _min_peak_plan(profile: ModelProfile, costs: SegmentCosts, chain: _Chain, max_states: int) -> tuple[list[Action], Prediction]:
+def _min_peak_plan(profile: ModelProfile, costs: SegmentCosts, chain: _Transitions, max_states: int) -> tuple[list[Action], Prediction]:
     """The plan of least predicted peak (one action per element): the DP's, or where the DP only
     bounds the copy windows (Note [Deep copy windows]) the least of it and the uniform plans, as
     simulated."""
@@ -337,7 +337,7 @@ def least_peak_plan(
         if not elements(profile):
             plan = _as_plan(profile, [], simulate_chain(profile, [], costs, **window.keywords()), None, window)
         else:
-            picks, prediction = _min_peak_plan(profile, costs, _Chain(profile, costs, acts, window), max_states)
+            picks, prediction = _min_peak_plan(profile, costs, _Transitions(profile, costs, acts, window), max_states)
             plan = _as_plan(profile, picks, prediction, None, window)
         if best is None or (plan.predicted_peak_bytes, plan.predicted_step_ms) < (best.predicted_peak_bytes, best.predicted_step_ms):
             best = plan
@@ -362,7 +362,7 @@ def _as_plan(profile: ModelProfile, picks: list[Action], prediction: Prediction,
 
 
 def _fastest_fitting(
-    profile: ModelProfile, costs: SegmentCosts, chain: _Chain, budget_bytes: int, max_states: int
+    profile: ModelProfile, costs: SegmentCosts, chain: _Transitions, budget_bytes: int, max_states: int
 ) -> Optional[tuple[list[Action], Prediction]]:
     """The DP's plan, or a uniform one that is faster (Note [Never slower than a uniform plan]),
     or where the DP is not exact and found none, the least-peak plan if it fits; all simulated."""
@@ -426,7 +426,7 @@ def solve(
     windows = resolve_windows(profile, prefetch_segments, inflight_segments, prefetch_bytes, inflight_bytes)
     best: Optional[tuple[list[Action], Prediction, Window]] = None
     for window in windows:
-        found = _fastest_fitting(profile, costs, _Chain(profile, costs, acts, window), budget_bytes, max_states)
+        found = _fastest_fitting(profile, costs, _Transitions(profile, costs, acts, window), budget_bytes, max_states)
         if found is not None and (best is None or found[1].step_ms < best[1].step_ms - 1e-9):
             best = (*found, window)
     if best is None:

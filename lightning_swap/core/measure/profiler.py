@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ..engine.meter import host_allocation, mark_host
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
 from ..segments import PREFIX_REGION, SegmentSpec, find_segments, region_after, resolve_modules
-from ..tensors import infer_batch_size, loss_of
+from ..tensors import infer_batch_size, loss_of, storage_bytes
 from .model_profile import _SCALED_INT_FIELDS, _SCALED_MS_FIELDS, ModelProfile, SegmentProfile
 from .trace import PREFIX, StepTrace, run_timing, run_trace
 from .action_costs import measure_released_working
@@ -342,18 +342,11 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
                     fwd=fwd, bwd=bwd, heavy=heavy, step_ms=step_ms, measured=measured)
 
 
-def assemble(
-    trace: StepTrace, model: nn.Module, names: list[str], *, batch_size: int, device: torch.device, fake: bool, min_offload_bytes: int,
-    fwd: dict[Any, float], bwd: dict[Any, float], heavy: dict[int, float], step_ms: float,
-    measured: Optional[dict[int, tuple[Optional[float], Optional[float], int]]] = None,
-) -> ModelProfile:
-    """A :class:`ModelProfile` from a step's trace and its times (``fwd`` / ``bwd``: per segment
-    index, and per region outside the segments, ``PREFIX`` or ``("after", i)``, where known;
-    ``measured``: per segment index the recompute and selective costs and the released forward's
-    working bytes, timed and measured by :mod:`.costs`)."""
-    measured = measured or {}
-    order = [names.index(name) for name in trace.order]
-    elements = _chain_elements(trace, names, order)
+def _chain_profiles(
+    trace: StepTrace, elements: list[_Element], *, fwd: dict[Any, float], bwd: dict[Any, float], heavy: dict[int, float],
+    min_offload_bytes: int, measured: dict[int, tuple[Optional[float], Optional[float], int]],
+) -> list[tuple[_Element, SegmentProfile]]:
+    """Each element of the chain with its profile (Note [Regions outside the segments])."""
     profiles = []
     for pos, e in enumerate(elements):
         prev = elements[pos - 1] if pos else None
@@ -366,6 +359,21 @@ def assemble(
             m = measured.get(e.key, (None, None, -1))
             p = dataclasses.replace(p, recompute_ms=m[0], selective_ms=m[1], released_forward_working_bytes=m[2])
         profiles.append((e, p))
+    return profiles
+
+
+def assemble(
+    trace: StepTrace, model: nn.Module, names: list[str], *, batch_size: int, device: torch.device, fake: bool, min_offload_bytes: int,
+    fwd: dict[Any, float], bwd: dict[Any, float], heavy: dict[int, float], step_ms: float,
+    measured: Optional[dict[int, tuple[Optional[float], Optional[float], int]]] = None,
+) -> ModelProfile:
+    """A :class:`ModelProfile` from a step's trace and its times (``fwd`` / ``bwd``: per segment
+    index, and per region outside the segments, ``PREFIX`` or ``("after", i)``, where known;
+    ``measured``: per segment index the recompute and selective costs and the released forward's
+    working bytes, timed and measured by :mod:`.costs`)."""
+    order = [names.index(name) for name in trace.order]
+    elements = _chain_elements(trace, names, order)
+    profiles = _chain_profiles(trace, elements, fwd=fwd, bwd=bwd, heavy=heavy, min_offload_bytes=min_offload_bytes, measured=measured or {})
     segments = tuple(p for e, p in profiles if isinstance(e.key, int) and e.key >= 0)
     outside, outside_after, seen = [], [], -1
     for e, p in profiles:
@@ -392,7 +400,7 @@ def assemble(
         fake=fake,
         min_offload_bytes=min_offload_bytes,
         static_bytes=trace.static_bytes,
-        parameter_bytes=sum(p.untyped_storage().nbytes() for p in {id(p): p for p in model.parameters()}.values()),
+        parameter_bytes=storage_bytes(model.parameters()),  # distinct storages: tied and shared weights once
         gradient_bytes=sum(trace.grad_bytes.values()),
         prefix_forward_peak_bytes=trace.window_peak.get("prefix_fwd", 0),
         prefix_backward_peak_bytes=trace.window_peak.get("prefix_bwd", 0),

@@ -608,12 +608,44 @@ def run_timing(
 ) -> tuple[dict[int, float], dict[int, float], float, dict[Any, tuple[float, float]]]:
     """Forward and backward milliseconds per segment, of the whole step, and of the regions
     outside the segments (:func:`region_times`), from the fastest of ``repeats`` plain steps."""
-    cuda = device.type == "cuda"
-    index = {name: i for i, name in enumerate(names)}
-    modules = resolve_modules(model, names)  # canonical names, compiled or not
     marks: dict[Any, float] = {}
     handles: list[Any] = []
     order: list[int] = []
+    now = _timing_hooks(model, names, device, marks, handles, order)
+    fwd: dict[int, float] = {}
+    bwd: dict[int, float] = {}
+    outside: dict[Any, tuple[float, float]] = {}
+    total = float("inf")
+    try:
+        for _ in range(repeats):  # the fastest of a few steps: the first pays for warm-up
+            marks.clear()
+            order.clear()
+            start = now()
+            loss = step()
+            marks["bb"] = now()
+            loss.backward()
+            end = now()
+            total = min(total, end - start)
+            for i in range(len(names)):
+                fwd[i] = min(fwd.get(i, float("inf")), marks[("fe", i)] - marks[("fs", i)])
+                finish = marks.get(("be", i), end)  # input without grad: the backward ends with the step
+                bwd[i] = min(bwd.get(i, float("inf")), max(finish - marks.get(("bs", i), finish), 0.0))
+            times = region_times({k: v - start for k, v in marks.items()}, order, end - start)
+            for key, (f, b) in times.items():
+                old = outside.get(key, (float("inf"), float("inf")))
+                outside[key] = (min(old[0], f), min(old[1], b))
+    finally:
+        for h in handles:
+            h.remove()
+    return fwd, bwd, total, outside
+
+
+def _timing_hooks(model: nn.Module, names: list[str], device: torch.device, marks: dict, handles: list, order: list) -> Callable[[], float]:
+    """Hooks that mark each segment's forward and backward bounds in ``marks`` (and its place in
+    ``order``); returns the clock they read."""
+    cuda = device.type == "cuda"
+    index = {name: i for i, name in enumerate(names)}
+    modules = resolve_modules(model, names)  # canonical names, compiled or not
 
     def now() -> float:
         if cuda:
@@ -642,29 +674,4 @@ def run_timing(
     for name in names:
         handles.append(modules[name].register_forward_pre_hook(pre(index[name])))
         handles.append(modules[name].register_forward_hook(post(index[name])))
-    fwd: dict[int, float] = {}
-    bwd: dict[int, float] = {}
-    outside: dict[Any, tuple[float, float]] = {}
-    total = float("inf")
-    try:
-        for _ in range(repeats):  # the fastest of a few steps: the first pays for warm-up
-            marks.clear()
-            order.clear()
-            start = now()
-            loss = step()
-            marks["bb"] = now()
-            loss.backward()
-            end = now()
-            total = min(total, end - start)
-            for i in range(len(names)):
-                fwd[i] = min(fwd.get(i, float("inf")), marks[("fe", i)] - marks[("fs", i)])
-                finish = marks.get(("be", i), end)  # input without grad: the backward ends with the step
-                bwd[i] = min(bwd.get(i, float("inf")), max(finish - marks.get(("bs", i), finish), 0.0))
-            times = region_times({k: v - start for k, v in marks.items()}, order, end - start)
-            for key, (f, b) in times.items():
-                old = outside.get(key, (float("inf"), float("inf")))
-                outside[key] = (min(old[0], f), min(old[1], b))
-    finally:
-        for h in handles:
-            h.remove()
-    return fwd, bwd, total, outside
+    return now

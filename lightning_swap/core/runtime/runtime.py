@@ -162,15 +162,7 @@ class SwapRuntime:
             first = next(model.parameters(), None)
             device = first.device if first is not None else torch.device("cpu")
         self.device = normalize_device(device)
-        self.prefetch_segments = _prefetch_for(self.device, prefetch_segments)
-        self.inflight_segments = check_inflight_segments(inflight_segments)
-        # Note [Copy windows in bytes] (engine/offload.py): given here, or those the plan was
-        # priced for, else the windows are in segments.
-        self.prefetch_bytes = check_window_bytes(prefetch_bytes if prefetch_bytes is not None else self.plan.prefetch_bytes, "prefetch_bytes")
-        self.inflight_bytes = check_window_bytes(inflight_bytes if inflight_bytes is not None else self.plan.inflight_bytes, "inflight_bytes")
-        for name, action in self.plan.actions.items():
-            if not isinstance(action, Action):
-                raise ValueError(f"`plan` action for {name!r} must be an Action; got {action!r}.")
+        self._set_windows(prefetch_segments, inflight_segments, prefetch_bytes, inflight_bytes)
         # Canonical names, compiled or not (Note [Canonical segment names] in segments.py).
         self._modules = resolve_modules(model, list(self.plan.actions), field="plan")
         self._names = list(self.plan.actions)
@@ -185,22 +177,15 @@ class SwapRuntime:
         #: Module-level compilations set aside (Note [Regional compilation is taken over]):
         #: (object, attribute, had it in __dict__, previous value, value set).
         self._set_aside: list[tuple[Any, str, bool, Any, Any]] = []
-        self._active = False
-        self._compiled = False
-        self._step_open = False
-        self._metered = False
-        self._logged_unmetered = False
+        self._active = self._compiled = self._step_open = self._metered = self._logged_unmetered = False
         self._handles: list[Any] = []
         #: Segments whose module call is running (their forward hooks fired): Note [Direct
         #: forward calls].
         self._in_call: set[int] = set()
         self._reported_checkpoints: set[str] = set()
         #: Note [Regions outside the segments are hooked for the whole step] (engine/offload.py):
-        #: segment forwards running now, the last one that ended in this step's forward, and the
-        #: whole-step hooks while a step is open.
-        self._depth = 0
-        self._last_ran: Optional[int] = None
-        self._outside_hooks: Optional[Any] = None
+        #: segment forwards running now, the last that ended, the whole-step hooks in a step.
+        self._depth, self._last_ran, self._outside_hooks = 0, None, None
         self.engine: Optional[OffloadEngine] = None
         #: The stream layer every timing and copy of this runtime goes through (Note [Stream protocol]).
         self.ops = default_ops(self.device)
@@ -211,6 +196,17 @@ class SwapRuntime:
         self._um_start: Optional[Any] = None
         #: Finished steps, newest last, some with device times still running.
         self.records = StatsHistory()
+
+    def _set_windows(self, prefetch_segments: Optional[int], inflight_segments: int, prefetch_bytes: Optional[int], inflight_bytes: Optional[int]) -> None:
+        """The copy windows: in bytes, given here or those the plan was priced for (Note [Copy
+        windows in bytes] in engine/offload.py), else in segments; and the plan's actions checked."""
+        for name, action in self.plan.actions.items():
+            if not isinstance(action, Action):
+                raise ValueError(f"`plan` action for {name!r} must be an Action; got {action!r}.")
+        self.prefetch_segments = _prefetch_for(self.device, prefetch_segments)
+        self.inflight_segments = check_inflight_segments(inflight_segments)
+        self.prefetch_bytes = check_window_bytes(prefetch_bytes if prefetch_bytes is not None else self.plan.prefetch_bytes, "prefetch_bytes")
+        self.inflight_bytes = check_window_bytes(inflight_bytes if inflight_bytes is not None else self.plan.inflight_bytes, "inflight_bytes")
 
     # -- install / remove ---------------------------------------------------------------
     @property

@@ -1,19 +1,19 @@
 """``policy="auto"`` over a training loop: when to observe a step, when to plan, when to check.
 
-Note [Auto: observe, plan, check]: the adapters ask :meth:`AutoPlanner.kind` before every
-training step and get one of
+Note [Auto: observe, plan, check]: before every training step the session asks
+:meth:`AutoPlanner.next_step` and gets a :class:`StepKind`:
 
-- ``"guard"``: no profile covers this batch (the first step, or a batch larger or shaped
+- ``GUARD``: no profile covers this batch (the first step, or a batch larger or shaped
   differently than the one observed) and plain training is not known to fit the budget: the
   step runs under the lowest-memory plan, measured (Note [Observe only what fits]); after it
-  the main process decides for every process (``"verdict"``, broadcast) what comes next;
-- ``"observe"``: the guard steps bound plain's peak within the budget: the step runs with every
+  the main process decides for every process (``VERDICT``, broadcast) what comes next;
+- ``OBSERVE``: the guard steps bound plain's peak within the budget: the step runs with every
   segment kept and the main process observes it (Note [Observe, do not re-run] in
   ``observe.py``);
-- ``"plan"``: a plan is due: the first step after an observation (the profile is shifted to the
+- ``PLAN``: a plan is due: the first step after an observation (the profile is shifted to the
   state alive now, Note [Steady-state shift]), the step after a new plan's first step (the
   check below), or the gradients and optimizer state grew;
-- ``"run"``: the installed plan runs (the lowest-memory one where plain's bound is over budget).
+- ``RUN``: the installed plan runs (the lowest-memory one where plain's bound is over budget).
 
 The answer depends only on what every data-parallel process sees alike (batch shapes, the
 order of steps, the sizes of gradients and optimizer state), so all enter the plan's broadcast
@@ -25,23 +25,80 @@ and, if the peak also exceeded the budget, the plan is solved again with the bud
 was learned — logged once, with the numbers. A plan that cannot be kept raises
 :class:`~.errors.InfeasibleBudgetError` before it runs; its ``min_budget_bytes`` is the least
 budget for the steady state (gradients and optimizer state included), plus what was learned.
+
+Note [Auto decides from values]: the planner never sees the model, the optimizer or the
+session. Its inputs are values — the budget, the segment names and the options when it is
+made; per step a :class:`StepInputs` (the batch's shapes and size, the :class:`StateSizes`
+alive); what a step measured (peaks, rows) when it is over — and its outputs are decisions (a
+``StepKind``, a :class:`Verdict`, a :class:`~.plan.Plan`) that the session carries out. So
+the decision table is tested from numbers (``tests/test_auto_decisions.py``), without a model.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from ..actions import Action
-from ..errors import InfeasibleBudgetError
-from ..measure.observe import ObservedStep
-from ..decide.plan import Plan, format_bytes
-from ..measure.model_profile import ModelProfile
-from ..tensors import gradient_bytes, infer_batch_size, state_bytes, storage_bytes, tensors_in
+from ..config import SwapConfig
 from ..decide.costmodel import copy_window_of
+from ..decide.plan import Plan, format_bytes
 from ..decide.solver import min_budget_bytes, solve
+from ..errors import InfeasibleBudgetError
+from ..measure.model_profile import ModelProfile
+from ..tensors import infer_batch_size, tensors_in
+from .steady_state import StateSizes, state_growth
 
-__all__ = ["AutoPlanner"]
+__all__ = ["AutoPlanner", "BatchKey", "StepInputs", "StepKind", "Verdict"]
+
+log = logging.getLogger(__name__)
+
+
+class StepKind(str, enum.Enum):
+    """What a training step does under ``policy="auto"`` (Note [Auto: observe, plan, check])."""
+
+    GUARD = "guard"
+    #: Not a step's kind but a decision due first: the guard steps' verdict (broadcast).
+    VERDICT = "verdict"
+    OBSERVE = "observe"
+    PLAN = "plan"
+    RUN = "run"
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """What the planner needs of a batch: each tensor's shape past the batch dimension and its
+    dtype, and the batch size."""
+
+    shape: tuple
+    size: int
+
+    @classmethod
+    def of(cls, batch: Any) -> "BatchKey":
+        return cls(tuple((tuple(t.shape[1:]), t.dtype) for t in tensors_in(batch)), infer_batch_size(batch))
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The step about to run, as the planner sees it (Note [Auto decides from values])."""
+
+    batch: BatchKey
+    state: StateSizes = StateSizes()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The guard steps' verdict, decided on the main process and broadcast: what the next steps
+    do (``OBSERVE``, ``GUARD`` again or ``RUN`` the lowest-memory plan), plain's bound and the
+    lowest-memory plan's measured peak (Note [Observe only what fits])."""
+
+    decision: StepKind
+    plain_bound_bytes: Optional[int]
+    least_bytes: Optional[int]
+
 
 # Note [Observe only what fits]: the profile that plans are solved from is taken by observing a
 # plain step (Note [Observe, do not re-run]), and a plain step can need several times the budget
@@ -62,279 +119,279 @@ __all__ = ["AutoPlanner"]
 # on the main process and broadcast with the plans, so every process takes the same branch
 # before any of them runs the step. ``training_step`` still runs once per step: the guard step is
 # an ordinary step of training.
-_GUARD = "guard"
-VERDICT = "verdict"
+@dataclass
+class _Guard:
+    """The guard steps on one batch shape (Note [Observe only what fits])."""
 
-log = logging.getLogger(__name__)
+    batch: BatchKey
+    peak: int = 0  # the largest measured peak of a guard step
+    backward_peak: Optional[int] = None  # the same up to the end of the backward
+    held: int = 0  # the saved bytes the lowest-memory plan did not hold (recomputed + offloaded)
+    grown: int = 0  # what the last guard step grew the state by, as a steady backward holds it
+    bound: Optional[int] = None  # plain's bound, once a guard step began in the steady state
+    least: Optional[int] = None  # the lowest-memory plan's steady peak (from the verdict)
+    start: StateSizes = StateSizes()  # the state the running guard step began with
+    decision: Optional[StepKind] = None
+    open: bool = False
 
-
-def _signature(model: Any, states: Any) -> tuple[int, int]:
-    """Cheap to compute every step: how many parameters have gradients, how many optimizer
-    state entries exist. Bytes are summed only when this changes."""
-    grads = sum(1 for p in model.parameters() if p.grad is not None)
-    entries = sum(len(s) for s in states) if isinstance(states, (list, tuple)) else 0
-    return grads, entries
-
-
-def _shape_key(batch: Any) -> tuple:
-    return tuple((tuple(t.shape[1:]), t.dtype) for t in tensors_in(batch))
+    def covers(self, batch: BatchKey) -> bool:
+        return self.batch.shape == batch.shape and batch.size <= self.batch.size
 
 
 class AutoPlanner:
-    """The ``policy="auto"`` decisions of one :class:`~.session.SwapSession` (Note [Auto:
-    observe, plan, check]); the session owns it and this module does not import the session."""
+    """The ``policy="auto"`` decisions of one session (Note [Auto: observe, plan, check]),
+    from values (Note [Auto decides from values]).
 
-    def __init__(self, session: Any, *, grads_freed_before_backward: bool = False) -> None:
-        self.session = session
-        #: The loop frees the gradients between forward and backward (Lightning's closure calls
-        #: ``zero_grad`` there): the steady state's backward does not hold the last step's.
+    ``budget_bytes``: the budget plans are solved for (``None``: none, every segment is kept);
+    ``segments``: the names plans act on; ``config``: the copy windows plans are priced for;
+    ``grads_freed_before_backward``: the loop frees the gradients between forward and backward
+    (Lightning's closure calls ``zero_grad`` there), so the steady backward does not hold them.
+    """
+
+    def __init__(
+        self, *, budget_bytes: Optional[int], segments: Sequence[str], config: SwapConfig = SwapConfig(),
+        grads_freed_before_backward: bool = False,
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self.segments = tuple(segments)
+        self.config = config
         self.grads_freed_before_backward = grads_freed_before_backward
         self.profile: Optional[ModelProfile] = None
-        self.observing: Optional[ObservedStep] = None
         self._profile_shape: Optional[tuple] = None
         self._profile_batch = 0
         self._scalable = False  # the profile predicts other batch sizes (a batch-size search's)
         self._adopt_shape = False
         self._planned_batch = 0
-        self._observed_state = (0, 0)  # gradient bytes, optimizer state bytes
+        self._observing: Optional[BatchKey] = None
+        self._observed_state = StateSizes()
         self._signature: Optional[tuple[int, int]] = None
         self._planned_state = 0
+        self._plan_due = True  # no plan made for the profile in use (or none at all)
+        self._current: Optional[Plan] = None  # the last plan applied
+        self._last_applied: Optional[tuple[Plan, int]] = None
         self._check_pending = False
-        #: The step under the lowest-memory plan and its verdict (Note [Observe only what fits]).
-        self._guard: Optional[dict] = None
-        self._guard_end: Optional[tuple[int, int]] = None
+        self._guard: Optional[_Guard] = None
+        self._guard_end: Optional[StateSizes] = None  # the state the last guard step ended with
         #: Bytes the measured peaks exceeded the predictions by, learned from the checks.
         self.correction_bytes = 0
 
+    @property
+    def check_pending(self) -> bool:
+        """The plan applied last has not been checked yet: the step running it is measured."""
+        return self._check_pending
+
     # -- what the next step does ---------------------------------------------------------
-    def kind(self, batch: Any, states: Any) -> str:
-        session = self.session
-        if session.budget_bytes() is None:
-            return "plan" if session.plan is None else "run"
-        size = infer_batch_size(batch)
+    def next_step(self, step: StepInputs) -> StepKind:
+        """The decision table (Note [Auto: observe, plan, check])."""
+        if self.budget_bytes is None:
+            return StepKind.PLAN if self._plan_due else StepKind.RUN
+        batch = step.batch
         if self._adopt_shape:  # a profile made elsewhere (a batch-size search): this batch's shape
             self._adopt_shape = False
-            self._profile_shape, self._planned_batch = _shape_key(batch), size
-            return "plan"
-        if self._profile_shape is None or _shape_key(batch) != self._profile_shape:
-            return self._observe_or_guard(batch, states)
-        if size > self._profile_batch and not self._scalable:
-            return self._observe_or_guard(batch, states)
-        if self._scalable and size != self._planned_batch:
-            self._planned_batch = size
-            return "plan"  # a profile measured at two batch sizes rescales (Note [Batch scaling])
-        if session.plan is None or self._check_pending:
-            return "plan"
-        signature = _signature(session.model, states)
-        if signature != self._signature:
-            self._signature = signature
-            if state_bytes(session.model, states) > self._planned_state:
-                return "plan"
-        return "run"
+            self._profile_shape, self._planned_batch = batch.shape, batch.size
+            return StepKind.PLAN
+        if self._profile_shape is None or batch.shape != self._profile_shape:
+            return self._observe_or_guard(batch)
+        if batch.size > self._profile_batch and not self._scalable:
+            return self._observe_or_guard(batch)
+        if self._scalable and batch.size != self._planned_batch:
+            self._planned_batch = batch.size
+            return StepKind.PLAN  # a profile measured at two batch sizes rescales (Note [Batch scaling])
+        if self._plan_due or self._check_pending:
+            return StepKind.PLAN
+        if step.state.signature != self._signature:
+            self._signature = step.state.signature
+            if step.state.total_bytes > self._planned_state:
+                return StepKind.PLAN
+        return StepKind.RUN
 
     # -- guarding (Note [Observe only what fits]) ------------------------------------------
-    def _observe_or_guard(self, batch: Any, states: Any) -> str:
+    def _observe_or_guard(self, batch: BatchKey) -> StepKind:
         guard = self._guard
-        if guard is None or guard["key"][0] != _shape_key(batch) or infer_batch_size(batch) > guard["key"][1]:
-            return _GUARD
-        if guard["decision"] is None:
-            return VERDICT  # after every guard step, on every process: the main process decides
-        return guard["decision"]
+        if guard is None or not guard.covers(batch):
+            return StepKind.GUARD
+        if guard.decision is None:
+            return StepKind.VERDICT  # after every guard step, on every process: the main process decides
+        return guard.decision
 
-    def begin_guard(self, batch: Any, states: Any) -> Plan:
-        """The lowest-memory plan for this step; :meth:`end_guard` reads what it measured."""
-        key = (_shape_key(batch), infer_batch_size(batch))
-        if self._guard is None or self._guard["key"][0] != key[0] or key[1] > self._guard["key"][1]:
-            self._guard = {"key": key, "peak": 0, "bound": None, "least": None, "held": 0, "grown": 0}
-        self._guard.update(states=states, state=self._state_parts(states), decision=None, open=True)
-        return Plan(actions={name: Action.RECOMPUTE_OFFLOAD for name in self.session.segments})
+    def begin_guard(self, step: StepInputs) -> Plan:
+        """The lowest-memory plan for this step; :meth:`end_guard` takes what it measured."""
+        if self._guard is None or not self._guard.covers(step.batch):
+            self._guard = _Guard(step.batch)
+        self._guard.start, self._guard.decision, self._guard.open = step.state, None, True
+        return Plan.lowest_memory(self.segments)
 
-    def end_guard(self, peak: Optional[int], rows: Any) -> None:
-        """A guard step is over. Guarding goes on while the step grew the state (the optimizer
-        state appearing in the first optimizer step, the gradients of accumulation): the peak
-        that counts is that of a step that begins in the steady state, so the lowest-memory
-        plan's minimum is measured, not predicted (Note [Observe only what fits])."""
+    def guard_backward_done(self, peak_bytes: int) -> None:
+        """The guard step's peak up to the end of its backward (its optimizer step not yet run)."""
+        self._guard.backward_peak = max(self._guard.backward_peak or 0, peak_bytes)
+
+    def end_guard(self, peak_bytes: Optional[int], rows: Optional[Sequence[Any]], state: StateSizes) -> None:
+        """A guard step is over: its measured peak, the rows it measured (each with
+        ``recomputed_bytes`` and ``offloaded_bytes``) and the state alive after it. Guarding goes
+        on while the step grew the state (the optimizer state appearing in the first optimizer
+        step, the gradients of accumulation): the peak that counts is that of a step that begins
+        in the steady state, so the lowest-memory plan's minimum is measured, not predicted."""
         guard = self._guard
-        guard["open"] = False
-        if peak is None or not rows:
+        guard.open = False
+        if peak_bytes is None or not rows:
             return  # nothing measured: the verdict is to guard again
-        guard["peak"] = max(guard["peak"], peak)
-        guard["held"] = max(guard["held"], sum(r.recomputed_bytes + r.offloaded_bytes for r in rows))
-        (grads0, opt0), (grads, opt) = guard["state"], self._state_parts(guard["states"])
-        # What a step that began with the state alive now would add (Note [Steady-state shift]):
-        # the optimizer state throughout, the last gradients unless the loop frees them first.
-        guard["grown"] = max(0, opt - opt0) + (0 if self.grads_freed_before_backward else max(0, grads - grads0))
+        guard.peak = max(guard.peak, peak_bytes)
+        guard.held = max(guard.held, sum(r.recomputed_bytes + r.offloaded_bytes for r in rows))
+        # What a step that began with the state alive now would add in its backward.
+        guard.grown = state_growth(guard.start, state, grads_freed_before_backward=self.grads_freed_before_backward)[1]
         # Steady once a step ends with no more state than the previous guard step ended with
         # (gradients freed between steps by ``zero_grad`` come back every step: not growth).
-        previous, self._guard_end = self._guard_end, (grads, opt)  # the state has no shape: kept across guards
-        if previous is not None and grads <= previous[0] and opt <= previous[1]:
-            guard["bound"] = guard["peak"] + guard["held"]
+        previous, self._guard_end = self._guard_end, state  # the state has no shape: kept across guards
+        if (
+            previous is not None and state.gradient_bytes <= previous.gradient_bytes
+            and state.optimizer_bytes <= previous.optimizer_bytes
+        ):
+            guard.bound = guard.peak + guard.held
 
-    def guard_backward_done(self, peak: int) -> None:
-        """The guard step's peak up to the end of its backward (its optimizer step not yet run)."""
-        self._guard["backward_peak"] = max(self._guard.get("backward_peak", 0), peak)
-
-    def _state_parts(self, states: Any) -> tuple[int, int]:
-        return gradient_bytes(self.session.model), storage_bytes(tensors_in(states))
-
-    def guard_verdict(self, states: Any) -> tuple[str, Optional[int], Optional[int]]:
-        """(what the next steps do: ``"guard"``, ``"observe"`` or ``"run"``; plain's bound; the
-        lowest-memory plan's measured peak), decided on the main process (the session
-        broadcasts it). Raises :class:`InfeasibleBudgetError` as soon as a guard step was over
-        the budget: nothing uses less memory than it."""
-        guard, budget = self._guard, self.session.budget_bytes()
-        least, plain = guard["peak"], guard["bound"]
+    def guard_verdict(self) -> Verdict:
+        """What the next steps do, decided on the main process (the session broadcasts it).
+        Raises :class:`InfeasibleBudgetError` as soon as a guard step was over the budget:
+        nothing uses less memory than it."""
+        guard, budget = self._guard, self.budget_bytes
+        least, plain = guard.peak, guard.bound
         if plain is None:
             # Not yet steady: a steady step's forward and backward hold what this one grew (the
             # optimizer step already ran with it, so its part of the peak stays).
-            least = max(guard["peak"], guard.get("backward_peak", guard["peak"]) + guard["grown"])
-        if guard["peak"] > budget or (plain is not None and least > budget):
-            raise InfeasibleBudgetError(budget_bytes=budget, min_budget_bytes=least, batch_size=guard["key"][1])
+            backward = guard.peak if guard.backward_peak is None else guard.backward_peak
+            least = max(guard.peak, backward + guard.grown)
+        if guard.peak > budget or (plain is not None and least > budget):
+            raise InfeasibleBudgetError(budget_bytes=budget, min_budget_bytes=least, batch_size=guard.batch.size)
         if plain is None:
             # The same bound on the predicted steady peak: when even that fits, plain is observed
             # at once rather than after a second guard step (a budget far above plain's peak runs
             # one step under the lowest-memory plan, not two).
-            if least + guard["held"] <= budget:
-                return "observe", least + guard["held"], least
-            return _GUARD, None, least
-        return ("observe" if plain <= budget else "run"), plain, least
+            if least + guard.held <= budget:
+                return Verdict(StepKind.OBSERVE, least + guard.held, least)
+            return Verdict(StepKind.GUARD, None, least)
+        return Verdict(StepKind.OBSERVE if plain <= budget else StepKind.RUN, plain, least)
+
+    def take_verdict(self, verdict: Verdict) -> None:
+        """Every process, with the main process's verdict."""
+        self._guard.decision, self._guard.least = verdict.decision, verdict.least_bytes
+        if verdict.decision is StepKind.RUN:
+            log.info(
+                "lightning-swap: plain training may need up to %s, over the budget of %s: every segment stays "
+                "recompute_offload (measured %s) rather than observe a step that would not fit.",
+                format_bytes(verdict.plain_bound_bytes), format_bytes(self.budget_bytes), format_bytes(verdict.least_bytes),
+            )
 
     @property
     def guarding(self) -> bool:
-        """A guard step is running: its measurements are read when it is over."""
-        return self._guard is not None and self._guard.get("open", False)
+        """A guard step is running: its measurements are taken when it is over."""
+        return self._guard is not None and self._guard.open
 
     @property
     def guard_measured(self) -> tuple[Optional[int], Optional[int]]:
         """The lowest-memory plan's measured steady peak and the batch size it ran at."""
-        return (None, None) if self._guard is None else (self._guard.get("least"), self._guard["key"][1])
-
-    def take_verdict(self, verdict: tuple[str, Optional[int], Optional[int]]) -> None:
-        decision, plain, least = verdict
-        self._guard["decision"], self._guard["least"] = decision, least
-        if decision == "run":
-            log.info(
-                "lightning-swap: plain training may need up to %s, over the budget of %s: every segment stays "
-                "recompute_offload (measured %s) rather than observe a step that would not fit.",
-                format_bytes(plain), format_bytes(self.session.budget_bytes()), format_bytes(least),
-            )
+        return (None, None) if self._guard is None else (self._guard.least, self._guard.batch.size)
 
     # -- observing ------------------------------------------------------------------------
-    def begin_observe(self, batch: Any, track: Any, states: Any, *, is_main: bool = True) -> Optional[ObservedStep]:
-        """Run this step with every segment kept; the main process traces it. Every process
-        records what was observed, so that all take the same decisions afterwards."""
-        session = self.session
-        session.remove()
-        session.plan = None
-        self._check_pending = False
-        self._profile_shape, self._profile_batch = _shape_key(batch), infer_batch_size(batch)
-        if not is_main:
-            return None
-        self.observing = ObservedStep(
-            session.model, list(session.segments), device=session.device, batch=batch, track=track,
-            min_offload_bytes=session.config.min_offload_bytes, modules=session.modules,
-        ).begin()
-        self._observed_state = (gradient_bytes(session.model), storage_bytes(tensors_in(states)))
-        self._observed_batch = batch
-        return self.observing
+    def begin_observe(self, step: StepInputs) -> None:
+        """Every process, as the observed step begins (the main process traces it): what was
+        observed is recorded everywhere, so that all take the same decisions afterwards."""
+        self._plan_due, self._check_pending = True, False
+        self._profile_shape, self._profile_batch = step.batch.shape, step.batch.size
+        self._observing, self._observed_state = step.batch, step.state
 
-    def finish_observe(self) -> ModelProfile:
-        observed, self.observing = self.observing, None
-        assert observed is not None
-        self.set_profile(observed.finish(), self._observed_batch)
-        self._observed_batch = None
-        return self.profile
+    def finish_observe(self, profile: ModelProfile) -> None:
+        """The main process: the observed step's profile, which the next plans are solved from."""
+        self.set_profile(profile, self._observing)
 
-    def abort_observe(self) -> None:
-        if self.observing is not None:
-            self.observing.abort()
-            self.observing = None
-
-    def set_profile(self, profile: ModelProfile, batch: Any, *, steady: bool = False) -> None:
-        """Use ``profile`` (of a step on a batch shaped like ``batch``; ``None``: like the next
-        step's) from now on: the next step plans. ``steady``: it was measured in the steady state
-        (a batch-size search warms up first), so no shift is added; a profile measured at two
-        batch sizes is used at any."""
+    def set_profile(self, profile: ModelProfile, batch: Optional[BatchKey], *, steady: bool = False) -> None:
+        """Use ``profile`` (of a step on ``batch``; ``None``: on the next step's) from now on: the
+        next step plans. ``steady``: it was measured in the steady state (a batch-size search
+        warms up first), so no shift is added; a profile measured at two batch sizes is used at
+        any."""
         self.profile = profile
         self._adopt_shape = batch is None
-        self._profile_shape = None if batch is None else _shape_key(batch)
+        self._profile_shape = None if batch is None else batch.shape
         self._profile_batch = profile.batch_size
         self._scalable = profile.reference is not None
-        self._planned_batch = profile.batch_size if batch is None else infer_batch_size(batch)
+        self._planned_batch = profile.batch_size if batch is None else batch.size
         if steady:
-            self._observed_state = (1 << 62, 1 << 62)
-        self.session.plan = None
-        self._check_pending = False
+            self._observed_state = StateSizes(1 << 62, 1 << 62)
+        self._plan_due, self._check_pending = True, False
 
     # -- planning --------------------------------------------------------------------------
-    def steady_profile(self, states: Any) -> ModelProfile:
+    def steady_shift(self, state: StateSizes) -> tuple[int, int]:
+        """(forward bytes, backward bytes) the state alive now adds to the observed step's
+        (Note [Steady-state shift])."""
+        return state_growth(self._observed_state, state, grads_freed_before_backward=self.grads_freed_before_backward)
+
+    def steady_profile(self, state: StateSizes) -> ModelProfile:
         """The observed profile shifted to the state alive now (Note [Steady-state shift])."""
-        grads, opt = gradient_bytes(self.session.model), storage_bytes(tensors_in(states))
-        grads0, opt0 = self._observed_state
-        forward = max(0, grads - grads0) + max(0, opt - opt0)
-        backward = max(0, opt - opt0) + (0 if self.grads_freed_before_backward else max(0, grads - grads0))
+        forward, backward = self.steady_shift(state)
         return self.profile.with_state(forward_bytes=forward, backward_bytes=backward)
 
-    def plan(self, states: Any) -> Plan:
-        """The plan for the steps to come (the main process; the caller broadcasts it)."""
-        session = self.session
-        budget = session.budget_bytes()
-        if budget is None:
-            session.warn_no_budget()
-            return Plan(actions={name: Action.KEEP for name in session.segments})
-        current = session.plan
-        grown = state_bytes(session.model, states) > self._planned_state
-        if self._check_pending and current is not None and current.predicted_peak_bytes is not None:
+    def plan(self, state: StateSizes, measured_peak_bytes: Optional[int] = None) -> Plan:
+        """The plan for the steps to come (the main process; the session broadcasts it).
+        ``measured_peak_bytes``: the newest step's measured peak, the check of the plan applied
+        last when one is pending."""
+        if self.budget_bytes is None:
+            return Plan(actions={name: Action.KEEP for name in self.segments})
+        grown = state.total_bytes > self._planned_state
+        if self._check_pending and self._current is not None and self._current.predicted_peak_bytes is not None:
             self._check_pending = False
-            stats = session.records.newest()
-            measured = stats.peak_device_bytes if stats is not None else None
-            if measured is not None:
-                # A miss is learned only when nothing else explains it: gradients or optimizer
-                # state that grew since the plan was made are priced by the re-plan below
-                # (Note [Steady-state shift]), not stored as a permanent correction.
-                if not grown:
-                    self.correction_bytes = max(self.correction_bytes, measured - current.predicted_peak_bytes)
-                if measured <= budget and not grown:
-                    return current
-                if measured > budget:
-                    log.info(
-                        "lightning-swap: the plan's first step peaked at %s, over the budget of %s (predicted %s); "
-                        "planning again for %s less.", format_bytes(measured), format_bytes(budget),
-                        format_bytes(current.predicted_peak_bytes), format_bytes(self.correction_bytes),
-                    )
-                else:
-                    log.info(
-                        "lightning-swap: the gradients or optimizer state grew since the plan was made (its first "
-                        "step peaked at %s, within the budget of %s); planning again for the state alive now.",
-                        format_bytes(measured), format_bytes(budget),
-                    )
-        profile = self.steady_profile(states)
+            if measured_peak_bytes is not None and self._checked(measured_peak_bytes, grown):
+                return self._current
+        return self._solve(state)
+
+    def _checked(self, measured: int, grown: bool) -> bool:
+        """The check of the plan applied last against its first step's ``measured`` peak: whether
+        it stays. A miss is learned only when nothing else explains it: gradients or optimizer
+        state that grew since the plan was made are priced by the re-plan (Note [Steady-state
+        shift]), not stored as a permanent correction."""
+        budget, predicted = self.budget_bytes, self._current.predicted_peak_bytes
+        if not grown:
+            self.correction_bytes = max(self.correction_bytes, measured - predicted)
+        if measured <= budget and not grown:
+            return True
+        if measured > budget:
+            log.info(
+                "lightning-swap: the plan's first step peaked at %s, over the budget of %s (predicted %s); "
+                "planning again for %s less.", format_bytes(measured), format_bytes(budget),
+                format_bytes(predicted), format_bytes(self.correction_bytes),
+            )
+        else:
+            log.info(
+                "lightning-swap: the gradients or optimizer state grew since the plan was made (its first "
+                "step peaked at %s, within the budget of %s); planning again for the state alive now.",
+                format_bytes(measured), format_bytes(budget),
+            )
+        return False
+
+    def _solve(self, state: StateSizes) -> Plan:
+        """The fastest plan within the budget less what the checks learned."""
+        budget, window = self.budget_bytes, copy_window_of(self.config)
+        profile = self.steady_profile(state)
         if self._scalable and self._planned_batch != profile.batch_size:
             profile = profile.at_batch(self._planned_batch)
         effective = budget - self.correction_bytes
         try:
             if effective <= 0:
-                raise InfeasibleBudgetError(budget_bytes=budget, min_budget_bytes=min_budget_bytes(profile, **copy_window_of(session.config)), batch_size=profile.batch_size)
-            plan = solve(profile, budget_bytes=effective, **copy_window_of(session.config))
+                raise InfeasibleBudgetError(budget_bytes=budget, min_budget_bytes=min_budget_bytes(profile, **window), batch_size=profile.batch_size)
+            plan = solve(profile, budget_bytes=effective, **window)
         except InfeasibleBudgetError as err:
             raise InfeasibleBudgetError(
                 budget_bytes=budget, min_budget_bytes=err.min_budget_bytes + self.correction_bytes, batch_size=profile.batch_size,
             ) from None
         if effective != budget:
-            plan = Plan(
-                actions=plan.actions, predicted_peak_bytes=plan.predicted_peak_bytes, predicted_step_ms=plan.predicted_step_ms,
-                budget_bytes=budget, batch_size=plan.batch_size, rows=plan.rows,
-            )
+            plan = replace(plan, budget_bytes=budget)
         return plan
 
-    def applied(self, plan: Plan, states: Any) -> None:
+    def applied(self, plan: Plan, state: StateSizes) -> None:
         """Every process, after applying ``plan``: what it was made for, and a check is due."""
-        self._signature = _signature(self.session.model, states)
-        self._planned_state = state_bytes(self.session.model, states)
+        self._signature, self._planned_state = state.signature, state.total_bytes
+        self._current, self._plan_due = plan, False
         # By value, with the state it was made for: on the other processes every broadcast plan
         # is a new object (unpickled), and an identity test there made every step a check, a
         # broadcast rank 0 never entered. A plan kept after its check comes back equal in the
         # same state; a re-plan is new in value or made for another state.
         made_for = (plan, self._planned_state)
-        self._check_pending = plan.predicted_peak_bytes is not None and made_for != getattr(self, "_last_plan", None)
-        self._last_plan = made_for
+        self._check_pending = plan.predicted_peak_bytes is not None and made_for != self._last_applied
+        self._last_applied = made_for

@@ -51,7 +51,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from ..actions import Action
 from ..decide.costmodel import simulate
@@ -60,9 +60,6 @@ from ..decide.plan import Plan, format_bytes
 from ..measure.model_profile import ModelProfile
 from ..decide.solver import solve
 from ..units import ByteSize, parse_bytes
-
-if TYPE_CHECKING:  # a type is all that is needed here; the session never imports this module
-    pass
 
 __all__ = [
     "BatchSearchError",

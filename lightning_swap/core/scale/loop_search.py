@@ -1,5 +1,5 @@
 """The batch-size search around a real training loop: warm up, profile near the answer, run
-trials through the caller's loop, and agree between processes (:class:`Collectives`).
+trials through the caller's loop, and agree between processes (:class:`~.collectives.Collectives`).
 
 The search itself (pure, over predictions) is :mod:`.batch_search`.
 """
@@ -10,43 +10,25 @@ import dataclasses
 import logging
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..actions import Action
 from ..decide.costmodel import copy_window_of
 from ..decide.plan import Plan
 from ..measure.profiler import StepFn
 from ..runtime.stats import StepStats
+from .auto import BatchKey
 from .batch_search import ScaleConfig, ScaleResult, TrialMeasurement, predict_batch_size, search_batch_size
+from .collectives import Collectives
 
 if TYPE_CHECKING:
     from .session import SwapSession
 
-__all__ = ["Collectives", "RunSteps", "adopt_search_profile", "search_for_loop"]
+__all__ = ["RunSteps", "adopt_search_profile", "search_for_loop"]
 
 log = logging.getLogger(__name__)
 
 
 # -- around a training loop ----------------------------------------------------------------------
-def _same(value: Any) -> Any:
-    return value
-
-
-@dataclass(frozen=True, kw_only=True)
-class Collectives:
-    """How the processes of a data-parallel job agree; the defaults are one process's identity."""
-
-    #: Whether this process profiles (the others receive its profile).
-    is_main: bool = True
-    #: The main process's object, on every process.
-    broadcast: Callable[[Any], Any] = _same
-    #: The largest of every process's number (measured peaks and step times).
-    reduce_max: Callable[[float], float] = _same
-    #: The smallest of every process's number (the batch size all agree on).
-    reduce_min: Callable[[int], int] = _same
-
-
 #: ``run_steps(batch_size, steps)``: run ``steps`` training steps at ``batch_size`` with the
 #: session's installed plan, each inside the session's step window, and return their statistics.
 RunSteps = Callable[[int, int], Sequence[StepStats]]
@@ -126,7 +108,7 @@ def _profile_for_search(
 ) -> Any:
     """Steps 1 and 2 of :func:`search_for_loop`: warm up, profile (again near the answer
     ``predict`` gives), broadcast; every process's ``session.profile`` is the result."""
-    session.apply(Plan(actions={name: Action.RECOMPUTE_OFFLOAD for name in session.segments}), pinned=True)
+    session.apply(Plan.lowest_memory(session.segments), pinned=True)
     try:
         run_steps(profile_batch_size, 1)
     finally:
@@ -178,7 +160,7 @@ def adopt_search_profile(session: "SwapSession", batch: Optional[Callable[[], An
     steady-state profile — at ``batch()``'s shape when given, else at the profile's own batch —
     instead of observing a step of the size found without a plan (Note [Auto: observe, plan,
     check]). Both adapters' finders end with this."""
-    searched = session._profile  # the search's own, not auto's (SwapSession.profile prefers auto's)
+    searched = session.measured_profile  # the search's own, not auto's (SwapSession.profile prefers auto's)
     session.reset()
     if session.auto is not None and searched is not None and found:
-        session.auto.set_profile(searched, batch() if batch is not None else None, steady=True)
+        session.use_profile(searched, BatchKey.of(batch()) if batch is not None else None, steady=True)

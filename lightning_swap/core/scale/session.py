@@ -2,30 +2,43 @@
 runtime, and a measured window around each training step.
 
 The Lightning strategies and the Accelerate plugin are thin: they hold a :class:`SwapSession`
-and call :meth:`~SwapSession.begin_step` / :meth:`~SwapSession.end_step` from their hooks.
+and call :meth:`~SwapSession.before_step` (or :meth:`~SwapSession.begin_step`) /
+:meth:`~SwapSession.end_step` from their hooks. Parameters flow one way: the session is given
+what it needs when it is made — the options, the device, how the processes agree
+(:class:`~.collectives.Collectives`), whether the loop frees gradients before the backward — and
+resolves the budget once; it never calls its adapter back. Under ``policy="auto"`` it hands
+:class:`~.auto.AutoPlanner` values and carries out the decisions it returns (Note [Auto decides
+from values]).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from ..actions import Action, allowed_actions, resolve_policy
-from ..errors import is_out_of_memory
-from .auto import VERDICT, AutoPlanner
+from ..config import SwapConfig
 from ..decide.plan import Plan
 from ..engine.streams import SyncOps, Timing
-from ..runtime.stats import StatsHistory, StepStats, StepRecord
-from ..runtime.runtime import SwapRuntime
-from ..config import SwapConfig
-from ..tensors import device_budget_bytes, normalize_device, tensors_in
-from ..segments import find_segments, resolve_modules
 from ..engine.unified.memory import UnifiedMemory
+from ..errors import is_out_of_memory
+from ..measure.model_profile import ModelProfile
+from ..measure.observe import ObservedStep
+from ..measure.profiler import profile as profile_step
+from ..measure.timeline import Timeline
+from ..runtime.runtime import SwapRuntime
+from ..runtime.stats import StatsHistory, StepRecord, StepStats
+from ..segments import find_segments, resolve_modules
+from ..tensors import device_budget_bytes, normalize_device, tensors_in
+from .auto import AutoPlanner, BatchKey, StepInputs, StepKind
+from .collectives import Collectives
+from .fallback import fake_profile_on_main, restore_rng_state, rng_state
+from .steady_state import StateSizes, steady_plain_timeline
 
 __all__ = ["SwapSession"]
 
@@ -45,39 +58,67 @@ def _observed_record(profile: Any) -> StepRecord:
 
 
 class SwapSession:
-    """The segments, plan and runtime of one model on one device."""
+    """The segments, plan and runtime of one model on one device.
+
+    ``unified``: unified memory the adapter installed before the model reached the device
+    (``config.um``); ``collectives``: how the processes agree (plans and verdicts are decided
+    on the main process and broadcast); ``grads_freed_before_backward``: the loop frees the
+    gradients between forward and backward (Note [Steady-state shift]). The budget is resolved
+    once, here: ``config.budget_bytes``, else what the CUDA device offers now (less
+    :data:`~lightning_swap.core.tensors.CUDA_BUDGET_MARGIN`), else none."""
 
     def __init__(
-        self, model: nn.Module, config: SwapConfig, device: torch.device | str, *, unified: Optional[UnifiedMemory] = None
+        self, model: nn.Module, config: SwapConfig, device: torch.device | str, *, unified: Optional[UnifiedMemory] = None,
+        collectives: Collectives = Collectives(), grads_freed_before_backward: bool = False,
     ) -> None:
         self.model = model
         self.config = config
         self.device = normalize_device(device)
-        #: Installed by the adapter before the model reached the device (``config.um``).
         self.unified = unified
+        self.collectives = collectives
         self.segments = find_segments(model, None if config.segments is None else list(config.segments))
+        self._budget_bytes = config.budget_bytes if config.budget_bytes is not None else device_budget_bytes(self.device)
+        self._grads_freed = grads_freed_before_backward
         self.plan: Optional[Plan] = None
         self.runtime: Optional[SwapRuntime] = None
         self.last_stats: Optional[StepStats] = None
         #: Every measured step of this session, across plans (device times filled in lazily).
         self.records = StatsHistory()
-        self._profile = None
+        self._measured: Optional[ModelProfile] = None
         self._pinned = False
         self._warned_no_budget = False
+        self._state: Optional[StateSizes] = None
+        self._guard_states: Any = None
+        #: The step being observed (the main process), and (batch, states, RNG state) of the
+        #: step observed last (every process: Note [The observed step does not fit]).
+        self.observation: Optional[ObservedStep] = None
+        self._observed_call: Optional[tuple[Any, Any, tuple]] = None
         #: ``policy="auto"``'s decisions (Note [Auto: observe, plan, check]); ``None`` for a forced policy.
-        self.auto = AutoPlanner(self) if config.is_auto else None
+        self.auto = self._new_planner() if config.is_auto else None
+
+    def _new_planner(self) -> AutoPlanner:
+        return AutoPlanner(
+            budget_bytes=self._budget_bytes, segments=self.segments, config=self.config,
+            grads_freed_before_backward=self._grads_freed,
+        )
 
     @property
-    def profile(self):
-        """The :class:`~lightning_swap.core.measure.profiler.ModelProfile` behind the plan (``None``
-        before one was made): the observed step's for ``"auto"``, else the last :meth:`measure`."""
+    def profile(self) -> Optional[ModelProfile]:
+        """The :class:`~lightning_swap.core.measure.model_profile.ModelProfile` behind the plan
+        (``None`` before one was made): the observed step's for ``"auto"``, else the last
+        :meth:`measure` (or a batch-size search's)."""
         if self.auto is not None and self.auto.profile is not None:
             return self.auto.profile
-        return self._profile
+        return self._measured
 
     @profile.setter
-    def profile(self, value) -> None:
-        self._profile = value
+    def profile(self, value: Optional[ModelProfile]) -> None:
+        self._measured = value
+
+    @property
+    def measured_profile(self) -> Optional[ModelProfile]:
+        """The last :meth:`measure` (or batch-size search's) profile, even under ``"auto"``."""
+        return self._measured
 
     @property
     def modules(self) -> dict[str, nn.Module]:
@@ -87,46 +128,101 @@ class SwapSession:
     @property
     def observing(self) -> bool:
         """Whether this step is being observed for ``"auto"``'s profile (Note [Observe, do not re-run])."""
-        return self.auto is not None and self.auto.observing is not None
+        return self.observation is not None
+
+    @property
+    def check_pending(self) -> bool:
+        """Under ``"auto"``: the plan applied last is in its first step, which checks it."""
+        return self.auto is not None and self.auto.check_pending
+
+    def budget_bytes(self) -> Optional[int]:
+        """The budget the planner works to, resolved when the session was made."""
+        return self._budget_bytes
 
     # -- one training step, as the adapters drive it ----------------------------------------
-    def before_step(
-        self, batch: Any, track: Any, states: Any, *, is_main: bool = True,
-        plan_on_main: Callable[[Callable[[], Plan]], Plan] = lambda solve: solve(), measure: bool = False,
-    ) -> str:
-        """Before a training step's forward: observe it, (re-)plan, or open the installed plan's
-        window. ``track``: what is alive besides the model (the batch, ``states``);
-        ``states``: the optimizer states; ``plan_on_main(solve)`` runs ``solve`` on the main
-        process and hands every process its result (or raises its error everywhere); ``measure``:
-        as :meth:`begin_step`'s. Returns what the step does: ``"observe"``, ``"plan"`` or ``"run"``."""
-        kind = "run"
-        if self.auto is not None and not self._pinned:
-            kind = self.auto.kind(batch, states)
-            if kind == VERDICT:  # Note [Observe only what fits]: rank 0 decides for every rank
-                self.auto.take_verdict(plan_on_main(lambda: self.auto.guard_verdict(states)))
-                kind = self.auto.kind(batch, states)
-                if kind == "run" and self.plan is not None:  # the lowest-memory plan stays: its peak is measured
-                    least, batch_size = self.auto.guard_measured
-                    self.plan = replace(self.plan, predicted_peak_bytes=least, budget_bytes=self.budget_bytes(), batch_size=batch_size)
-            if kind == "guard":
-                self.apply(self.auto.begin_guard(batch, states))
-                self.begin_step(track, measure=True)
-                return kind
-            if kind == "observe":  # the other processes run the same step plainly
-                self.auto.begin_observe(batch, track, states, is_main=is_main)
-                return kind
-            if kind == "plan":
-                plan = plan_on_main(lambda: self.auto.plan(states))
-                if plan != self.plan:  # by value: other processes get a new object each time
-                    self.apply(plan)
-                self.auto.applied(plan, states)
-        self.begin_step(track, measure=measure)
+    def before_step(self, batch: Any, track: Any, states: Any, *, measure: bool = False) -> StepKind:
+        """Before a training step's forward: guard it, observe it, (re-)plan, or open the
+        installed plan's window. ``track``: what is alive besides the model (the batch,
+        ``states``); ``states``: the optimizer states; ``measure``: as :meth:`begin_step`'s.
+        Every process calls it for every step (decisions are broadcast from the main process).
+        Returns what the step does (Note [Auto: observe, plan, check])."""
+        self._observed_call = None
+        if self.auto is None or self._pinned:
+            self.begin_step(track, measure=measure)
+            return StepKind.RUN
+        step = StepInputs(BatchKey.of(batch), self._state_sizes(states))
+        kind = self._next_step(step)
+        if kind is StepKind.GUARD:
+            self.apply(self.auto.begin_guard(step))
+            self._guard_states = states
+            self.begin_step(track, measure=True)
+        elif kind is StepKind.OBSERVE:  # the other processes run the same step plainly
+            self._begin_observe(batch, track, states, step)
+        else:
+            if kind is StepKind.PLAN:
+                self._plan(step)
+            self.begin_step(track, measure=measure)
         return kind
+
+    def _state_sizes(self, states: Any) -> StateSizes:
+        self._state = StateSizes.of(self.model, states, self._state)
+        return self._state
+
+    def _next_step(self, step: StepInputs) -> StepKind:
+        """The planner's answer; a verdict due first is decided on the main process and taken by
+        every process (Note [Observe only what fits])."""
+        kind = self.auto.next_step(step)
+        if kind is StepKind.VERDICT:
+            self.auto.take_verdict(self.collectives.on_main(self.auto.guard_verdict))
+            kind = self.auto.next_step(step)
+            if kind is StepKind.RUN and self.plan is not None:  # the lowest-memory plan stays: its peak is measured
+                least, batch_size = self.auto.guard_measured
+                self.plan = replace(self.plan, predicted_peak_bytes=least, budget_bytes=self._budget_bytes, batch_size=batch_size)
+        return kind
+
+    def _begin_observe(self, batch: Any, track: Any, states: Any, step: StepInputs) -> None:
+        self.remove()
+        self.plan = None
+        self.auto.begin_observe(step)
+        if self.collectives.is_main:
+            self.observation = ObservedStep(
+                self.model, list(self.segments), device=self.device, batch=batch, track=track,
+                min_offload_bytes=self.config.min_offload_bytes, modules=self.modules,
+            ).begin()
+        self._observed_call = (batch, states, rng_state(self.device))
+
+    def _plan(self, step: StepInputs) -> None:
+        """A plan solved on the main process, applied on every process."""
+
+        def solve() -> Plan:
+            if self._budget_bytes is None:
+                self.warn_no_budget()
+            newest = self.records.newest()
+            return self.auto.plan(step.state, newest.peak_device_bytes if newest is not None else None)
+
+        plan = self._received(self.collectives.on_main(solve))
+        if plan != self.plan:  # by value: other processes get a new object each time
+            self.apply(plan)
+        self.auto.applied(plan, step.state)
+
+    def _received(self, plan: Plan) -> Plan:
+        """``plan`` from the main process, checked against this process's segments."""
+        # the planner lists segments in execution order, the forced plan in the model's order
+        if sorted(plan.segments) != sorted(self.segments):
+            raise ValueError(
+                f"this process cut the model into segments {list(self.segments)}, but the main process "
+                f"planned {list(plan.segments)}; every process must build the same model."
+            )
+        return plan
+
+    def apply_forced_plan(self) -> Plan:
+        """Install the forced policy's plan, the main process's on every process."""
+        return self.apply(self._received(self.collectives.on_main(self.forced_plan)))
 
     def backward_begins(self) -> None:
         """The loss exists and its backward is about to run."""
-        if self.observing:
-            self.auto.observing.backward_begins()
+        if self.observation is not None:
+            self.observation.backward_begins()
 
     def step_done(self) -> None:
         """The whole step (optimizer step included) is over: an observed step becomes the profile,
@@ -134,22 +230,52 @@ class SwapSession:
         if self.auto is not None and self.auto.guarding and self.runtime is not None:
             stats = self.records.newest()
             measured = self.runtime.measured_plan(wait=True)
-            self.auto.end_guard(stats.peak_device_bytes if stats is not None else None, measured.rows if measured else None)
+            self.auto.end_guard(
+                stats.peak_device_bytes if stats is not None else None, measured.rows if measured else None,
+                self._state_sizes(self._guard_states),
+            )
+            self._guard_states = None
             if measured is not None:
                 self.plan = measured
-        if self.observing:
-            try:
-                profile = self.auto.finish_observe()
-            finally:
-                self.auto.abort_observe()
+        if self.observation is not None:
+            observed, self.observation = self.observation, None
+            profile = observed.finish()
+            self.auto.finish_observe(profile)
             self.records.add(_observed_record(profile))
+        self._observed_call = None
 
     def abort_step(self) -> None:
         """The step failed (out of memory, an exception): nothing observed is kept."""
-        if self.auto is not None:
-            self.auto.abort_observe()
+        if self.observation is not None:
+            self.observation.abort()
+            self.observation = None
         if self.runtime is not None and self.runtime.measuring:
             self.runtime.abort_step()
+
+    def plan_after_out_of_memory(self, exc: BaseException, step_fn: Callable[[nn.Module, Any], Any], *, advice: str) -> None:
+        """The observed step ran out of memory (``exc``; the adapter called :meth:`abort_step`):
+        it is profiled on fake tensors with ``step_fn`` (the adapter's training step), the next
+        step plans from that profile, and the RNG is back at the state the failed step started
+        with (Note [The observed step does not fit]). ``advice``: what the error says to do if
+        fake mode fails too."""
+        if self._observed_call is None:
+            raise RuntimeError("plan_after_out_of_memory: no observed step to plan for") from exc
+        batch, states, rng = self._observed_call
+        profile = fake_profile_on_main(
+            self.model, batch, step_fn, segments=self.segments, states=states, config=self.config, device=self.device,
+            collectives=self.collectives, advice=advice, cause=exc,
+        )
+        self.use_profile(profile, BatchKey.of(batch))
+        restore_rng_state(self.device, rng)
+
+    def use_profile(self, profile: ModelProfile, batch: Optional[BatchKey], *, steady: bool = False) -> None:
+        """``"auto"`` plans the next step from ``profile`` (:meth:`AutoPlanner.set_profile`)."""
+        self.auto.set_profile(profile, batch, steady=steady)
+        self.plan = None
+
+    def steady_plain_timeline(self, plain: Timeline, states: Any) -> Timeline:
+        """The observed step's timeline shifted to the state alive now (Note [Steady-state shift])."""
+        return steady_plain_timeline(plain, *self.auto.steady_shift(self._state_sizes(states)))
 
     @property
     def pinned(self) -> bool:
@@ -161,17 +287,11 @@ class SwapSession:
             raise RuntimeError("policy='auto' has no forced plan: its plans come from before_step()")
         return Plan(actions=resolve_policy(self.config.policy, self.segments), budget_bytes=self.config.budget_bytes)
 
-    def budget_bytes(self) -> Optional[int]:
-        """The budget the planner works to: the configured one, else what the CUDA device has."""
-        return self.config.budget_bytes if self.config.budget_bytes is not None else device_budget_bytes(self.device)
-
-    def measure(self, batch: Any, step_fn: Callable[[nn.Module, Any], Any], track: Iterable[Any] = ()):
+    def measure(self, batch: Any, step_fn: Callable[[nn.Module, Any], Any], track: Iterable[Any] = ()) -> ModelProfile:
         """Profile one plain step on ``batch`` (the runtime is removed first); scalable in batch size.
 
         On CUDA a step that does not fit is profiled in fake mode instead (memory exact, times
         estimated: Note [Fake-mode times are estimates])."""
-        from ..measure.profiler import profile
-
         self.remove()
         kwargs = dict(
             step_fn=step_fn,
@@ -182,14 +302,14 @@ class SwapSession:
             scale=True,
         )
         try:
-            measured = profile(self.model, batch, **kwargs)
+            measured = profile_step(self.model, batch, **kwargs)
         except Exception as exc:  # noqa: BLE001
             if not is_out_of_memory(exc):
                 raise
             log.info("plain step does not fit on %s; profiling in fake mode", self.device)
             torch.cuda.empty_cache()
-            measured = profile(self.model, batch, fake=True, **kwargs)
-        self._profile = measured
+            measured = profile_step(self.model, batch, fake=True, **kwargs)
+        self._measured = measured
         return measured
 
     def warn_no_budget(self) -> None:
@@ -220,8 +340,10 @@ class SwapSession:
         self.records.clear()
         self.plan = None
         if self.auto is not None:
-            self.auto.abort_observe()
-            self.auto = AutoPlanner(self, grads_freed_before_backward=self.auto.grads_freed_before_backward)
+            if self.observation is not None:
+                self.observation.abort()
+                self.observation = None
+            self.auto = self._new_planner()
         self._pinned = False
 
     def apply(self, plan: Plan, *, pinned: bool = False) -> Plan:
@@ -249,23 +371,22 @@ class SwapSession:
     def begin_step(self, track: Iterable[Any] = (), *, measure: bool = False) -> None:
         """Open the step window. ``measure=True`` measures device memory even for a compiled model
         on CPU (running that step eagerly: Note [No dispatch mode under compile] in runtime.py);
-        a pinned plan's steps (the batch-size finder's trials) are always measured."""
+        a pinned plan's steps (the batch-size finder's trials) are always measured, and so is a
+        new plan's first step (its check: Note [Auto: observe, plan, check])."""
         if self.runtime is None:
             if self.config.is_auto:
                 raise RuntimeError("policy='auto': call before_step() (or apply() a plan) before the first step")
             self.apply(self.forced_plan())
         assert self.runtime is not None
-        # The budget check reads the plan's first step's peak (AutoPlanner.plan): it is measured.
-        checked = self.auto is not None and self.auto._check_pending
-        self.runtime.begin_step(tensors_in(list(track)), measure=measure or self._pinned or checked)
+        self.runtime.begin_step(tensors_in(list(track)), measure=measure or self._pinned or self.check_pending)
 
     def backward_done(self) -> None:
         """The loss's backward is over (what follows, the optimizer step, is its own window in
         an observed step)."""
         if self.auto is not None and self.auto.guarding and self.runtime is not None and self.runtime.measuring:
             self.auto.guard_backward_done(self.runtime.meter.peak_bytes)
-        if self.observing and not self.auto.observing.backward_over:
-            self.auto.observing.backward_done()
+        if self.observation is not None and not self.observation.backward_over:
+            self.observation.backward_done()
 
     def end_step(self) -> Optional[StepStats]:
         """The step is over (adapters call it after the optimizer step when they can, else
@@ -285,8 +406,13 @@ class SwapSession:
         return self.records.latest(wait=wait)
 
     def remove(self) -> None:
+        """Remove the installed runtime (to install another plan, or to profile); the session
+        goes on."""
         if self.runtime is not None:
             self.runtime.remove()
             self.runtime = None
 
-    close = remove
+    def close(self) -> None:
+        """The session is over: everything it installed on the model is removed (the runtime;
+        an adapter's session removes its own hooks too), and the model is the user's again."""
+        self.remove()

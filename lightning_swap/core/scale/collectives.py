@@ -1,0 +1,66 @@
+"""How the processes of a data-parallel job agree: :class:`Collectives`.
+
+The one mechanism every agreement goes through: the session's plans and guard verdicts
+(:meth:`Collectives.on_main`), the batch-size search's profile, measurements and answer. The
+adapters build it from their framework (Lightning's ``strategy.broadcast`` / ``reduce``,
+Accelerate's ``broadcast_object_list`` / ``gather``); the defaults are one process's identity.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+__all__ = ["Collectives"]
+
+T = TypeVar("T")
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _sendable(error: Exception) -> Exception:
+    """``error`` when it survives pickling (the broadcast pickles it), else a ``RuntimeError``
+    saying what it was: the other processes must raise something rather than wait."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - any failure to travel is answered the same way
+        return RuntimeError(f"the main process failed: {type(error).__name__}: {error}")
+    return error
+
+
+@dataclass(frozen=True, kw_only=True)
+class Collectives:
+    """How the processes of a data-parallel job agree; the defaults are one process's identity."""
+
+    #: Whether this process decides (profiles, plans); the others receive what it decided.
+    is_main: bool = True
+    #: The main process's object, on every process.
+    broadcast: Callable[[Any], Any] = _same
+    #: The largest of every process's number (measured peaks and step times).
+    reduce_max: Callable[[float], float] = _same
+    #: The smallest of every process's number (the batch size all agree on).
+    reduce_min: Callable[[int], int] = _same
+
+    def on_main(self, decide: Callable[[], T]) -> T:
+        """``decide()`` on the main process, its result handed to every process.
+
+        Every process must call this at the same point (it is a broadcast). An error ``decide``
+        raises is broadcast too and raised on every process (the main process raises its own;
+        the others a copy), so that none is left waiting in a collective the main process never
+        enters."""
+        payload: Any = None
+        error = None
+        if self.is_main:
+            try:
+                payload = ("ok", decide())
+            except Exception as err:  # re-raised on every process below
+                error = err
+                payload = ("error", _sendable(err))
+        kind, body = self.broadcast(payload)
+        if kind == "error":
+            raise error if error is not None else body
+        return body

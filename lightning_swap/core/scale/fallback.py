@@ -1,0 +1,72 @@
+"""When the observed step is out of memory all the same: a profile on fake tensors.
+
+Note [The observed step does not fit]: under ``policy="auto"`` the observed step runs without a
+plan, and only once the guard steps bound its peak within the budget (Note [Observe only what
+fits] in ``auto.py``). When it is out of memory all the same (the bound comes from a model: a
+last resort, not the path), the step is profiled in fake mode — the adapter's step function
+runs once more, on fake tensors, with the RNG, buffers and gradients restored by the profiler —
+on the main process, broadcast, and planned; the RNG is set back to the state the failed step
+started with, so the step run again under the plan draws what plain training would have drawn.
+The user's side effects of the failed attempt and of the fake one (a counter, a metric update)
+cannot be undone: that is the one case where the user's step runs more often than in plain
+training, and the adapters warn so. The Lightning strategy runs the step again itself; an
+Accelerate loop is the user's, so there the error propagates and the user's retry of the step
+runs under the plan (``accelerate_swap/accelerator.py``, Note [Accelerate step window]).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..config import SwapConfig
+from ..measure.model_profile import ModelProfile
+from ..measure.profiler import profile
+from ..tensors import tensors_in
+from .collectives import Collectives
+
+__all__ = ["fake_profile_on_main", "restore_rng_state", "rng_state"]
+
+
+def rng_state(device: torch.device) -> tuple:
+    """The CPU generator's state, and the device's on CUDA."""
+    return torch.random.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def restore_rng_state(device: torch.device, state: Optional[tuple]) -> None:
+    if state is not None:
+        torch.random.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+
+
+def fake_profile_on_main(
+    model: nn.Module, batch: Any, step_fn: Callable[[nn.Module, Any], Any], *, segments: Sequence[str], states: Any,
+    config: SwapConfig, device: torch.device, collectives: Collectives, advice: str, cause: BaseException,
+) -> ModelProfile:
+    """The step that did not fit, profiled on fake tensors on the main process and handed to
+    every process (Note [The observed step does not fit]). When that fails too, a
+    ``RuntimeError`` from ``cause`` says so and gives ``advice`` (the adapter's way to choose a
+    policy instead)."""
+    gc.collect()  # what the failed attempt held
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    def fake() -> ModelProfile:
+        return profile(
+            model, batch, step_fn=step_fn, segments=list(segments), track=tensors_in(states), fake=True, scale=False,
+            min_offload_bytes=config.min_offload_bytes, device=device,
+        )
+
+    try:
+        return collectives.on_main(fake)
+    except Exception as err:
+        raise RuntimeError(
+            "lightning-swap: the training step that policy='auto' runs without a plan to observe it "
+            f"is out of memory on {device}, and profiling it on fake tensors failed too ({type(err).__name__}: "
+            f"{err}). {advice}"
+        ) from cause
