@@ -60,9 +60,12 @@ windows in bytes] in ``engine/offload.py``) the windows are bytes, each independ
   every copy is waited for when issued, all of it exposed; the backward's start waits for the rest.
 - prefetched ``W > 0``: when an element's backward starts, the elements before it are fetched
   in order while the bytes fetched and not yet needed stay within ``W`` (one element at least);
-  its backward window holds those bytes, and its own come back all at once. ``W = 0``: every
-  element's bytes come back per saved tensor when needed (the profiler's per-tensor estimate,
-  Note [Offloaded backward fetches on demand] in ``trace.py``), all of the copy time exposed.
+  its backward window holds what is fetched ahead, the rest of its own bytes first (at most
+  ``W``, or the largest storage), on top of its own as they come back storage by storage, each
+  held to its last unpack (the profiler's on-demand estimate): conservative, since the window
+  cannot be placed within the element's backward (measured on CPU: up to one storage over). ``W = 0``: every element's bytes come back per
+  saved tensor when needed (the profiler's per-tensor estimate, Note [Offloaded backward
+  fetches on demand] in ``trace.py``), all of the copy time exposed.
 
 On CPU copies are done when issued: nothing is in flight whatever ``W``, and a prefetch only
 raises the peak; the planner uses ``0`` for both there (:func:`default_byte_windows`).
@@ -598,12 +601,15 @@ def _backward_bytes(walk: _Walk, profile: ModelProfile) -> list[int]:
                 fetched[j] = h2d_free
                 ahead.append(j)
             j -= 1
-        held_ahead = sum(copies[k] for k in ahead)
+        # The engine fetches ahead storage by storage, the rest of this element's first: within
+        # the window, or one storage above it.
+        largest = max((segs[k].largest_offload_bytes for k in range(i + 1) if copies[k]), default=0)
+        held_ahead = min(max(limit, largest), sum(copies[: i + 1])) if limit else 0
         # Per tensor, the output is there only while read, unless the next element holds it (known
         # here, not to the solver's state, which bounds it as held).
         free_output = i + 1 < n and segs[i + 1].input_from_previous and not boundary_held(s, a, segs[i + 1], acts[i + 1])
         need = backward_need(
-            costs.backward_base_bytes[i], prev, p, s, a, on_demand=limit == 0, per_tensor=limit == 0, free_output=free_output and limit == 0
+            costs.backward_base_bytes[i], prev, p, s, a, on_demand=True, per_tensor=limit == 0, free_output=free_output and limit == 0
         )
         peaks.append(walk.kept_before[i] + need + held_ahead)
         walk.clock += s.backward_ms + recompute_ms(s, a)

@@ -141,19 +141,23 @@ class _Transitions:
             return 0
         return min(self.inflight_bytes, self._window(i, pi, last, i) + own)
 
-    def _prefetched(self, i: int, pi: int) -> int:
+    def _prefetched(self, i: int, pi: int, own: int) -> int:
         if self.prefetch_bytes is None:
             return self._window(i, pi, pi, self.prefetch)
-        return min(self.prefetch_bytes, self._window(i, pi, pi, i))
+        if not self.prefetch_bytes:
+            return 0
+        # Note [Copy windows in bytes, priced]: the rest of this element's bytes and those before
+        # it, within the window or one storage above it.
+        largest = max((s.largest_offload_bytes for s in self.segs[: i + 1]), default=0)
+        return min(max(self.prefetch_bytes, largest), own + self._window(i, pi, pi, i))
 
     def _fill(self, profile: ModelProfile, costs: SegmentCosts, i: int, prev: Optional[SegmentProfile], pi: int, p: Optional[Action]) -> None:
         segs, n = self.segs, self.n
         s = segs[i]
-        prefetched = self._prefetched(i, pi)
         if self.prefetch_bytes is None:
             demand, per_tensor = on_demand(i, n, self.prefetch, overlap=self.overlap), False
-        else:
-            demand = per_tensor = self.prefetch_bytes == 0
+        else:  # Note [Copy windows in bytes, priced]: fetched per entry, what is ahead on top
+            demand, per_tensor = True, self.prefetch_bytes == 0
         own_overlap = self.overlap and self.inflight_bytes is None  # a byte window retires the rest
         for ai, a in enumerate(self.acts):
             if not self.may[i][ai]:
@@ -162,7 +166,7 @@ class _Transitions:
             in_flight = self._in_flight(i, pi, pi, self.copies[i][ai])
             self.fwd_need[i, pi, ai] = costs.forward_base_bytes[i] + forward_own(s, a, overlap=own_overlap) + in_flight + self.referenced[i]
             need = backward_need(costs.backward_base_bytes[i], prev, p, s, a, on_demand=demand, per_tensor=per_tensor)
-            self.bwd_need[i, pi, ai] = need + prefetched
+            self.bwd_need[i, pi, ai] = need + self._prefetched(i, pi, self.copies[i][ai])
             self.add_kept[i, pi, ai] = internal_kept(s, a) + boundary_kept(prev, p, s, a)
             self.add_ms[i, pi, ai] = self._ms(profile, i, pi, p, ai, a)
 

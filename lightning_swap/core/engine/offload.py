@@ -42,8 +42,8 @@ large segment does not pin its whole size twice:
   bytes of sources remain in flight; ``0`` waits for each copy right after it is issued;
 - ``prefetch_bytes = W > 0``: in backward, entries are fetched ahead in the reverse of the order
   they were offloaded in (the order backward mostly needs them in), whenever an unpack makes
-  room, until the bytes fetched and not yet unpacked reach ``W`` (at least one entry); each entry
-  at most once per step. A fetched entry is held until its last unpack (Note [One storage, one
+  room, while the bytes fetched and not yet unpacked stay within ``W`` (one entry at least,
+  however large); each entry at most once per step. A fetched entry is held until its last unpack (Note [One storage, one
   copy]).
 - ``prefetch_bytes = 0``: fetch on demand at the granularity of one saved tensor, as
   ``save_on_cpu`` does: an unpack fetches the bytes it needs, and the device copy is not held
@@ -110,6 +110,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from ..compiled import dynamo_disable
 from .host_pool import HostPool
 from .meter import host_allocation
 from .streams import CopyStreams, StreamOps, Timing, default_ops
@@ -311,9 +312,9 @@ class OffloadEngine:
         self._fetches: dict[int, tuple[torch.Tensor, Any]] = {}
         self._fetch_ids = itertools.count()
         self.counters = OffloadCounters()
-        #: Storages counted in ``saved_bytes`` this step (Note [Unplanned bytes]), by id: saved
-        #: storages live until their backward, so an id is not reused within a forward.
-        self._seen: set[int] = set()
+        #: Storages counted in ``saved_bytes`` this step (Note [Unplanned bytes]), by id, weakly
+        #: (an offloaded storage dies at once on CPU, and its id is reused).
+        self._seen: dict[int, weakref.ref] = {}
         #: Entries in the order they were offloaded, and the next one a byte window fetches
         #: (Note [Copy windows in bytes]); bytes fetched ahead and not unpacked yet.
         self._order: list[weakref.ref] = []
@@ -395,6 +396,11 @@ class OffloadEngine:
         """Note [Regions outside the segments are hooked for the whole step]: ``region()`` names
         the offloaded region running now, or is ``None`` to keep."""
 
+        # Note [Whole-step hooks are not traced]: the hooks are active while Dynamo traces the
+        # model's own frames (the regions outside the segments run there, compiled with the
+        # model); traced, the pack hook's ``set_`` (Note [Saved version check]) broke the graph
+        # and made the hook look as if it modified its input. So they always run eagerly.
+        @dynamo_disable
         def pack(t: torch.Tensor) -> Any:
             name = region() if torch._C._current_graph_task_id() == -1 else None
             if name is None:
@@ -402,7 +408,7 @@ class OffloadEngine:
                 return _Kept(t)
             return self._pack(None, t, region=name)
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
+        return torch.autograd.graph.saved_tensors_hooks(pack, dynamo_disable(self._unpack))
 
     def _count_saved(self, t: torch.Tensor) -> Optional[torch.UntypedStorage]:
         """Note [Unplanned bytes]: counts ``t``'s storage once per step; returns it (``None`` for
@@ -412,11 +418,14 @@ class OffloadEngine:
         storage = t.untyped_storage()
         if storage.data_ptr() in self._skip_ptrs:
             return None
-        key = id(storage)
-        if key not in self._seen:
-            self._seen.add(key)
+        if not self._was_seen(storage):
+            self._seen[id(storage)] = weakref.ref(storage)
             self.counters.saved_bytes += storage.nbytes()
         return storage
+
+    def _was_seen(self, storage: torch.UntypedStorage) -> bool:
+        ref = self._seen.get(id(storage))
+        return ref is not None and ref() is storage
 
     def _should_offload(self, t: torch.Tensor) -> bool:
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
@@ -430,7 +439,7 @@ class OffloadEngine:
 
     def _pack(self, segment: Optional[int], t: torch.Tensor, *, region: Optional[str] = None) -> Any:
         plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
-        first = plain and id(t.untyped_storage()) not in self._seen
+        first = plain and not self._was_seen(t.untyped_storage())
         storage = self._count_saved(t)
         if not self._should_offload(t):
             if storage is not None and first:  # Note [Unplanned bytes]: it stays, against the plan
@@ -443,13 +452,15 @@ class OffloadEngine:
         if entry is not None and entry.source is not None and entry.source() is storage and entry.version == t._version:
             self.counters.deduplicated_tensors += 1
             return _Packed(entry, t)
-        entry = self._copy_out(segment, storage, t._version, region)
+        entry = self._copy_out(segment, storage, t._version)
+        if region is not None:
+            self.counters.by_region[region] = self.counters.by_region.get(region, 0) + entry.nbytes
         self._by_storage[key] = weakref.ref(entry)
         self._by_run.setdefault(self.copies.ordinal, []).append(weakref.ref(entry))
         self._order.append(weakref.ref(entry))
         return _Packed(entry, t)
 
-    def _copy_out(self, segment: Optional[int], storage: torch.UntypedStorage, version: int, region: Optional[str] = None) -> _Entry:
+    def _copy_out(self, segment: Optional[int], storage: torch.UntypedStorage, version: int) -> _Entry:
         nbytes = storage.nbytes()
         with self._lock:
             buffer, reuse_events = self.pool.acquire(nbytes)
@@ -469,10 +480,8 @@ class OffloadEngine:
             self.counters.copy_ms += (time.perf_counter() - start) * 1e3
         self.counters.offloaded_bytes += nbytes
         self.counters.offloaded_tensors += 1
-        if segment is not None:
+        if segment is not None:  # a region outside the segments: counted by the caller
             self.counters.by_segment[segment] = self.counters.by_segment.get(segment, 0) + nbytes
-        else:
-            self.counters.by_region[region] = self.counters.by_region.get(region, 0) + nbytes
         return entry
 
     def _fetch(self, entry: _Entry) -> tuple[torch.Tensor, Any]:
@@ -538,8 +547,10 @@ class OffloadEngine:
         """Note [Copy windows in bytes]: fetch ahead, newest offloaded first, while the bytes
         fetched and not unpacked stay under ``prefetch_bytes`` (one entry at least)."""
         limit = self.prefetch_bytes or 0
-        while self._cursor >= 0 and (self._ahead_bytes < limit or self._ahead_bytes == 0) and limit > 0:
+        while limit > 0 and self._cursor >= 0:
             entry = self._order[self._cursor]()
+            if entry is not None and self._ahead_bytes and self._ahead_bytes + entry.nbytes > limit:
+                return  # no room: it waits for the next unpack
             self._cursor -= 1
             if entry is None or entry.round > 0 or entry.pending < entry.packs:
                 continue  # gone, or unpacked already: backward is past it

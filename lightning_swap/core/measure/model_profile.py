@@ -36,6 +36,8 @@ class SegmentProfile:
     heavy_bytes: int  # outputs of compute-heavy ops, other than the input and output
     heavy_unsaved_bytes: int  # ... of those, not saved for backward when kept
     offload_bytes: int  # what OFFLOAD copies to the host
+    #: ... of which the largest single storage (what a byte window fetches ahead at least)
+    largest_offload_bytes: int = 0
     gradient_bytes: int  # parameter gradients allocated during this segment's backward
     forward_working_bytes: int  # forward peak above the bytes alive when it starts
     backward_working_bytes: int  # backward peak above the bytes alive when it starts

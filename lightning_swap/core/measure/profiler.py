@@ -232,6 +232,7 @@ def _element_profile(
         heavy_bytes=sum(heavy_internal.values()),
         heavy_unsaved_bytes=sum(b for k, b in heavy_internal.items() if k not in saved),
         offload_bytes=sum(b for b in saved.values() if b >= small),
+        largest_offload_bytes=max((b for b in saved.values() if b >= small), default=0),
         gradient_bytes=trace.grad_bytes.get(e.key, 0) if isinstance(e.key, int) and e.key >= 0 else 0,
         forward_working_bytes=max(0, fwd_peak - fwd_start),
         backward_working_bytes=max(0, bwd_peak - bwd_start),

@@ -460,12 +460,13 @@ class SwapRuntime:
         open would be popped instead, and its own exit would then pop ours). Not ``strict``
         (teardown, a failed step): when they are not on top, someone popped them already (a
         context entered before the step and left while unwinding an error); logged, left."""
-        hooks, self._outside_hooks = self._outside_hooks, None
+        hooks = self._outside_hooks
         if hooks is None:
             return
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if top is None or top[0] is not hooks.pack_hook:
             if not strict:
+                self._outside_hooks = None
                 log.warning("lightning-swap: the saved-tensor hooks of the regions outside the segments were not on top at teardown; left alone")
                 return
             raise RuntimeError(
@@ -473,6 +474,7 @@ class SwapRuntime:
                 "(a `torch.autograd.graph.saved_tensors_hooks` / `save_on_cpu` context left open); the runtime's "
                 "hooks for the regions outside the segments cannot be removed under them."
             )
+        self._outside_hooks = None
         hooks.__exit__(None, None, None)
 
     def _install_parameter_prefetch(self) -> None:
