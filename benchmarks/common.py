@@ -282,12 +282,14 @@ class Bench:
         self._cache[key] = result
         return result
 
-    def profile(self, batch_size: int):
-        """The planner's input: one plain step at ``batch_size`` profiled, scalable in batch size."""
+    def profile(self, batch_size: int, **kwargs: Any):
+        """The planner's input: one plain step at ``batch_size`` profiled, scalable in batch size
+        (``kwargs`` go to ``profile``: ``fake``, ``assume``)."""
         x, y = self.spec.make_batch(batch_size, self.device)
         self.opt.zero_grad(set_to_none=True)
         return profile(
-            self.model, (x, y), step_fn=lambda m, b: self.spec.loss(m, b[0], b[1]), segments=list(self.segments), track=[self.opt.state]
+            self.model, (x, y), step_fn=lambda m, b: self.spec.loss(m, b[0], b[1]), segments=list(self.segments), track=[self.opt.state],
+            **kwargs,
         )
 
 

@@ -45,7 +45,7 @@ from .model_profile import _SCALED_INT_FIELDS, _SCALED_MS_FIELDS, ModelProfile, 
 from .trace import PREFIX, StepTrace, run_timing, run_trace
 from .action_costs import measure_released_working
 
-__all__ = ["ModelProfile", "SegmentProfile", "measure_bandwidth", "profile"]
+__all__ = ["DeviceAssumption", "ModelProfile", "SegmentProfile", "measure_bandwidth", "profile"]
 
 log = logging.getLogger(__name__)
 
@@ -430,6 +430,7 @@ def profile(
     scale: bool = True,
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     device: Optional[torch.device | str] = None,
+    assume: Optional["DeviceAssumption"] = None,
 ) -> ModelProfile:
     """Measure one training step of ``model`` on ``batch`` with every segment kept.
 
@@ -438,7 +439,9 @@ def profile(
     model does not own (optimizer state), counted as the runtime's ``begin_step(track=)`` does.
     ``fake=True`` measures memory without arithmetic (Note [Fake-mode times are estimates]);
     ``scale=True`` also fake-measures twice the batch so :meth:`ModelProfile.at_batch` works.
-    ``min_offload_bytes`` must match the runtime's.
+    ``min_offload_bytes`` must match the runtime's. ``assume`` (with ``fake=True``): the times
+    estimated for another device's rates (:class:`DeviceAssumption`), a prediction for a device
+    that is not here.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"`model` must be an nn.Module; got {type(model).__name__}.")
@@ -455,6 +458,10 @@ def profile(
     step_fn = step_fn or _default_step
     track = [t for t in tree_leaves(list(track)) if isinstance(t, torch.Tensor)]
     rates = _compute_rates(device) if fake or scale else (1.0, 1.0)
+    if assume is not None:
+        if not fake:
+            raise ValueError("`assume` estimates another device's times: it needs fake=True.")
+        rates = (assume.flops_per_ms, assume.memory_bytes_per_ms)
     start = time.perf_counter()
 
     def build(b: Any, size: int, fake_mode: bool) -> ModelProfile:
@@ -463,8 +470,29 @@ def profile(
     result = _try_fake(lambda: build(batch, batch_size, True), lambda: build(batch, batch_size, False)) if fake else build(batch, batch_size, False)
     if scale:
         result = dataclasses.replace(result, reference=_references(result, batch, batch_size, build))
+    if assume is not None:
+        result = assume.applied(result)
     log.debug("profiled %d segments at batch %d in %.2f s (fake=%s)", len(names), batch_size, time.perf_counter() - start, fake)
     return result
+
+
+@dataclass(frozen=True)
+class DeviceAssumption:
+    """The rates of a device that is not here, for a fake profile's time estimates (Note
+    [Fake-mode times are estimates]): a prediction, never a measurement."""
+
+    device_type: str
+    flops_per_ms: float
+    memory_bytes_per_ms: float
+    d2h_bytes_per_ms: float
+    h2d_bytes_per_ms: float
+
+    def applied(self, profile: ModelProfile) -> ModelProfile:
+        reference = self.applied(profile.reference) if profile.reference is not None else None
+        return dataclasses.replace(
+            profile, device_type=self.device_type, d2h_bytes_per_ms=self.d2h_bytes_per_ms, h2d_bytes_per_ms=self.h2d_bytes_per_ms,
+            reference=reference,
+        )
 
 
 def _references(result: ModelProfile, batch: Any, batch_size: int, build: Callable[[Any, int, bool], ModelProfile]) -> ModelProfile:

@@ -15,11 +15,11 @@ over *predictions* — no model runs — and real steps only confirm the answer:
 Note [Recovering from a failed trial]: a trial fails when it raises an out-of-memory error
 (``torch.OutOfMemoryError`` by type first, the message second) or when its measured peak
 exceeds the budget (how a simulated budget "runs out" on CPU). The failed batch becomes an
-upper bound. If the trial measured a peak, the effective budget shrinks by one and a half times
-the bytes the model under-predicted (measured less predicted peak: what the model misses is an
-amount of memory, not a share of the budget — on CPU, ResNet-50's parameters and state are 97%
-of a budget whose 2% shrink left no room for activations: batch 6 after a trial at 35 measured
-0.1% over, issue 23) and the search re-plans;
+upper bound. If the trial measured a peak, the effective budget shrinks by the bytes the model
+under-predicted (measured less predicted peak: what the model misses is an amount of memory, not
+a share of the budget — on CPU, ResNet-50's parameters and state are 97% of a budget whose 2%
+shrink left no room for activations: batch 6 after a trial at 35 measured 0.1% over, issue 23)
+and the search re-plans;
 the first trial that fits ends it. An out-of-memory error measures nothing, so from then on
 the search bisects between the largest batch that fit and the smallest that failed, each
 probe the largest feasible batch below the midpoint, until they meet or ``max_trials`` runs
@@ -342,7 +342,7 @@ def _plain_plan(
 def _shrink(effective: int, trial: Trial) -> int:
     """Note [Recovering from a failed trial]: the model under-predicted by measured - predicted."""
     predicted = trial.plan.predicted_peak_bytes or effective
-    return effective - int(1.5 * max(trial.measured_peak_bytes - predicted, 0)) - 1
+    return effective - max(trial.measured_peak_bytes - predicted, 0) - 1
 
 
 @dataclass
