@@ -37,7 +37,8 @@ class Case:
     def measure(self, actions, outside=None) -> int:
         """Peak device bytes of one real step under ``actions`` (and ``outside`` for the regions
         outside the segments), on the runtime's meter."""
-        plan = Plan(actions=dict(zip(self.profile.names, actions)), outside=outside or {})
+        selective = {s.name: s.selective_ops for s, a in zip(self.profile.segments, actions) if a is Action.SELECTIVE and s.selective_ops}
+        plan = Plan(actions=dict(zip(self.profile.names, actions)), outside=outside or {}, selective_ops=selective)
         runtime = SwapRuntime(self.model, plan, device="cpu").install()
         try:
             runtime.begin_step([self.x, self.y])

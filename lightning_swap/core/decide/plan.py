@@ -62,6 +62,10 @@ class Plan:
     #: ``costmodel.py``), which the runtime then uses unless told otherwise; ``None``: in segments.
     prefetch_bytes: Optional[int] = None
     inflight_bytes: Optional[int] = None
+    #: For ``SELECTIVE`` segments, the ops whose outputs are saved, decided from the profile's
+    #: measured forward (Note [Which ops selective recomputation saves] in
+    #: ``measure/profiler.py``); a segment not named saves the compute-heavy ops.
+    selective_ops: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", MappingProxyType(dict(self.actions)))
@@ -70,12 +74,14 @@ class Plan:
             if action not in (Action.KEEP, Action.OFFLOAD):
                 raise ValueError(f"`outside[{name!r}]` must be Action.KEEP or Action.OFFLOAD (a region is not a module); got {action!r}.")
         object.__setattr__(self, "outside", MappingProxyType(outside))
+        object.__setattr__(self, "selective_ops", MappingProxyType({k: tuple(v) for k, v in self.selective_ops.items()}))
 
     def __reduce__(self):
         # A mapping proxy does not pickle; plans cross processes (broadcast under DDP).
         state = {f.name: getattr(self, f.name) for f in fields(self)}
         state["actions"] = dict(self.actions)
         state["outside"] = dict(self.outside)
+        state["selective_ops"] = dict(self.selective_ops)
         return (_rebuild_plan, (state,))
 
     @classmethod

@@ -362,6 +362,9 @@ def _as_plan(profile: ModelProfile, picks: list[Action], prediction: Prediction,
         rows=prediction.rows,
         prefetch_bytes=window.prefetch_bytes,
         inflight_bytes=window.inflight_bytes,
+        selective_ops={
+            e.name: e.selective_ops for (e, o), a in zip(chain, picks) if a is Action.SELECTIVE and e.selective_ops is not None
+        },
     )
 
 

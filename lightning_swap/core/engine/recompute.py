@@ -76,6 +76,30 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _measured_policy(save_ops: frozenset) -> Callable[..., Any]:
+    """Note [Who decides under compile]: the plan's op-level choice (Note [Which ops selective
+    recomputation saves] in ``measure/profiler.py``) saves the outputs of ``save_ops`` and
+    recomputes every other op. Both are ``MUST_``: under ``torch.compile`` the min-cut
+    partitioner (and its ``activation_memory_budget``) may overrule ``PREFER_`` tags, and the
+    plan priced exactly these bytes and milliseconds, so the plan decides inside the segments it
+    recomputes; the partitioner decides inside the segments the plan keeps, whose activations
+    the plan leaves to the compiled graph."""
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return CheckpointPolicy.MUST_SAVE if str(op) in save_ops else CheckpointPolicy.MUST_RECOMPUTE
+
+    return policy
+
+
+def _respects_hooks_keyword() -> dict[str, Any]:
+    """``respect_saved_tensors_hooks=False`` where torch has it: what selective checkpointing
+    saves stays on the device (it is what the plan keeps), the legacy behaviour, without the
+    warning torch 2.15 gives when saved-tensor hooks (the offload engine's) are active."""
+    import inspect
+
+    return {"respect_saved_tensors_hooks": False} if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {}
+
+
 class RecomputeTimer:
     """Accumulates the time spent recomputing: timing events on the compute stream, read later
     (Note [Stream protocol] in ``streams.py``); wall clock on CPU. With ``segments`` set (a
@@ -190,20 +214,25 @@ def checkpointed(
     timer: RecomputeTimer,
     outer: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
     name: str = "",
+    save_ops: Optional[frozenset] = None,
 ) -> Callable[..., Any]:
     """``forward`` wrapped so the segment is recomputed in backward.
 
     ``outer`` (for ``RECOMPUTE_OFFLOAD``) gives the offload hooks: entered around the
     checkpoint call, they receive exactly what checkpoint keeps, the segment's inputs, while
-    checkpoint's own inner hooks drop everything else.
+    checkpoint's own inner hooks drop everything else. ``save_ops`` (``SELECTIVE``): the ops
+    whose outputs are saved, by name (Note [Who decides under compile]); ``None``: the
+    compute-heavy ops.
     """
     if action is Action.SELECTIVE and create_selective_checkpoint_contexts is None:
         raise RuntimeError("Action.SELECTIVE needs torch.utils.checkpoint.create_selective_checkpoint_contexts (torch >= 2.4).")
     guard = _BufferGuard(module)
+    policy = _selective_policy if save_ops is None else _measured_policy(frozenset(save_ops))
+    extra = _respects_hooks_keyword() if action is Action.SELECTIVE else {}
 
     def context_fn():
         if action is Action.SELECTIVE:
-            fwd, rec = create_selective_checkpoint_contexts(_selective_policy)
+            fwd, rec = create_selective_checkpoint_contexts(policy)
         else:
             fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
         # Entered lazily: checkpoint enters the first now and the second only in backward.
@@ -216,7 +245,7 @@ def checkpointed(
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in inputs]
         with outer() if outer is not None else contextlib.nullcontext():
-            out = checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **kwargs)
+            out = checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **extra, **kwargs)
         if any(t._version != v for t, v in zip(inputs, versions)):
             raise RuntimeError(
                 "A recomputed segment modified its input in place, so its recomputation would "

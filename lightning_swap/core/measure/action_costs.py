@@ -96,9 +96,12 @@ def measure_action_costs(
     *,
     device: torch.device,
     repeats: int = 3,
+    save_ops: Optional[dict[str, tuple[str, ...]]] = None,
 ) -> dict[str, ActionCosts]:
     """Time every segment in ``calls`` kept, recomputed and selectively recomputed (the median
-    of ``repeats`` runs after one warm-up). Note [Timing a segment leaves no trace]."""
+    of ``repeats`` runs after one warm-up; selectively saving ``save_ops[name]`` where given:
+    Note [Which ops selective recomputation saves] in ``profiler.py``). Note [Timing a segment
+    leaves no trace]."""
     out: dict[str, ActionCosts] = {}
     with torch.no_grad():
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -111,7 +114,7 @@ def measure_action_costs(
             variants = {
                 Action.KEEP: module.forward,
                 Action.RECOMPUTE: checkpointed(module, module.forward, Action.RECOMPUTE, timer),
-                Action.SELECTIVE: checkpointed(module, module.forward, Action.SELECTIVE, timer),
+                Action.SELECTIVE: checkpointed(module, module.forward, Action.SELECTIVE, timer, save_ops=(save_ops or {}).get(name)),
             }
             best: dict[Action, Optional[tuple[float, float]]] = {}
             for action, forward in variants.items():

@@ -33,7 +33,7 @@ class SegmentProfile:
     saved_bytes: int  # all storages saved for backward, parameters excluded
     internal_saved_bytes: int  # ... other than the input and output
     internal_small_bytes: int  # ... of those, under min_offload_bytes (never offloaded)
-    heavy_bytes: int  # outputs of compute-heavy ops, other than the input and output
+    heavy_bytes: int  # outputs of the ops SELECTIVE saves (selective_ops), other than the input and output
     heavy_unsaved_bytes: int  # ... of those, not saved for backward when kept
     offload_bytes: int  # what OFFLOAD copies to the host
     #: ... of which the largest single storage (what a byte window fetches ahead at least)
@@ -72,6 +72,10 @@ class SegmentProfile:
     #: segment under them (:mod:`.costs`); ``None``: estimated from the forward's time.
     recompute_ms: Optional[float] = None
     selective_ms: Optional[float] = None
+    #: The ops whose outputs ``SELECTIVE`` saves, decided from this segment's measured forward
+    #: (Note [Which ops selective recomputation saves] in ``profiler.py``); ``None``: the fixed
+    #: rule (compute-heavy ops: ``engine/recompute.py``), which ``heavy_*`` then describe.
+    selective_ops: Optional[tuple[str, ...]] = None
 
 
 _SCALED_INT_FIELDS = tuple(

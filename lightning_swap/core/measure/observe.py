@@ -24,10 +24,10 @@ from torch import nn
 from .action_costs import measure_action_costs
 from .model_profile import ModelProfile
 from ..tensors import infer_batch_size
-from .profiler import assemble
+from .profiler import assemble, selective_choice
 from ..tensors import tensors_in
 from ..engine.streams import StreamOps, default_ops
-from .trace import StepTracer, region_times
+from .trace import StepTracer, boundary_keys, region_times
 
 __all__ = ["ObservedStep"]
 
@@ -109,7 +109,12 @@ class ObservedStep:
         measured: dict[int, tuple[Optional[float], Optional[float], int]] = {}
         if self.time_actions and trace.inputs:
             calls = {self.names[i]: call for i, call in trace.inputs.items()}
-            costs = measure_action_costs(self.model, self.modules, calls, self.ops, device=self.device)
+            order = [self.names.index(name) for name in trace.order]
+            save_ops = {  # Note [Which ops selective recomputation saves]: timed as the plan will run it
+                self.names[i]: selective_choice(trace.ops[i], set(boundary_keys(trace, order, i)), frozenset(trace.mutated.get(i, ())))[0]
+                for i in trace.inputs if trace.ops.get(i)
+            }
+            costs = measure_action_costs(self.model, self.modules, calls, self.ops, device=self.device, save_ops=save_ops)
             for i, name in enumerate(self.names):
                 c = costs.get(name)
                 if c is not None:

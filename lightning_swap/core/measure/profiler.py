@@ -198,6 +198,35 @@ def _offload_savings(trace: StepTrace, key: Any, bwd_peak: int) -> dict[str, int
     )
 
 
+def selective_choice(ops: dict[str, list], boundary: set, mutated: frozenset = frozenset()) -> tuple[tuple[str, ...], dict[int, int], float]:
+    """Note [Which ops selective recomputation saves]: ``SELECTIVE`` checkpoints a segment but
+    saves the outputs of some of its ops, so that recomputing it costs less; which ops is decided
+    from the segment's own measured forward (``ops``: per op, its milliseconds and the storages
+    its outputs made; a fake profile's are estimates), as the min-cut partitioner of
+    ``torch.compile`` decides from its cost estimates, and not by a fixed list of op kinds.
+    Each op's outputs inside the segment (its boundaries are kept or recomputed with it anyway)
+    cost their bytes kept and save its milliseconds of recomputation; an op is saved when it saves
+    at least the segment's average milliseconds per byte (the greedy knapsack's better half: what
+    is kept buys more recomputation than average, the rest is cheap per byte, as norms and
+    activations are). Decided per op kind within a segment (every call of one overload alike).
+    An op whose output something later changes in place (``mutated``: a ReLU after a norm) is
+    never saved: selective checkpointing refuses a saved tensor that changed.
+    Returns the ops saved (sorted), the storages their outputs made, and their share of the
+    forward's time."""
+    total_ms = sum(ms for ms, _ in ops.values())
+    candidates = {}
+    for op, (ms, outputs) in ops.items():
+        nbytes = sum(b for k, b in outputs.items() if k not in boundary)
+        if nbytes > 0 and not mutated & outputs.keys():
+            candidates[op] = (ms, nbytes)
+    if not candidates:
+        return (), {}, 0.0
+    density = sum(ms for ms, _ in candidates.values()) / sum(b for _, b in candidates.values())
+    chosen = tuple(sorted(op for op, (ms, nbytes) in candidates.items() if ms >= density * nbytes))
+    heavy = {k: b for op in chosen for k, b in ops[op][1].items()}
+    return chosen, heavy, (sum(ops[op][0] for op in chosen) / total_ms if total_ms > 0 else 0.0)
+
+
 def _element_profile(
     trace: StepTrace, e: _Element, prev: Optional[_Element], nxt: Optional[_Element], *, fwd_ms: float, bwd_ms: float, heavy_ms: float,
     min_offload_bytes: int,
@@ -208,6 +237,10 @@ def _element_profile(
     if out_key == in_key:  # the segment returned (a view of) its input: no new storage
         out_bytes = 0
     boundary = {in_key, out_key}
+    save_ops = None
+    if isinstance(e.key, int) and e.key >= 0 and trace.ops.get(e.key):  # Note [Which ops selective recomputation saves]
+        save_ops, heavy, share = selective_choice(trace.ops[e.key], boundary, frozenset(trace.mutated.get(e.key, ())))
+        heavy_ms = fwd_ms * share
     internal = {k: b for k, b in saved.items() if k not in boundary}
     heavy_internal = {k: b for k, b in heavy.items() if k not in boundary}
     input_from_previous = prev is not None and in_key is not None and prev.out[0] == in_key
@@ -240,6 +273,7 @@ def _element_profile(
         backward_peak_bytes=bwd_peak,
         offload_backward_peak_bytes=min(bwd_peak, trace.offload_bwd_peak.get(e.key, bwd_peak)),
         **_offload_savings(trace, e.key, bwd_peak),
+        selective_ops=save_ops,
         input_saved=in_key in saved,
         input_small=in_bytes < small,
         input_from_previous=input_from_previous,

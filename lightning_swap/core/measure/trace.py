@@ -109,6 +109,11 @@ class StepTrace:
     tensor_bwd_peak_out: dict[Any, int] = field(default_factory=dict)
     tensor_bwd_peak_both: dict[Any, int] = field(default_factory=dict)
     heavy_op_ms: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    #: Per segment, per op (``str`` of its overload): the forward milliseconds (estimated in fake
+    #: mode) and the storages its outputs made, by key.
+    ops: dict[int, dict[str, list]] = field(default_factory=lambda: defaultdict(dict))
+    #: Per segment, the storages an op of its forward wrote in place.
+    mutated: dict[int, set] = field(default_factory=lambda: defaultdict(set))
     all_op_ms: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     est_heavy_ms: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     est_all_ms: dict[Any, float] = field(default_factory=lambda: defaultdict(float))
@@ -205,16 +210,23 @@ class _OpRecorder(TorchDispatchMode):
         if rec.phase_is_forward and isinstance(region, int) and region >= 0:
             is_heavy = func in self.heavy
             rec.trace.all_op_ms[region] += elapsed_ms
+            outputs = {
+                rec.keys.key(s): s.nbytes() for t in tree_leaves(out)
+                if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None and id(s) not in rec.param_storages
+            }
             if is_heavy:
                 rec.trace.heavy_op_ms[region] += elapsed_ms
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None:
-                        rec.trace.heavy[region][rec.keys.key(s)] = s.nbytes()
+                rec.trace.heavy[region].update(outputs)
+            if func._schema.is_mutable:  # what it writes in place (Note [Which ops selective recomputation saves])
+                for arg, value in zip(func._schema.arguments, args):
+                    if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor) and (s := _storage(value)) is not None:
+                        rec.trace.mutated[region].add(rec.keys.key(s))
+            est = self._estimate_ms(func, args, kwargs, out) if rec.fake else elapsed_ms
             if rec.fake:
-                est = self._estimate_ms(func, args, kwargs, out)
                 rec.trace.est_all_ms[region] += est
                 if is_heavy:
                     rec.trace.est_heavy_ms[region] += est
+            rec.record_op(region, str(func), est, outputs)
         elif rec.fake and rec.phase_is_forward:
             rec.trace.est_all_ms[region] += self._estimate_ms(func, args, kwargs, out)
         elif isinstance(region, tuple) and region[0] == "bwd":
@@ -261,6 +273,17 @@ class _Recorder:
         self.capture_inputs = False
         self.inputs: dict[int, "CapturedCall"] = {}
         self._bwd_ops: dict[int, list[tuple[int, set]]] = {}
+        #: Storage keys some op of the forward has made (Note [Which ops selective recomputation saves]).
+        self._made: set[int] = set()
+
+    def record_op(self, region: int, op: str, ms: float, outputs: dict[int, int]) -> None:
+        """One op of segment ``region``'s forward: its time and the storages it made, not those
+        its outputs share with what existed (views, in-place ops: Note [Which ops selective
+        recomputation saves] in ``profiler.py``)."""
+        costs = self.trace.ops[region].setdefault(op, [0.0, {}])
+        costs[0] += ms
+        costs[1].update({k: b for k, b in outputs.items() if k not in self._made})
+        self._made.update(outputs)
 
     def mark(self, key: Any) -> None:
         if self.ops is not None:

@@ -362,7 +362,8 @@ class SwapRuntime:
 
             return _SegmentForward(module, self._also_direct(offloaded, index))
         outer = (lambda: engine.hooks(index)) if action is Action.RECOMPUTE_OFFLOAD else None
-        fn = checkpointed(module, forward, action, self.timer, outer=outer, name=self._names[index])
+        save_ops = self.plan.selective_ops.get(self._names[index]) if action is Action.SELECTIVE else None
+        fn = checkpointed(module, forward, action, self.timer, outer=outer, name=self._names[index], save_ops=save_ops)
         return _SegmentForward(module, self._also_direct(fn, index) if outer is not None else fn)
 
     def _user_recomputes(self, index: int) -> bool:
