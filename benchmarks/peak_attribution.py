@@ -31,8 +31,13 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from common import Bench, MiB, common_args, model_specs, print_table, setup, _simulated_save_on_cpu
-from lightning_swap.core import SwapRuntime
-from lightning_swap.core.decide.solver import least_peak_plan
+from lightning_swap.core import SwapRuntime, min_budget_bytes, solve
+
+try:  # the lowest-memory plan, in the planner's windows; before issue 23, the least budget's plan
+    from lightning_swap.core.decide.costmodel import AUTO_WINDOW
+    from lightning_swap.core.decide.solver import least_peak_plan
+except ImportError:
+    least_peak_plan = None
 
 #: save_on_cpu's largest batch per model (benchmarks/RESULTS.md, 2026-11-22 --quick).
 SAVE_ON_CPU_BATCH = {"resnet50": 34, "densenet121": 46, "inception_v3": 9, "gpt2-small-like": 24, "gpt2-small-like+chunked": 48}
@@ -89,9 +94,10 @@ class Attributor:
         if engine is not None:
             pack, fetch = engine._pack, engine._fetch
 
-            def _pack(segment, t, region=None):
-                out = pack(segment, t, region=region)
-                self.label(t, ("saved: small" if segment is not None else "saved: outside") if type(out).__name__ == "_Kept" else "offloaded")
+            def _pack(segment, t, **kw):
+                out = pack(segment, t, **kw)
+                kept = "saved: small" if segment is not None else "saved: outside"
+                self.label(t, kept if type(out).__name__ == "_Kept" else "offloaded")
                 return out
 
             def _fetch(entry):
@@ -180,7 +186,10 @@ def main(argv=None) -> int:
         bench = Bench(spec, device)
         batch = args.batch or SAVE_ON_CPU_BATCH[spec.name]
         prof = bench.profile(spec.base_batch)
-        plan = least_peak_plan(prof, batch_size=batch)
+        if least_peak_plan is not None:
+            plan = least_peak_plan(prof, batch_size=batch, prefetch_bytes=AUTO_WINDOW, inflight_bytes=AUTO_WINDOW)
+        else:
+            plan = solve(prof, budget_bytes=min_budget_bytes(prof.at_batch(batch)), batch_size=batch)
         rows = []
         results = {}
         for method, p in (("save_on_cpu", None), ("ours: lowest-memory plan", plan)):

@@ -194,3 +194,42 @@ def test_a_hooks_context_left_open_in_the_step_is_refused():
         finally:
             hooks.__exit__(None, None, None)
     assert _top_hooks() is None
+
+
+@pytest.mark.parametrize("kind", ["accumulate", "two_forwards", "retain_graph"])
+def test_every_way_a_loop_uses_autograd(kind):
+    """Accumulation (a forward after a backward: the prefix again), micro-batches summed into one
+    loss, a backward twice over one graph: the regions offloaded, exact under the strict model."""
+
+    def run(plan_for):
+        build, data, loss_fn = MODELS["cnn"]
+        torch.manual_seed(0)
+        model = build()
+        runtime = SwapRuntime(model, plan_for(find_segments(model)), device="cpu", min_offload_bytes=0).install() if plan_for else None
+        torch.manual_seed(1)
+        x, y = data(4)
+        try:
+            if runtime is not None:
+                runtime.begin_step([x, y])
+            if kind == "accumulate":
+                loss_fn(model(x[:2]), y[:2]).backward()
+                loss_fn(model(x[2:]), y[2:]).backward()
+            elif kind == "two_forwards":
+                (loss_fn(model(x[:2]), y[:2]) + loss_fn(model(x[2:]), y[2:])).backward()
+            else:
+                loss = loss_fn(model(x), y)
+                loss.backward(retain_graph=True)
+                loss.backward()
+            if runtime is not None:
+                runtime.end_step()
+        finally:
+            if runtime is not None:
+                runtime.remove()
+        return [p.grad for p in model.parameters()]
+
+    plain = run(None)
+    with DoubleFactory("late") as factory:
+        grads = run(Plan.lowest_memory)
+    factory.drain()
+    assert factory.violations == [] and sum(d.copies_done for d in factory.doubles) > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain))

@@ -89,7 +89,9 @@ the segment's action leaves to it (a kept segment's saved tensors, the inputs a 
 saves), which it keeps; outside, it offloads for the regions the plan offloads, by the region's
 name, which the runtime resolves from the last segment that ran (``region`` is ``None`` to
 keep). During a backward (a reentrant checkpoint recomputing, a double backward) nothing is
-offloaded.
+offloaded. A forward after a backward in the same step (accumulation) starts with the prefix
+again; two forwards before one backward (micro-batches summed into one loss) run the second's
+prefix under the tail's action (the runtime cannot tell them apart until a segment runs).
 
 Note [Unplanned bytes]: a region whose action offloads still leaves some of its saved tensors
 on the device — those Note [What is never offloaded] lists that would not be alive anyway

@@ -3,6 +3,18 @@ step, one :class:`SegmentProfile` per segment.
 
 The planner (``decide/``) reads profiles and nothing else of ``measure/``. Note [Batch scaling]
 and Note [Steady-state shift] describe how a profile is moved to another batch size or state.
+
+Note [Regions outside the segments]: a model's step also saves tensors outside its repeated
+blocks — the stem, the code between blocks, the head and the loss — and under the lowest-memory
+plan these were most of what stayed on the device (issue 23: ResNet-50's stem, 5.3 MiB of the
+11.7 MiB left above parameters and gradients at batch 34; GPT's logits saved by the loss). Each
+such region that saves something is profiled as a segment is (``outside``, a
+:class:`SegmentProfile` with its own forward and backward windows: Note [Windows outside the
+segments] in ``trace.py``) and placed in the chain between the segments (:attr:`ModelProfile.chain`);
+the planner gives it an action as it gives a segment one, ``KEEP`` or ``OFFLOAD`` (it is no
+module: nothing recomputes it), and the runtime offloads it through hooks held over the whole
+step (Note [Regions outside the segments are hooked for the whole step] in ``engine/offload.py``).
+A region that saves nothing is not planned: its windows are folded into its neighbours'.
 """
 
 from __future__ import annotations

@@ -445,6 +445,8 @@ class SwapRuntime:
         inside a segment's forward or in a region the plan keeps."""
         if self._depth:
             return None
+        if self.engine._backward:  # a backward ran since (accumulation): a new forward's prefix
+            self._last_ran = None
         last = self._names[self._last_ran] if self._last_ran is not None else None
         name = region_after(self._names, last)
         return name if self.plan.outside.get(name) is Action.OFFLOAD else None
