@@ -81,9 +81,13 @@ def build(name: str, smoke: bool):
         return model, (x,), kind
     import torchvision
 
-    side, batch = (32, 4) if smoke else (224, 64)
-    model = torchvision.models.resnet50(weights=None, num_classes=1000)
-    return model, (torch.randn(batch, 3, side, side, generator=g), torch.randint(0, 1000, (batch,), generator=g)), "image"
+    if smoke:  # the harness only: ResNet-50's bottleneck blocks, few and narrow (the full one took minutes of AdamW on CPU)
+        from torchvision.models.resnet import Bottleneck, ResNet
+
+        model, side, batch, classes = ResNet(Bottleneck, [2, 2, 2, 2], num_classes=10, width_per_group=16), 32, 4, 10
+    else:
+        model, side, batch, classes = torchvision.models.resnet50(weights=None, num_classes=1000), 224, 64, 1000
+    return model, (torch.randn(batch, 3, side, side, generator=g), torch.randint(0, classes, (batch,), generator=g)), "image"
 
 
 def checkpoint_blocks(model: torch.nn.Module, kind: str) -> None:

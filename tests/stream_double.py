@@ -24,10 +24,11 @@ Hazards are checked on storages, when work is issued, with the clock the work is
    float format) into its destination when it runs, and is reported: on a GPU it may run
    before or under that work.
 2. A copy conflicting (one of the two writes) with a copy on another side stream that touched
-   the same storage (a host buffer reused: Note [Host buffer reuse]) must be ordered after it;
-   compute work touching a storage must be ordered after any side-stream copy that conflicts
-   with it (reading an h2d destination before the copy landed; writing a d2h source the copy
-   may not have read yet). Violations are reported.
+   the same bytes (a host buffer reused: Note [Host buffer reuse]) must be ordered after it;
+   compute work touching them must be ordered after any side-stream copy that conflicts with
+   it (reading an h2d destination before the copy landed; writing a d2h source the copy may
+   not have read yet). Violations are reported. Bytes, not storages: the pieces of one host
+   slab (Note [Pinned slabs]) are separate memory, as they are to CUDA.
 3. The caching allocator: ``empty`` allocates on the current stream (the compute stream, unless
    inside ``use(stream)``); the block may be one that stream's earlier work used, so the
    allocation counts as a write by that stream now. A storage freed while a side-stream copy
@@ -120,8 +121,23 @@ class _Ref:
         return torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, self.offset, self.size, self.stride)
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a view can reach: ``[lo, hi)``."""
+    size = t.element_size()
+    lo = t.storage_offset() * size
+    if t.numel() == 0:
+        return lo, lo
+    reach = 1 + sum((n - 1) * abs(st) for n, st in zip(t.size(), t.stride()))
+    return lo, lo + reach * size
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
 class _Uses:
-    """Side-stream copies that touched one storage: ``(stream, "r"|"w") -> newest position``."""
+    """Side-stream copies that touched one storage: ``(stream, "r"|"w", lo, hi) -> newest
+    position``, by the byte range touched (pieces of one host slab are separate memory)."""
 
     __slots__ = ("ref", "device", "pool", "last", "recorded", "kept")
 
@@ -129,7 +145,7 @@ class _Uses:
         self.ref = ref
         self.device = device
         self.pool: Optional[FakeStream] = None  # the stream whose pool the block goes back to; None: compute
-        self.last: dict[tuple[Any, str], int] = {}
+        self.last: dict[tuple[Any, str, int, int], int] = {}
         self.recorded: set = set()  # streams named by record_stream
         self.kept: Optional[torch.UntypedStorage] = None
 
@@ -254,8 +270,9 @@ class ComputeStream(TorchDispatchMode):
         key = id(storage)
         uses = self.uses.get(key)
         if uses is not None and uses.ref() is storage:
-            for (stream, side_kind), position in uses.last.items():
-                if (kind == "w" or side_kind == "w") and self.vc.get(stream, -1) < position:
+            span = _span(t)
+            for (stream, side_kind, lo, hi), position in uses.last.items():
+                if (kind == "w" or side_kind == "w") and self.vc.get(stream, -1) < position and _overlap(span, (lo, hi)):
                     self.violations.append(
                         f"compute: {func} {'wrote' if kind == 'w' else 'read'} memory a copy on {stream.name} "
                         f"{'writes' if side_kind == 'w' else 'reads'} without waiting for it"
@@ -290,7 +307,7 @@ class ComputeStream(TorchDispatchMode):
         if uses is None or not uses.device:
             return
         pool = uses.pool if uses.pool is not None else self
-        for (stream, kind), position in uses.last.items():
+        for (stream, kind, _, _), position in uses.last.items():
             if stream is not pool and pool.vc.get(stream, -1) < position and stream not in uses.recorded:
                 self.violations.append(f"{pool.name}: memory a copy on {stream.name} uses was freed before the {pool.name} stream waited for the copy (and no record_stream)")
 
@@ -375,13 +392,14 @@ class StreamDouble(StreamOps):
                 f"{'allocated' if h2d else 'wrote'} at tick {needed}, not ordered after it (ordered after {stream.vc.get(compute, -1)})"
             )
         position = stream.position + 1
-        for storage, kind, device in ((dst_storage, "w", h2d), (src_storage, "r", not h2d)):
+        for t, storage, kind, device in ((dst, dst_storage, "w", h2d), (src, src_storage, "r", not h2d)):
             uses = compute.uses_of(storage, device)
-            for (other, other_kind), other_position in uses.last.items():
-                if other is not stream and (kind == "w" or other_kind == "w") and stream.vc.get(other, -1) < other_position:
+            span = _span(t)
+            for (other, other_kind, lo, hi), other_position in uses.last.items():
+                if other is not stream and (kind == "w" or other_kind == "w") and stream.vc.get(other, -1) < other_position and _overlap(span, (lo, hi)):
                     poison = True
                     self.violations.append(f"{stream.name}: a copy touching memory a copy on {other.name} touches, not ordered after it")
-            uses.last[(stream, kind)] = position
+            uses.last[(stream, kind, *span)] = position
         return poison
 
     def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -394,7 +412,7 @@ class StreamDouble(StreamOps):
                 out = torch.full((nbytes,), POISON, dtype=torch.uint8, device=device)
                 uses = self.compute.uses_of(out.untyped_storage(), True)
                 uses.pool = side
-                uses.last[(side, "w")] = side.position
+                uses.last[(side, "w", 0, nbytes)] = side.position
         storage = out.untyped_storage()
         allocated = self._allocated
         allocated[id(storage)] = weakref.ref(storage, lambda _r, key=id(storage): allocated.pop(key, None))
@@ -480,7 +498,7 @@ class StreamDouble(StreamOps):
 
     def _release_kept(self) -> None:
         """Storages kept for ``record_stream`` go once no stream has queued work on them left."""
-        done = [u for u in self._kept if all(s.executed >= p for (s, _), p in u.last.items())]
+        done = [u for u in self._kept if all(s.executed >= p for (s, *_), p in u.last.items())]
         self._kept = [u for u in self._kept if u not in done]
         for uses in done:
             uses.kept = None

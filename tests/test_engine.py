@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from lightning_swap import CPUSwapStrategy, SwapRuntime, find_segments
-from lightning_swap.core import resolve_policy
+from lightning_swap.core import Action, resolve_policy
 from lightning_swap.core.engine.offload import OffloadEngine
 from lightning_swap.core.engine.streams import CopyStreams, override_stream_ops
 
@@ -178,17 +178,24 @@ def _build(name, user_checkpoint=None):
     return model
 
 
+#: A mixed plan, as ``auto`` makes them: a kept segment's saved tensors may be what an offloaded
+#: one saved too (its original is then used in place: Note [Used in place]).
+_MIXED = [Action.OFFLOAD, Action.KEEP, Action.RECOMPUTE_OFFLOAD]
+
+
 def _loop(name, kind, policy, *, prefetch=1, inflight=1, user_checkpoint=None, steps=2):
     """Per-step gradients and the final state of ``steps`` steps of ``kind``: ``two_forwards``
     (two micro-batches summed into one loss), ``retain_graph`` (backward twice over one graph),
     ``accumulate`` (forward-backward twice per step), ``dropped_graph`` (a forward whose graph is
-    dropped unused, its host buffers reused), ``plain``; ``policy=None``: no runtime."""
+    dropped unused, its host buffers reused), ``plain``; ``policy=None``: no runtime,
+    ``"mixed"``: ``_MIXED`` in turn."""
     model = _build(name, user_checkpoint)
     _, data, loss_fn = MODELS[name]
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     runtime = None
     if policy is not None:
-        plan = resolve_policy(policy, find_segments(model))
+        segments = find_segments(model)
+        plan = resolve_policy(policy, segments) if policy != "mixed" else {n: _MIXED[i % len(_MIXED)] for i, n in enumerate(segments)}
         runtime = SwapRuntime(model, plan, device="cpu", min_offload_bytes=0, prefetch_segments=prefetch, inflight_segments=inflight).install()
     torch.manual_seed(1)
     grads = []
@@ -256,11 +263,25 @@ def test_exact_under_the_strict_model(name, kind, prefetch, inflight, mode):
     _assert_exact_under_strict_model(name, kind, policy, mode=mode, prefetch=prefetch, inflight=inflight)
 
 
-@pytest.mark.parametrize("policy", ["offload", "recompute_offload"])
+@pytest.mark.parametrize("kind", _KINDS)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_exact_with_a_mixed_plan_under_the_strict_model(name, kind):
+    """Offload, keep and recompute_offload in turn: originals still alive are used in place."""
+    prefetch, inflight, mode = _DEPTHS[sorted(MODELS).index(name) + 1]
+    _assert_exact_under_strict_model(name, kind, "mixed", mode=mode, prefetch=prefetch, inflight=inflight)
+
+
+# The user's checkpoint inside every segment: each prefetch and inflight depth, then the other
+# ways loops use autograd.
+_USER_CHECKPOINT_CASES = [("plain", *d) for d in _DEPTHS[:4]] + [(k, 1, 2, "late") for k in _KINDS[1:]]
+
+
+@pytest.mark.parametrize("kind,prefetch,inflight,mode", _USER_CHECKPOINT_CASES)
 @pytest.mark.parametrize("user_checkpoint", ["reentrant", "non_reentrant"])
 @pytest.mark.parametrize("name", ["gpt", "cnn"])
-def test_exact_with_the_users_checkpoint_inside_a_segment(name, user_checkpoint, policy):
-    _assert_exact_under_strict_model(name, "plain", policy, prefetch=2, inflight=2, user_checkpoint=user_checkpoint)
+def test_exact_with_the_users_checkpoint_inside_a_segment(name, user_checkpoint, kind, prefetch, inflight, mode):
+    policy = "recompute_offload" if (prefetch + inflight + len(kind)) % 2 else "offload"
+    _assert_exact_under_strict_model(name, kind, policy, mode=mode, prefetch=prefetch, inflight=inflight, user_checkpoint=user_checkpoint)
 
 
 # -- the waits are necessary: remove one, the double shows it ------------------------------

@@ -217,3 +217,21 @@ def test_compute_writing_a_source_before_its_copy_read_it_is_reported(waited):
         factory.drain()
     assert bool(factory.violations) != waited
     assert torch.equal(host, torch.full((4,), 1.0 if waited else 2.0))  # late: the copy read the new bytes
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_copies_to_disjoint_bytes_of_one_storage_need_no_order(overlap):
+    """Rule 2 is about bytes: two pieces of one host slab (Note [Pinned slabs]) are separate
+    memory; an unordered copy into bytes another stream's copy still reads is reported."""
+    with DoubleFactory() as factory:
+        d = factory(CPU)
+        d2h, h2d = d.new_stream(), d.new_stream()
+        slab = torch.zeros(16)
+        dst = d.empty(32, CPU).view(torch.float32)
+        d.wait(h2d, d.record(d.compute))
+        d.copy(dst, slab[:8], h2d)  # reads the first piece
+        x = torch.full((8,), 3.0)
+        d.wait(d2h, d.record(d.compute))
+        d.copy(slab[4:12] if overlap else slab[8:], x, d2h)  # writes another piece, unordered
+        factory.drain()
+    assert bool(factory.violations) == overlap

@@ -63,12 +63,15 @@ windows in bytes] in ``engine/offload.py``) the windows are bytes, each independ
   its backward window holds what is fetched ahead, the rest of its own bytes first (at most
   ``W``, or the largest storage), on top of its own as they come back storage by storage, each
   held to its last unpack (the profiler's on-demand estimate): conservative, since the window
-  cannot be placed within the element's backward (measured on CPU: up to one storage over). ``W = 0``: every element's bytes come back per
-  saved tensor when needed (the profiler's per-tensor estimate, Note [Offloaded backward
-  fetches on demand] in ``trace.py``), all of the copy time exposed.
+  cannot be placed within the element's backward (measured on CPU: up to one storage over).
+- prefetched ``W = 0``: every element's bytes come back per saved tensor when needed (the
+  profiler's per-tensor estimate, Note [Offloaded backward fetches on demand] in ``trace.py``),
+  all of the copy time exposed.
 
 On CPU copies are done when issued: nothing is in flight whatever ``W``, and a prefetch only
-raises the peak; the planner uses ``0`` for both there (:func:`default_byte_windows`).
+raises the peak; the planner uses ``0`` for both there (:func:`window_candidates`). The start of
+the backward is still priced as waiting for the copies in flight (as with windows in segments),
+though the engine now uses their sources in place (Note [Used in place]): conservative in time.
 """
 
 from __future__ import annotations

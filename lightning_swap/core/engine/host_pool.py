@@ -20,11 +20,29 @@ went away), and any free buffer while more than twice that is reserved. Reserved
 stay within the last step's need plus the current step's, whatever sequence of shapes runs.
 A dropped pinned buffer goes back through torch's host allocator, which reuses it only after
 the copies recorded on it (the engine's copies are ``non_blocking``).
+
+Note [Pinned slabs]: torch's pinned-memory allocator (``CachingHostAllocator``, default
+settings) rounds every request up to a power of two and keeps a freed block cached, for a later
+request of the same rounded size, until ``torch.cuda.empty_host_cache()`` — which would wait
+for the device. A buffer per saved tensor in size classes therefore holds up to twice the bytes
+it reports, and what the pool drops stays pinned: on the soak of issue 24 (GPT, batch sizes
+4..9) 3.45x the largest step's offloaded bytes were held by torch where the pool counted 1.72x.
+The engine's pool (:class:`SlabHostPool`) asks torch only for power-of-two slabs of at least
+1 MiB — what torch really reserves — and cuts each offloaded tensor's buffer from one, in
+order (512-byte aligned): a slab whose pieces have all been released is started again from its
+beginning. Everything the pool holds is then counted, little is lost to rounding, and a slab
+it drops is one torch hands back for its next slab of that size. The first piece cut from a
+slab started again carries the events of every copy of its previous round (rule 4 of Note
+[Stream protocol]); the pieces after it need none, since the copies into a pool's buffers are
+all queued on its engine's one device-to-host stream, after that first one. Under unified
+memory buffers stay one allocation each (:class:`HostPool`): a managed buffer is migrated on
+its own, and neighbours sharing its pages would move with it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import defaultdict
 from typing import Any, Optional
 
@@ -32,7 +50,7 @@ import torch
 
 from .meter import host_allocation, mark_host
 
-__all__ = ["HostPool"]
+__all__ = ["HostPool", "SlabHostPool"]
 
 log = logging.getLogger(__name__)
 
@@ -132,3 +150,109 @@ class HostPool:
             log.debug("HostPool cleared with %d bytes still referenced by live graphs", self.in_use_bytes)
         self._free.clear()
         self.reserved_bytes = self.in_use_bytes
+
+
+_ALIGN = 512
+_MIN_SLAB = 1 << 20
+
+
+class _Slab:
+    """One power-of-two allocation, and the pieces cut from it this round."""
+
+    __slots__ = ("tensor", "offset", "live", "events", "reuse", "step")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.offset = 0
+        self.live = 0
+        #: Events of the copies that used pieces released this round.
+        self.events: list = []
+        #: Those of the previous round, handed out with its first piece of this one.
+        self.reuse: tuple = ()
+        self.step = -1
+
+
+class SlabHostPool(HostPool):
+    """Host buffers cut from power-of-two slabs (Note [Pinned slabs]); the same bound and the
+    same interface as :class:`HostPool`."""
+
+    def __init__(self, pin_memory: bool) -> None:
+        super().__init__(pin_memory)
+        self._slabs: list[_Slab] = []
+        self._open: Optional[_Slab] = None
+        self._pieces: dict[int, _Slab] = {}  # data pointer of a piece handed out -> its slab
+        # release() may come from autograd's device thread, or from an entry the garbage
+        # collector frees while this thread is inside acquire(): reentrant.
+        self._lock = threading.RLock()
+
+    def acquire(self, nbytes: int) -> tuple[torch.Tensor, tuple]:
+        size = -(-nbytes // _ALIGN) * _ALIGN
+        with self._lock:
+            slab = self._open
+            if slab is None or slab.offset + size > slab.tensor.numel():
+                slab = self._open = self._restart(size) or self._new_slab(size)
+            events = slab.reuse if slab.offset == 0 else ()
+            piece = slab.tensor[slab.offset : slab.offset + size]
+            slab.offset += size
+            slab.live += 1
+            slab.step = self._step
+            self._pieces[piece.data_ptr()] = slab
+            self.in_use_bytes += size
+            self._peak_in_use = max(self._peak_in_use, self.in_use_bytes)
+        return piece, events
+
+    def _restart(self, size: int) -> Optional[_Slab]:
+        """The first slab with room for ``size`` whose pieces have all been released, started
+        again from its beginning."""
+        for slab in self._slabs:
+            if slab.live == 0 and slab.tensor.numel() >= size:
+                slab.offset = 0
+                slab.reuse, slab.events = tuple(slab.events), []
+                return slab
+        return None
+
+    def _new_slab(self, size: int) -> _Slab:
+        nbytes = 1 << (max(size, _MIN_SLAB) - 1).bit_length()
+        with host_allocation():
+            tensor = self._allocate(nbytes)
+        mark_host(tensor)
+        slab = _Slab(tensor)
+        self._slabs.append(slab)
+        self.reserved_bytes += nbytes
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+        self.allocations += 1
+        return slab
+
+    def release(self, buffer: torch.Tensor, events: tuple = ()) -> None:
+        with self._lock:
+            slab = self._pieces.pop(buffer.data_ptr())
+            slab.live -= 1
+            slab.events.extend(e for e in events if e is not None)
+            self.in_use_bytes -= buffer.numel()
+
+    def end_step(self) -> None:
+        """Note [Host pool bound], by slabs: keep what this step had in use at once, drop
+        slabs it did not use first."""
+        with self._lock:
+            keep = self._peak_in_use
+            for slab in sorted(self._slabs, key=lambda s: (s.step, -s.tensor.numel())):
+                stale = slab.step < self._step
+                if slab.live == 0 and self.reserved_bytes > keep and (stale or self.reserved_bytes > 2 * keep):
+                    self._drop(slab)
+            self._step += 1
+            self._peak_in_use = self.in_use_bytes
+
+    def _drop(self, slab: _Slab) -> None:
+        self._slabs.remove(slab)
+        if self._open is slab:
+            self._open = None
+        self.reserved_bytes -= slab.tensor.numel()
+        self.freed_bytes += slab.tensor.numel()
+
+    def clear(self) -> None:
+        """Drop every slab none of whose pieces a live graph still holds."""
+        with self._lock:
+            if self.in_use_bytes:
+                log.debug("SlabHostPool cleared with %d bytes still referenced by live graphs", self.in_use_bytes)
+            for slab in [s for s in self._slabs if s.live == 0]:
+                self._drop(slab)

@@ -8,7 +8,8 @@ that the copy hides behind the backward of later segments. Every ordering betwee
 :mod:`.streams`'s business (Note [Stream protocol]); this module decides *what* moves *when*.
 On CPU the same code runs with synchronous copies.
 
-Note [What is never offloaded]: whatever is alive before the step anyway — parameters,
+Note [What is never offloaded]: whatever is alive before the step anyway — parameters (any
+``nn.Parameter``, also one swapped in during the step, as FSDP does with its gathered ones),
 buffers and the tensors the caller tracks (the batch): a copy would cost bandwidth and free
 nothing — tensors smaller than ``min_offload_bytes``, tensors on another device, and tensor
 subclasses or non-strided layouts (their storage is not a plain byte array). These are
@@ -58,6 +59,9 @@ segments), or something else holds it (the batch, a kept segment's saved tensor,
 Then the original is used (and held by the entry until its last unpack, as a fetched copy
 would be) instead of a second device copy: nothing is fetched while its original is alive.
 The version check (Note [Saved version check]) guards that the bytes are still those saved.
+Backward does not wait for the copies still reading those originals (both only read them):
+the copy streams let go of each source once the host sees its copy complete, without waiting,
+and of the rest when the step ends (rule 2 of Note [Stream protocol]).
 
 Note [Saved version check]: with saved-tensor hooks autograd no longer compares a saved
 tensor's version counter at unpack (it cannot see through the hooks), so the engine does it:
@@ -113,7 +117,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from ..compiled import dynamo_disable
-from .host_pool import HostPool
+from .host_pool import HostPool, SlabHostPool
 from .meter import host_allocation
 from .streams import CopyStreams, StreamOps, Timing, default_ops
 
@@ -302,8 +306,8 @@ class OffloadEngine:
         self.prefetch_segments = prefetch_segments if prefetch_bytes is None else 0
         ops = ops if ops is not None else default_ops(device)
         self.copies = CopyStreams(device, ops, inflight_segments=inflight_segments, inflight_limit_bytes=inflight_bytes)
-        # Pinned buffers by default; managed ones under unified memory (unified.py).
-        self.pool = pool if pool is not None else HostPool(pin_memory=device.type == "cuda")
+        # Pinned slabs by default (Note [Pinned slabs]); managed buffers under unified memory.
+        self.pool = pool if pool is not None else SlabHostPool(pin_memory=device.type == "cuda")
         self._lock = threading.RLock()
         self._skip_ptrs: frozenset[int] = frozenset()
         self._by_storage: dict[int, weakref.ref] = {}
@@ -415,8 +419,8 @@ class OffloadEngine:
     def _count_saved(self, t: torch.Tensor) -> Optional[torch.UntypedStorage]:
         """Note [Unplanned bytes]: counts ``t``'s storage once per step; returns it (``None`` for
         a tensor without a plain storage, or one alive before the step)."""
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided or t.device != self.device:
-            return None
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device != self.device:
+            return None  # a parameter is alive anyway, as in _should_offload
         storage = t.untyped_storage()
         if storage.data_ptr() in self._skip_ptrs:
             return None
@@ -430,7 +434,9 @@ class OffloadEngine:
         return ref is not None and ref() is storage
 
     def _should_offload(self, t: torch.Tensor) -> bool:
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+        # Any parameter, the model's or not, is alive anyway: one not in ``skip`` was swapped
+        # in during the step (FSDP's gathered unsharded parameters) or belongs to another model.
+        if type(t) is not torch.Tensor or t.layout != torch.strided:
             return False
         if t.device != self.device:
             return False
@@ -440,7 +446,7 @@ class OffloadEngine:
         return storage.data_ptr() not in self._skip_ptrs
 
     def _pack(self, segment: Optional[int], t: torch.Tensor, *, region: Optional[str] = None) -> Any:
-        plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+        plain = type(t) is torch.Tensor and t.layout == torch.strided
         first = plain and not self._was_seen(t.untyped_storage())
         storage = self._count_saved(t)
         if not self._should_offload(t):
@@ -517,7 +523,9 @@ class OffloadEngine:
                 storage = entry.source() if entry is not None and entry.source is not None else None
                 if storage is not None and entry.device is None and storage.data_ptr() in stashed:
                     self._use_in_place(entry, storage)
-            self.copies.retire()
+        # Not retire(): reading a source in place needs no order with its copy, which only reads
+        # it too; only freeing it does (Note [Used in place]).
+        self.copies.retire_done()
 
     def _use_in_place(self, entry: _Entry, storage: torch.UntypedStorage) -> torch.Tensor:
         entry.device = _as_bytes(storage, self.device)

@@ -18,7 +18,9 @@ checked on CPU by an adversarial double of this module (``tests/stream_double.py
    ``record_stream``: under ``um="all"`` the allocator never reclaims blocks freed after one,
    and without it memory is freed at a point the host, the meter and the planner all agree on).
    This also bounds what is in flight: a fast forward cannot pile activations up behind a
-   slow copy.
+   slow copy. In backward nothing new is copied out, and what is still stashed is let go
+   without a wait once the host sees its copy complete (:meth:`CopyStreams.retire_done`), the
+   rest when the step ends.
 3. Device memory an h2d copy writes is allocated on the compute stream, and the h2d stream
    first waits on an event recorded on the compute stream at allocation (the allocator may hand
    back a block that queued compute work still uses). Before the bytes are used — or dropped
@@ -325,6 +327,16 @@ class CopyStreams:
             # One stream's events complete in order: waiting on the newest covers the rest.
             self._wait_compute(last)
         self._stash = keep
+
+    def retire_done(self) -> None:
+        """Drop the stashed sources whose copies the host sees complete (rule 2, without a wait:
+        nothing later can overlap a finished copy); one stream's events complete in order."""
+        done = 0
+        for _, _, event in self._stash:
+            if not self.ops.done(event):
+                break
+            done += 1
+        del self._stash[:done]
 
     def stashed_ptrs(self) -> set[int]:
         """The data pointers of the sources whose copies are in flight (rule 2)."""

@@ -46,9 +46,11 @@ With ``use_reentrant=True`` the block runs again, with grad, inside backward: th
 would offload what it recomputes and fetch it straight back, and its forward hooks would
 take the recomputation for a new forward. With ``use_reentrant=False`` the engine's saved-
 tensor hooks would sit inside checkpoint's and win, so the checkpoint would silently stop
-recomputing. Both are respected: nothing is offloaded or counted as a forward while autograd
-runs a backward, and a segment whose forward starts under checkpoint's hooks is left to that
-checkpoint (recomputed), reported once per segment with a warning.
+recomputing. Both are respected, for ``offload`` and ``recompute_offload`` segments alike (the
+latter's own checkpoint would recompute a second time and offload its inputs during backward):
+nothing is offloaded or counted as a forward while autograd runs a backward, and a segment
+whose forward starts under checkpoint's hooks is left to that checkpoint (recomputed),
+reported once per segment with a warning.
 """
 
 from __future__ import annotations
@@ -364,7 +366,15 @@ class SwapRuntime:
         outer = (lambda: engine.hooks(index)) if action is Action.RECOMPUTE_OFFLOAD else None
         save_ops = self.plan.selective_ops.get(self._names[index]) if action is Action.SELECTIVE else None
         fn = checkpointed(module, forward, action, self.timer, outer=outer, name=self._names[index], save_ops=save_ops)
-        return _SegmentForward(module, self._also_direct(fn, index) if outer is not None else fn)
+        if outer is None:
+            return _SegmentForward(module, fn)
+
+        def recomputed_offloaded(*args: Any, **kwargs: Any) -> Any:
+            if self._user_recomputes(index):
+                return forward(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        return _SegmentForward(module, self._also_direct(recomputed_offloaded, index))
 
     def _user_recomputes(self, index: int) -> bool:
         """Note [A user's checkpoint inside a segment]."""
