@@ -92,3 +92,24 @@ def test_the_runtime_saves_exactly_the_planned_ops_and_the_predicted_bytes(name,
     assert all(saved == planned and not recomputed & planned for planned, saved, recomputed in decided)
     predicted = simulate(prof, plan.actions).peak_bytes
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+
+
+def test_where_copies_cannot_hide_recomputation_takes_over():
+    """Issue 23 item 4: at one budget, a fast link lets the planner offload (the copies hide
+    behind compute), a slow one makes it recompute instead, cheap ops first."""
+    import dataclasses
+
+    from lightning_swap.core import solve
+    from lightning_swap.core.decide.costmodel import AUTO_WINDOW
+    from lightning_swap.core.decide.solver import min_budget_bytes
+
+    *_, prof = _profile("gpt", batch=16)
+    plans = {}
+    for link, bytes_per_ms in (("fast", 1e9), ("slow", 1e3)):
+        cuda = dataclasses.replace(prof, device_type="cuda", d2h_bytes_per_ms=bytes_per_ms, h2d_bytes_per_ms=bytes_per_ms)
+        least = min_budget_bytes(cuda, prefetch_bytes=AUTO_WINDOW, inflight_bytes=AUTO_WINDOW)
+        budget = least + (cuda.peak_bytes - least) // 3
+        plans[link] = solve(cuda, budget_bytes=budget, prefetch_bytes=AUTO_WINDOW, inflight_bytes=AUTO_WINDOW)
+    fast, slow = (set(plans[k].actions.values()) | set(plans[k].outside.values()) for k in ("fast", "slow"))
+    assert Action.OFFLOAD in fast and not {Action.OFFLOAD, Action.RECOMPUTE_OFFLOAD} & slow
+    assert {Action.RECOMPUTE, Action.SELECTIVE} & slow, plans["slow"].summary()

@@ -110,12 +110,9 @@ def measure_action_costs(
     try:
         for name, call in calls.items():
             module = modules[name]
-            timer = RecomputeTimer(ops)
-            variants = {
-                Action.KEEP: module.forward,
-                Action.RECOMPUTE: checkpointed(module, module.forward, Action.RECOMPUTE, timer),
-                Action.SELECTIVE: checkpointed(module, module.forward, Action.SELECTIVE, timer, save_ops=(save_ops or {}).get(name)),
-            }
+            timer, selective = RecomputeTimer(ops), (save_ops or {}).get(name)
+            variants = {Action.KEEP: module.forward, Action.RECOMPUTE: checkpointed(module, module.forward, Action.RECOMPUTE, timer),
+                        Action.SELECTIVE: checkpointed(module, module.forward, Action.SELECTIVE, timer, save_ops=selective)}
             best: dict[Action, Optional[tuple[float, float]]] = {}
             for action, forward in variants.items():
                 try:
