@@ -48,7 +48,9 @@ def _profile(name, batch=8):
     torch.manual_seed(0)
     model = build()
     x, y = data(batch)
-    prof = profile(model, (x, y), step_fn=lambda m, b: loss_fn(m(b[0]), b[1]), device="cpu", scale=False, min_offload_bytes=0)
+    # Fake mode: the ops' times are estimates (FLOPs and bytes), so the decision does not move
+    # with a shared machine's timing noise; the bytes are the real step's.
+    prof = profile(model, (x, y), step_fn=lambda m, b: loss_fn(m(b[0]), b[1]), device="cpu", scale=False, min_offload_bytes=0, fake=True)
     return model, x, y, loss_fn, prof
 
 
