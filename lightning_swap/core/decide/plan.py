@@ -146,6 +146,8 @@ class Plan:
             tail.append(f"predicted step {self.predicted_step_ms:.1f} ms")
         if self.batch_size is not None:
             tail.append(f"batch {self.batch_size}")
+        if self.prefetch_bytes is not None or self.inflight_bytes is not None:
+            tail.append(f"copy windows {format_bytes(self.prefetch_bytes)} ahead, {format_bytes(self.inflight_bytes)} in flight")
         if tail:
             lines.append(", ".join(tail))
         return "\n".join(lines)
