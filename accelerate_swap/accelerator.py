@@ -23,13 +23,14 @@ Note [Auto policy in Accelerate]: a forced policy needs no batch, so its plan is
 ``prepare``. ``policy="auto"`` plans from the training steps themselves, as the Lightning
 strategy does (Note [Auto: observe, plan, check] in ``lightning_swap/core/auto.py``): the
 forward pre-hook asks the session what the step does; the first training step runs with every
-segment kept and is observed on the main process, from its forward to the next training
+segment kept and is observed on every process (the profiles merge by their largest values:
+Note [Decide from the largest measurement]), from its forward to the next training
 forward (the user's loss, ``accelerator.backward`` and the optimizer step included: the real
 step, not a stand-in for it); the next step plans from that profile for the steady state, and
 the one after checks the plan against its measured peak. The decisions depend only on what
 every process sees alike, so all of them enter the plan's broadcast (the session's
 ``Collectives``, :meth:`SwapAccelerator._swap_collectives`) together, and nothing is reduced
-across processes per step. Nothing runs the model or the user's code an extra time, but for one
+across processes in the steps that decide nothing. Nothing runs the model or the user's code an extra time, but for one
 last resort: Note [Out of memory in the observed step].
 
 Note [Out of memory in the observed step]: the observed step runs without a plan, and only
@@ -62,7 +63,7 @@ from typing import Any, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, DynamoBackend, broadcast_object_list
+from accelerate.utils import DistributedType, DynamoBackend, broadcast_object_list, gather_object
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
@@ -82,9 +83,11 @@ __all__ = ["AcceleratedSwapSession", "SwapAccelerator"]
 
 log = logging.getLogger(__name__)
 
-#: One process, or plain data parallel (DDP): the runtime acts on each process's own copy of
-#: the model. Tested on CPU (one process and MULTI_CPU); MULTI_GPU is the same code on CUDA.
-_SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+#: One process, plain data parallel (DDP), or FSDP (2 and 1): the runtime acts on each process's
+#: own copy of the model (under FSDP, its shards). Tested on CPU (one process, MULTI_CPU, FSDP2
+#: and FSDP1, which Accelerate selects only on accelerators: the test forces it); MULTI_GPU is
+#: the same code on CUDA.
+_SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP)
 
 
 class AcceleratedSwapSession(SwapSession):
@@ -324,9 +327,37 @@ class SwapAccelerator(Accelerator):
                 "allowed: dynamo_backend='no' while ACCELERATE_CPU_SWAP is on."
             )
 
+    def _check_fsdp(self) -> None:
+        """Under Accelerate's FSDP plugin: not with the plugin's own activation checkpointing
+        (Note [One activation policy] in ``lightning_swap/fsdp.py``); checked before the model is
+        prepared, where Accelerate would apply it."""
+        fsdp = getattr(self.state, "fsdp_plugin", None)
+        if self.distributed_type != DistributedType.FSDP or fsdp is None:
+            return
+        if fsdp.activation_checkpointing:
+            raise ValueError(
+                "The FSDP plugin's activation_checkpointing and the swap plugin's policy would both decide what happens to "
+                "each block's activations; pass one of them (policy='recompute' is activation checkpointing of every block)."
+            )
+
     # -- prepare ------------------------------------------------------------------------
     @override
+    def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        """Under FSDP2 Accelerate shards the model inside ``prepare`` (never through
+        :meth:`prepare_model`): the plan is attached to the sharded model here."""
+        if self.swap_plugin is not None:
+            self._check_fsdp()
+        result = super().prepare(*args, device_placement=device_placement)
+        if self.swap_plugin is not None and self.state.is_fsdp2:
+            for obj in result if isinstance(result, (tuple, list)) else (result,):
+                if isinstance(obj, nn.Module):
+                    self._attach(self.unwrap_model(obj, keep_torch_compile=False))
+        return result
+
+    @override
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False):
+        if self.swap_plugin is not None and not evaluation_mode:
+            self._check_fsdp()
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if self.swap_plugin is not None and not evaluation_mode:
             self._attach(self.unwrap_model(prepared, keep_torch_compile=False))
@@ -381,6 +412,7 @@ class SwapAccelerator(Accelerator):
             broadcast=broadcast,
             reduce_max=lambda v: float(gathered(v).max().item()),
             reduce_min=lambda v: int(gathered(v).min().item()),
+            gather=lambda obj: gather_object([obj]),
         )
 
     # -- steps --------------------------------------------------------------------------

@@ -156,6 +156,9 @@ def _add_estimate_parser(subparsers: argparse._SubParsersAction) -> None:
     _flag(parser, "segments", help="comma-separated qualified module names or 'package.module:BlockClass' (default: repeated blocks)")
     _flag(parser, "margin", default="0.05", help="fraction of the budget held back for the largest batch (default 0.05)")
     _flag(parser, "max_batch_size", default="8192", help="the largest batch considered (default 8192)")
+    _flag(parser, "precision", default="32-true", help="32-true (default), bf16-mixed or 16-mixed: the forward under autocast, as training runs it")
+    _flag(parser, "loss", default="cross_entropy", help="cross_entropy (default: of the output's last dimension) or sum (the output summed)")
+    _flag(parser, "optimizer", default="adamw", help="adamw (default) or adam (state: 2 x parameters), momentum (1 x), sgd or none (0)")
 
 
 def _positive_int(raw: str, flag: str) -> int:
@@ -209,6 +212,9 @@ def _run_estimate(args: argparse.Namespace) -> int:
         margin=margin,
         max_batch_size=max_batch_size,
         model_name=spec,
+        precision=str(args.precision).strip().lower(),
+        loss=str(args.loss).strip().lower(),
+        optimizer=str(args.optimizer).strip().lower(),
     )
     print(result.render())
     return 0

@@ -9,10 +9,15 @@ only, ``solve`` gives the plan at that batch, and the bisection of the batch-siz
 (:func:`lightning_swap.core.scale.batch_search.predict_batch_size`) the largest batch with a plan under the
 budget.
 
-The profiled step is the model's forward on a batch of the given shape, its output summed,
-and the backward: the user's loss adds its own on top (for cross-entropy about one
-logits-sized tensor), and the optimizer state (one to two copies of the parameters) is not
-counted; keep the budget under the device's capacity by that much.
+Note [What the estimate profiles]: a training step as a loop runs it, as far as a command line
+can say: the model's forward on a batch of the given shape under ``--precision`` (autocast for
+the mixed precisions), the loss (``--loss``: cross-entropy of the output's last dimension
+against class 0, the classifier's and the language model's loss, in float32 as autocast does;
+or the output summed), the backward, with the optimizer's state alive throughout (``--optimizer``:
+none for plain SGD, one copy of the parameters for SGD with momentum, two for Adam and AdamW;
+added as Note [Steady-state shift] adds state). Not profiled, and said so in the first line of
+the output: the optimizer step's own temporaries (foreach AdamW: about one parameter-sized
+buffer), and whatever the user's loop adds beside the step (metrics, EMA weights).
 """
 
 from __future__ import annotations
@@ -44,6 +49,12 @@ __all__ = ["Estimate", "build_model", "estimate"]
 
 #: Input dtypes ``--input_dtype`` accepts; integers are token ids (all zero: fake mode never reads them).
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+#: ``--precision`` -> the autocast dtype of the forward (``None``: none), as Lightning names them.
+PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+#: ``--optimizer`` -> (its name in the output, copies of the parameters its state holds).
+OPTIMIZERS = {"none": ("no optimizer state", 0), "sgd": ("SGD (no state)", 0), "momentum": ("SGD with momentum state (1 x parameters)", 1),
+              "adam": ("Adam state (2 x parameters)", 2), "adamw": ("AdamW state (2 x parameters)", 2)}
+LOSSES = ("cross_entropy", "sum")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +67,10 @@ class Estimate:
     batch_size: int
     budget_bytes: Optional[int]
     margin: float
+    #: What the profiled step ran besides the forward and backward (Note [What the estimate profiles]).
+    precision: str
+    loss: str
+    optimizer: str
     profile: ModelProfile
     #: The least budget any plan meets at ``batch_size``.
     min_budget_bytes: int
@@ -69,9 +84,11 @@ class Estimate:
     def render(self) -> str:
         p = self.profile
         shape = ", ".join(str(d) for d in (self.batch_size, *self.input_shape))
+        loss = "cross-entropy loss" if self.loss == "cross_entropy" else "the output summed as the loss"
         lines = [
-            f"Training-step memory for `{self.model_name}`, input ({shape}) {self.input_dtype}, "
-            f"profiled in fake mode in {self.profile_s:.1f} s (no arithmetic, no weights)",
+            f"Training-step memory for `{self.model_name}`, input ({shape}) {self.input_dtype}, {self.precision}, {loss}, "
+            f"{OPTIMIZERS[self.optimizer][0]}; not counted: the optimizer step's temporaries "
+            f"(profiled in fake mode in {self.profile_s:.1f} s: no arithmetic, no weights)",
             f"  parameters {format_bytes(p.parameter_bytes)}, {len(p.segments)} segments",
             f"  plain step at batch {self.batch_size} (every segment kept): peak {format_bytes(p.peak_bytes)}",
             f"  least budget of any plan at batch {self.batch_size}: {format_bytes(self.min_budget_bytes)}",
@@ -97,10 +114,42 @@ class Estimate:
         else:
             lines.append(f"No batch in [1, {self.max_batch_size}] fits {budget} (margin {self.margin:.0%}) with any plan.")
         lines.append(
-            "Bytes are those of the profiled step (model forward, summed output, backward); the loss and "
-            "the optimizer state come on top. Times are CPU roofline estimates, for ranking plans only."
+            "Bytes are those of the profiled step (forward, loss, backward, with the optimizer state alive); "
+            "times are CPU roofline estimates, for ranking plans only."
         )
         return "\n".join(lines)
+
+
+def _check_choices(**choices: tuple[str, Any]) -> None:
+    """Each ``field=(value, allowed)``: ``ValueError`` naming the field and what is allowed."""
+    for field, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ValueError(f"`{field}` got {value!r}; allowed: {', '.join(allowed)}.")
+
+
+def _profile_step(model: nn.Module, batch: torch.Tensor, precision: str, loss: str, optimizer: str, **kwargs: Any) -> ModelProfile:
+    """Note [What the estimate profiles]: one training step in fake mode, the optimizer state alive."""
+    model.train()
+    prof = profile(model, batch, step_fn=_training_step(PRECISIONS[precision], loss), fake=True, scale=True, device="cpu", **kwargs)
+    state = OPTIMIZERS[optimizer][1] * sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    return prof.with_state(forward_bytes=state, backward_bytes=state)  # alive throughout (Note [Steady-state shift])
+
+
+def _training_step(autocast_dtype: Optional[torch.dtype], loss: str) -> Callable[[nn.Module, Any], torch.Tensor]:
+    """Note [What the estimate profiles]: the forward under autocast, then the loss."""
+
+    def step(model: nn.Module, batch: Any) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            out = model(batch)
+        out = getattr(out, "logits", out)  # a transformers ModelOutput
+        tensors = [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+        first = tensors[0]
+        if loss == "sum" or first.dim() < 2 or not first.is_floating_point():
+            return sum(t.float().sum() for t in tensors if t.is_floating_point())
+        logits = first.reshape(-1, first.shape[-1]).float()
+        return torch.nn.functional.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device))
+
+    return step
 
 
 def build_model(spec: str, *, source: str = "model") -> nn.Module:
@@ -174,23 +223,25 @@ def estimate(
     max_batch_size: int = 8192,
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     model_name: str = "model",
+    precision: str = "32-true",
+    loss: str = "cross_entropy",
+    optimizer: str = "adamw",
     clock: Callable[[], float] = time.perf_counter,
 ) -> Estimate:
-    """Profile ``model`` in fake mode at ``batch_size`` and predict (module docstring).
+    """Profile ``model`` in fake mode at ``batch_size`` and predict (module docstring; Note
+    [What the estimate profiles] for ``precision``, ``loss`` and ``optimizer``).
 
     ``budget_bytes``: bytes as an ``int`` or a size string (``"24GiB"``); ``None`` for the
     profile alone."""
     budget_bytes = parse_bytes(budget_bytes, field="budget_bytes", allow_none=True)
-    if input_dtype not in DTYPES:
-        raise ValueError(f"`input_dtype` got {input_dtype!r}; allowed: {', '.join(DTYPES)}.")
+    _check_choices(
+        input_dtype=(input_dtype, DTYPES), precision=(precision, PRECISIONS), loss=(loss, LOSSES), optimizer=(optimizer, OPTIMIZERS),
+    )
     actions = None if policy == "auto" else (Action.parse(policy, field="policy"),)
     config = ScaleConfig(margin=margin, min_batch_size=1, max_batch_size=max_batch_size)
     batch = torch.zeros((batch_size, *input_shape), dtype=DTYPES[input_dtype])
-    model.train()
     start = clock()
-    prof = profile(
-        model, batch, fake=True, scale=True, segments=segments, min_offload_bytes=min_offload_bytes, device="cpu"
-    )
+    prof = _profile_step(model, batch, precision, loss, optimizer, segments=segments, min_offload_bytes=min_offload_bytes)
     profile_s = clock() - start
     plan = largest = None
     if budget_bytes is not None:
@@ -206,6 +257,9 @@ def estimate(
         batch_size=batch_size,
         budget_bytes=budget_bytes,
         margin=margin,
+        precision=precision,
+        loss=loss,
+        optimizer=optimizer,
         profile=prof,
         min_budget_bytes=min_budget_bytes(prof, actions=actions),
         plan=plan,

@@ -45,12 +45,15 @@ def main() -> None:
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
-    if accelerator.swap_plan is not None:
-        accelerator.print(f"swap plan ({accelerator.swap_plan.summary()}):\n{accelerator.swap_plan.render()}")
+    if accelerator.swap_enabled:
+        plugin = accelerator.swap_plugin
+        budget = format_bytes(plugin.budget_bytes) if plugin.budget_bytes is not None else "none given"
+        accelerator.print(f"swap plugin on: policy {plugin.policy!r}, budget {budget}")
     else:
         accelerator.print("swap plugin off (set ACCELERATE_CPU_SWAP=true to switch it on)")
 
     model.train()
+    shown = None
     for step, (images, labels) in enumerate(loader):
         start = time.perf_counter()
         loss = F.cross_entropy(model(images), labels)
@@ -60,12 +63,21 @@ def main() -> None:
         line = f"step {step}: loss {loss.item():.4f}, {1e3 * (time.perf_counter() - start):.0f} ms"
         stats = accelerator.swap_step_stats
         if stats is not None:
+            # Device times are None until the device has finished the step (on CUDA, a step or two later).
             line += (
                 f", peak device {format_bytes(stats.peak_device_bytes)}, offloaded {format_bytes(stats.offloaded_bytes)}, "
-                f"recompute {stats.recompute_ms:.1f} ms"
+                f"recompute {_ms(stats.recompute_ms)}"
             )
         accelerator.print(line)
+        plan = accelerator.swap_plan
+        if plan is not None and plan.rows and plan != shown:  # once its rows are known (predicted or measured)
+            shown = plan
+            accelerator.print(f"swap plan ({plan.summary()}):\n{plan.render()}")
     accelerator.end_training()
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import warnings
 import time
 
@@ -117,7 +118,7 @@ def run(args, policy, budget_bytes=None, report_dir=None):
         default_root_dir=report_dir,
     )
     trainer.fit(module)
-    step_ms = 1e3 * sum(timer.times) / max(len(timer.times), 1)
+    step_ms = [1e3 * t for t in timer.times]
     if policy:  # the steady state: every step after the first
         peak = max(s.peak_device_bytes for s in trainer.strategy.stats_history[1:] or trainer.strategy.stats_history)
     else:
@@ -125,6 +126,24 @@ def run(args, policy, budget_bytes=None, report_dir=None):
     stats = trainer.strategy.step_stats if policy else None
     weights = torch.cat([p.detach().flatten().cpu() for p in module.parameters()])
     return step_ms, peak, stats, weights, trainer.strategy
+
+
+def _repeated(args, policy, budget_bytes=None, report_dir=None):
+    """``run`` ``args.repeats`` times: every timed step of every run, the rest of the last run."""
+    times = []
+    for _ in range(max(args.repeats, 1)):
+        step_ms, *rest = run(args, policy, budget_bytes, report_dir)
+        times += step_ms
+    return (times, *rest)
+
+
+def _spread(times: list[float]) -> float:
+    """Half the range of ``times``, in percent of their median."""
+    return 50 * (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else 0.0
+
+
+def _ms(times: list[float]) -> str:
+    return f"{statistics.median(times):.0f} +-{_spread(times):.0f}%" if times else "-"
 
 
 def main() -> None:
@@ -137,6 +156,7 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--budget-fraction", type=float, default=0.85, help="auto's budget, a fraction of plain's peak")
     parser.add_argument("--report-dir", default="swap_demo_output", help="where the memory timeline PNG goes")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration (step times: their median and spread)")
     args = parser.parse_args()
     # Quiet: Lightning's banners and tips, and the plans the strategy logs through Lightning's
     # logger (the one plan that matters is printed below); warnings from its internals.
@@ -149,39 +169,37 @@ def main() -> None:
 
     print(f"lightning-swap {lightning_swap.__version__}, torch {torch.__version__}, device {args.accelerator}")
     print(f"{args.arch}, FakeData {args.image_size}x{args.image_size}, batch {args.batch_size}, {args.steps} steps\n")
-    plain_ms, plain_peak, _, plain_weights, _ = run(args, None)
-    rows = [("plain (strategy='auto')", format_bytes(plain_peak), plain_ms, "1.00", "-", "-", "-")]
+    plain_ms, plain_peak, _, plain_weights, _ = _repeated(args, None)
+    spreads = [_spread(plain_ms)]
+    rows = [("plain (strategy='auto')", format_bytes(plain_peak), _ms(plain_ms), "1.00", "-", "-", "-")]
     budget = int(args.budget_fraction * plain_peak)
     runs = [(p, p, None) for p in ("keep", "offload", "recompute", "selective", "recompute_offload")]
     runs.append((f"auto, budget {args.budget_fraction:.0%} of plain", "auto", budget))
     auto_strategy = None
     for label, policy, budget_bytes in runs:
-        step_ms, peak, stats, weights, strategy = run(args, policy, budget_bytes, args.report_dir if budget_bytes else None)
+        step_ms, peak, stats, weights, strategy = _repeated(args, policy, budget_bytes, args.report_dir if budget_bytes else None)
+        spreads.append(_spread(step_ms))
         if budget_bytes:
             auto_strategy = strategy
         same = torch.equal(weights, plain_weights)
-        rows.append(
-            (
-                f"cpu_swap policy={label}",
-                format_bytes(peak),
-                step_ms,
-                f"{peak / plain_peak:.2f}",
-                format_bytes(stats.offloaded_bytes),
-                f"{stats.recompute_ms:.1f}",
-                "yes" if same else "NO",
-            )
-        )
+        recompute = "-" if stats.recompute_ms is None else f"{stats.recompute_ms:.1f}"
+        rows.append((f"cpu_swap policy={label}", format_bytes(peak), _ms(step_ms), f"{peak / plain_peak:.2f}",
+                     format_bytes(stats.offloaded_bytes), recompute, "yes" if same else "NO"))
     header = ("run", "peak device", "step ms", "peak/plain", "offloaded", "recompute ms", "weights = plain")
-    table = [header] + [(r[0], r[1], f"{r[2]:.0f}", r[3], r[4], r[5], r[6]) for r in rows]
+    table = [header] + rows
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for i, row in enumerate(table):
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
         if i == 0:
             print("  ".join("-" * w for w in widths))
+    over = f"{args.repeats} runs of each" if args.repeats > 1 else "one run of each"
     print(
         "\npeak device = most bytes alive on the training device during a steady-state step, its"
         "\noptimizer step included (on CPU: a tracker of live tensor storages that does not count the"
-        "\noffload host pool); step ms = mean wall time per batch after the first three. Every row"
+        "\noffload host pool); exact, the same from run to run. step ms = median wall time per batch"
+        f"\nafter the first three ({over}), +- half its range: on this machine the timed steps of one"
+        f"\nconfiguration spread by up to +-{max(spreads):.0f}%, so differences in step ms below that are"
+        "\nnoise (and auto's plan, which weighs measured times, may differ between runs). Every row"
         "\ntrains the same weights as plain training."
     )
     plan = auto_strategy.plan

@@ -1,6 +1,7 @@
 """lightning-swap: train with activations that do not fit in device memory.
 
-``import lightning_swap`` registers the ``"cpu_swap"`` and ``"ddp_cpu_swap"`` strategies with
+``import lightning_swap`` registers the ``"cpu_swap"``, ``"ddp_cpu_swap"``, ``"fsdp_cpu_swap"``
+and ``"model_parallel_cpu_swap"`` strategies with
 Lightning (and with ``pytorch_lightning`` when it is installed), so
 ``Trainer(strategy="cpu_swap")`` works.
 
@@ -40,6 +41,7 @@ from .core import SwapConfig
 from .core import SwapSession
 from .core import Timeline, TimelineRecorder
 from .finder import SwapBatchSizeFinder
+from .fsdp import FSDPCPUSwapStrategy, ModelParallelCPUSwapStrategy, with_cpu_swap
 from .report import plot_timelines
 from .strategy import CPUSwapStrategy, DDPCPUSwapStrategy, PLCPUSwapStrategy, PLDDPCPUSwapStrategy
 
@@ -52,7 +54,9 @@ __all__ = [
     "ChunkedCrossEntropy",
     "DDPCPUSwapStrategy",
     "DeviceMemoryMeter",
+    "FSDPCPUSwapStrategy",
     "InfeasibleBudgetError",
+    "ModelParallelCPUSwapStrategy",
     "ModelProfile",
     "PLCPUSwapStrategy",
     "PLDDPCPUSwapStrategy",
@@ -83,4 +87,5 @@ __all__ = [
     "search_batch_size",
     "simulate",
     "solve",
+    "with_cpu_swap",
 ]

@@ -64,7 +64,9 @@ class SwapBatchSizeFinder(BatchSizeFinder):
         batch_arg_name: the attribute holding the batch size, as for ``BatchSizeFinder``.
 
     Needs ``strategy="cpu_swap"`` or ``"ddp_cpu_swap"``. Under DDP every rank runs the same
-    search (rank 0's profile, measurements reduced by max) and the smallest answer wins.
+    search (every rank profiles, the profiles merged by their largest values, measurements reduced
+    by max) and the smallest answer wins; the same under FSDP (``"fsdp_cpu_swap"``,
+    ``"model_parallel_cpu_swap"``).
     """
 
     SUPPORTED_MODES = ("max", "throughput")

@@ -37,6 +37,41 @@ from .report import plot_timelines
 log = logging.getLogger(__name__)
 
 
+class _ProgressBarLog(logging.Handler):
+    """Note [Warnings above the progress bar]: the library logs warnings (a segment that writes
+    into its input, ...) with :mod:`logging`; where nothing was configured Python writes them to
+    stderr (``logging.lastResort``), in the middle of the line Lightning's progress bar is
+    drawing. For the strategy's lifetime, and only when no handler would take them, this handler
+    takes the ``lightning_swap`` warnings and prints them as ``LightningModule.print`` does,
+    above the bar (``ProgressBar.print``), else to stderr as before."""
+
+    def __init__(self, trainer: Any) -> None:
+        super().__init__(logging.WARNING)
+        self.trainer = trainer
+
+    @classmethod
+    def install(cls, trainer: Any) -> Optional["_ProgressBarLog"]:
+        logger = logging.getLogger("lightning_swap")
+        if logger.hasHandlers():
+            return None  # the user's configuration decides where they go
+        handler = cls(trainer)
+        logger.addHandler(handler)
+        return handler
+
+    def remove(self) -> None:
+        logging.getLogger("lightning_swap").removeHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        import sys
+
+        text = self.format(record)
+        bar = getattr(self.trainer, "progress_bar_callback", None)
+        if bar is not None and bar.is_enabled and getattr(self.trainer, "training", False):
+            bar.print(text)
+        else:
+            sys.stderr.write(text + "\n")
+
+
 class _SwapStrategyMixin:
     """Wires a :class:`SwapSession` into a Lightning strategy's hooks."""
 
@@ -106,6 +141,7 @@ class _SwapStrategyMixin:
         self._logged_plan: Optional[Plan] = None
         self._step_open = False
         self._step_call: Any = None
+        self._bar_log: Optional[_ProgressBarLog] = None
 
     # -- what users read ----------------------------------------------------------------
     @property
@@ -164,6 +200,7 @@ class _SwapStrategyMixin:
         self._pick_device(trainer)
         super().setup(trainer)
         module = self.lightning_module
+        self._bar_log = _ProgressBarLog.install(trainer)
         self._session = SwapSession(
             module, self.swap_config, self.root_device, unified=self.unified_memory, collectives=self._swap_collectives(),
             # Lightning's closure runs forward, zero_grad, backward: without accumulation the last
@@ -180,7 +217,7 @@ class _SwapStrategyMixin:
 
     def _swap_collectives(self) -> Collectives:
         """How the ranks agree (plans, verdicts, the batch-size search): Lightning's broadcast
-        from rank 0 and its reductions."""
+        from rank 0 and its reductions, every rank's profile gathered."""
         device = self.root_device
 
         def reduce(value: float, op: str) -> float:
@@ -191,6 +228,7 @@ class _SwapStrategyMixin:
             broadcast=lambda obj: self.broadcast(obj, src=0),
             reduce_max=lambda value: reduce(value, "max"),
             reduce_min=lambda value: int(reduce(value, "min")),
+            gather=_gather_objects,
         )
 
     def profile_step_fn(self) -> Any:
@@ -205,12 +243,17 @@ class _SwapStrategyMixin:
             # As Lightning runs it (its precision context: autocast under "bf16-mixed"), with
             # ``self.log`` silenced: a profiled call is not a training step to report.
             with _silenced_logging(module), precision.train_step_context():
-                loss = module.training_step(batch, 0)
+                loss = self._profiled_training_step(module, batch)
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
             return loss
 
         return step_fn
+
+    def _profiled_training_step(self, module: Any, batch: Any) -> Any:
+        """The user's ``training_step`` as the profiler calls it (a strategy whose wrapper must
+        run around it says how)."""
+        return module.training_step(batch, 0)
 
     def _log_plan(self, plan: Plan, why: str = "") -> None:
         """The plan as one block: through the progress bar when one is drawing (as
@@ -372,15 +415,17 @@ class _SwapStrategyMixin:
         self._log_measured_plan(wait=False)
 
     def _log_measured_plan(self, *, wait: bool) -> None:
-        """A plan without predictions is logged once its first step measured its rows."""
+        """A plan without predictions is logged once its first step measured its rows; one logged
+        before (``auto`` without a budget: every segment kept) is logged again, with them."""
         session = self._session
         runtime = session.runtime if session is not None else None
-        if runtime is None or not runtime.measure_rows or self._logged_plan is not None:
+        logged = self._logged_plan
+        if runtime is None or not runtime.measure_rows or (logged is not None and (logged.rows or logged.measured)):
             return
         measured = runtime.measured_plan(wait=wait)
         if measured is not None:
             session.plan = measured
-            self._log_plan(measured)
+            self._log_plan(measured, "measured in its first step" if logged is not None else "")
 
     @override
     def teardown(self) -> None:
@@ -392,6 +437,9 @@ class _SwapStrategyMixin:
             self._session.records.resolve(wait=True)  # training is over: the host may wait now
             self._log_measured_plan(wait=True)
             self._session.close()
+        if getattr(self, "_bar_log", None) is not None:
+            self._bar_log.remove()
+            self._bar_log = None
         if self.unified_memory is not None:
             # New allocations go back to torch's allocator; managed ones stay valid
             # (Note [Managed memory outlives the session]).
@@ -403,6 +451,15 @@ class _SwapStrategyMixin:
                 trainer.callbacks.remove(self._stats_callback)
         self._stats_callback = None
         super().teardown()
+
+
+def _gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (one process: ``[obj]``)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, obj)
+    return gathered
 
 
 def _optimizer_states(optimizers: Any) -> list:
@@ -548,6 +605,19 @@ def _pytorch_lightning() -> Any:
 
 #: The strategies' own options beside ``SwapConfig``'s fields (Note [One option table]).
 _ADAPTER_OPTIONS = ("log_stats", "report")
+
+
+def swap_options(options: dict[str, Any]) -> tuple[SwapConfig, dict[str, Any]]:
+    """The strategies' swap keyword arguments (Note [One option table]) as given to
+    ``with_cpu_swap``: the ``SwapConfig`` and the adapter's own options, defaults filled in;
+    a name that is neither is a ``ValueError`` listing the allowed ones."""
+    names = {f.name for f in fields(SwapConfig)}
+    unknown = sorted(set(options) - names - set(_ADAPTER_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown cpu_swap options {unknown}; allowed: {sorted(names | set(_ADAPTER_OPTIONS))}.")
+    params = inspect.signature(_SwapStrategyMixin.__init__).parameters
+    adapter = {k: options.get(k, params[k].default) for k in _ADAPTER_OPTIONS}
+    return SwapConfig(**{k: v for k, v in options.items() if k in names}), adapter
 
 
 def _check_option_table() -> None:

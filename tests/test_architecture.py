@@ -249,14 +249,15 @@ def test_public_api_is_listed():
 
 
 def test_public_api_is_unchanged():
-    """Issue 19's restructuring moved files, not names: the public lists are as they were."""
+    """Issue 19's restructuring moved files, not names: the public lists are as they were (plus
+    issue 21's FSDP strategies and ``with_cpu_swap``)."""
     assert sorted(lightning_swap.__all__) == sorted([
         "Action", "BatchSearchError", "CPUSwapStrategy", "ChunkedCrossEntropy", "DDPCPUSwapStrategy", "DeviceMemoryMeter",
-        "InfeasibleBudgetError", "ModelProfile", "PLCPUSwapStrategy", "PLDDPCPUSwapStrategy", "Plan", "PlanRow", "Prediction",
+        "FSDPCPUSwapStrategy", "InfeasibleBudgetError", "ModelParallelCPUSwapStrategy", "ModelProfile", "PLCPUSwapStrategy", "PLDDPCPUSwapStrategy", "Plan", "PlanRow", "Prediction",
         "ScaleConfig", "ScaleResult", "SegmentProfile", "StepStats", "SwapBatchSizeFinder", "SwapConfig", "SwapRuntime",
         "SwapSession", "Timeline", "TimelineRecorder", "UMMode", "UnifiedMemory", "UnifiedMemoryError", "UnifiedMemoryStats",
         "chunked_cross_entropy", "find_segments", "hf_causal_lm_loss", "install_unified_memory", "min_budget_bytes",
-        "plot_timelines", "profile", "search_batch_size", "simulate", "solve",
+        "plot_timelines", "profile", "search_batch_size", "simulate", "solve", "with_cpu_swap",
     ])
     assert sorted(accelerate_swap.__all__) == sorted([
         "Action", "AcceleratedSwapSession", "BatchSearchError", "ENV_CONFIG", "ENV_FLAG", "ENV_PREFIX", "Plan", "ScaleResult",

@@ -151,3 +151,33 @@ def test_compile_budget_benchmark_runs_in_smoke_mode():
     ]
     row = next(line for line in proc.stdout.splitlines() if line.startswith("0.5 |"))
     assert len(row.split("|")) == 10 and "plain eager:" in proc.stdout
+
+
+@pytest.mark.skipif(os.environ.get("LSWAP_LONG") != "1", reason="2 processes, ~30 s: the long run, LSWAP_LONG=1")
+def test_fsdp_benchmark_runs_in_smoke_mode():
+    out = _run("fsdp.py")
+    assert _header(out, "method") == ["method", "rank", "peak MiB", "x plain peak", "step ms", "x plain time", "plan"]
+    for method in ("plain FSDP2", "FSDP2 + checkpoint", "FSDP2 + auto"):
+        assert out.count(method) == 2, method  # one row per rank
+
+
+def test_fsdp_prediction_orders_the_methods(monkeypatch):
+    """``fsdp_predict.py``'s table for the 1B decoder (in this process: the script's own
+    functions): plain fits the smallest micro-batch, full checkpointing more, auto at least as
+    many; checkpointing's step at plain's batch is about 4/3 of plain's (one more forward per
+    three); auto for throughput is no slower per sample than plain."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("fsdp_predict", BENCHMARKS / "fsdp_predict.py")
+    predict = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "fsdp_predict", predict)  # its dataclasses look their module up
+    spec.loader.exec_module(predict)
+    lines = predict.report(predict.MODELS[0], predict.ASSUMED)
+    rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in lines if "|" in line and "FSDP2" in line}
+    batch = {name: int(cells[1]) for name, cells in rows.items()}
+    rate = {name: float(cells[3]) for name, cells in rows.items()}
+    assert batch["plain FSDP2"] < batch["FSDP2 + full checkpointing"] <= batch["FSDP2 + auto"]
+    assert rate["FSDP2 + auto (throughput)"] >= rate["plain FSDP2"]
+    ratio = float(next(line for line in lines if "full checkpointing's step" in line).split("step ")[1].split("x")[0])
+    assert 1.25 <= ratio <= 1.4

@@ -21,6 +21,7 @@ compiled, each as its own graph.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 
 import lightning as L
@@ -114,6 +115,28 @@ class NormNet(Net):
     def __init__(self, d: int = 16, n: int = 3) -> None:
         super().__init__(d, n)
         self.blocks = nn.ModuleList(NormBlock(d) for _ in range(n))
+
+
+class InPlaceBlock(nn.Module):
+    """In-place ops on what selective caches: ``relu_`` on a matmul's output, ``+=`` into another's."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.act = nn.ReLU(inplace=True)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        out = self.fc2(self.act(self.fc1(self.norm(x))))
+        out += x
+        return out
+
+
+class InPlaceNet(Net):
+    def __init__(self, d: int = 16, n: int = 3) -> None:
+        super().__init__(d, n)
+        self.blocks = nn.ModuleList(InPlaceBlock(d) for _ in range(n))
 
 
 def _batches(steps: int = STEPS):
@@ -298,44 +321,115 @@ def test_recompute_of_compiled_batch_norm_updates_statistics_once(how):
     assert runs == 6  # 3 forwards and 3 recomputations, compiled
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="Inductor on CPU needs a C compiler")
+def _inductor_train(how: str, policy, cls=Net) -> dict:
+    """Two SGD steps of ``cls`` compiled ``how`` by Inductor (``policy`` None: without the library)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    torch._dynamo.reset()
+    backend = Counting(compile_fx)
+    torch.manual_seed(0)
+    model = cls()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    compiled = _compile(model, how, backend)
+    runtime = None
+    if policy is not None:
+        runtime = swap_runtime(compiled, policy, device="cpu").install()
+    try:
+        for x, y in _batches(2):
+            runs = backend.runs
+            if runtime is not None:
+                runtime.begin_step([x, y, optimizer.state])
+            nn.functional.mse_loss(compiled(x), y).backward()
+            if runtime is not None:
+                runtime.end_step()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        if runtime is not None:
+            runtime.remove()
+    recomputed = policy in ("recompute", "selective")  # Note [Selective under compile]: selective recomputes all
+    assert backend.compiled > 0 and (how != "regional" or backend.runs - runs == (6 if recomputed else 3))
+    return model.state_dict()
+
+
+def _worst_relative(ours: dict, plain: dict) -> float:
+    return max(float((ours[k] - plain[k]).abs().max() / plain[k].abs().max().clamp_min(1e-12)) for k in plain)
+
+
+_NEEDS_CC = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="Inductor on CPU needs a C compiler")
+
+
+@_NEEDS_CC
 def test_inductor_regional_recompute_matches_inductor_plain():
     """The backend users run (about 15 s here, compiling C++ once). Tolerance: the library's
     first step measures the plan's rows under the CPU meter, so it runs eagerly (Note [No
     dispatch mode under compile]), and eager and Inductor's fused kernels round float32
     differently; after two steps the weights differ by at most 3e-7 of their size (measured),
     bounded here by 1e-5. Every later step runs Inductor's code, checked by the counting backend."""
-    from torch._inductor.compile_fx import compile_fx
+    assert _worst_relative(_inductor_train("regional", "recompute"), _inductor_train("regional", None)) < 1e-5
 
-    def run(policy):
-        torch._dynamo.reset()
-        backend = Counting(compile_fx)
+
+@pytest.mark.parametrize("action", [Action.RECOMPUTE, Action.SELECTIVE])
+def test_a_compiled_segment_recomputed_without_a_metered_step_equals_compiled_plain(action):
+    """Note [Checkpointed segments must not modify their input]: a segment's first checkpointed
+    call runs eagerly under the in-place watch, and so must its recomputation: the compiled graph
+    saves other tensors than the eager ops (checkpoint refused the mismatch when the runtime was
+    used without ``begin_step``, whose metered first step runs everything eagerly)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    models = []
+    for ours in (False, True):
         torch.manual_seed(0)
-        model = Net()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        _compile(model, "regional", backend)
-        runtime = None
-        if policy is not None:
-            runtime = swap_runtime(model, policy, device="cpu").install()
-        try:
-            for x, y in _batches(2):
-                runs = backend.runs
-                if runtime is not None:
-                    runtime.begin_step([x, y, optimizer.state])
-                nn.functional.mse_loss(model(x), y).backward()
-                if runtime is not None:
-                    runtime.end_step()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        finally:
-            if runtime is not None:
-                runtime.remove()
-        assert backend.compiled > 0 and backend.runs - runs == (6 if policy == "recompute" else 3)
-        return model.state_dict()
+        model = Unrolled()
+        for block in model.blocks:
+            block.compile(backend=aot_eager)
+        runtime = SwapRuntime(model, {n: action for n in find_segments(model)}, device="cpu").install() if ours else None
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        if runtime is not None:
+            runtime.remove()
+        models.append(model)
+    assert_same_state(models[1], models[0])
 
-    plain, ours = run(None), run("recompute")
-    worst = max(float((ours[k] - plain[k]).abs().max() / plain[k].abs().max().clamp_min(1e-12)) for k in plain)
-    assert worst < 1e-5
+
+# -- selective with in-place ops (issue 22) -----------------------------------------------------------
+@pytest.mark.parametrize("how", ["eager", "regional", "torch.compile", "module.compile"])
+def test_selective_with_in_place_ops_equals_compiled_plain(how):
+    """Notes [Selective never replays a mutated tensor] and [Selective under compile] in
+    ``engine/recompute.py``: ``relu_`` and ``+=`` on outputs selective would cache; eager and
+    compiled (``aot_eager``: bit-identical), regional and whole model."""
+    plain = _plain(how, InPlaceNet)[0]
+    model, _, backend, _, _ = _train(how, "selective", cls=InPlaceNet)
+    assert_same_state(model, plain)
+    assert how == "eager" or backend.compiled > 0
+
+
+_WHOLE = ["torch.compile"] if os.environ.get("LIGHTNING_SWAP_ZOO", "").strip().lower() == "full" else []
+
+
+@_NEEDS_CC
+@pytest.mark.parametrize("how", ["regional", *_WHOLE])
+def test_inductor_selective_with_in_place_ops_matches_inductor_plain(how):
+    """The issue's crash (``Tensor cached during selective activation checkpoint has been
+    mutated``): Inductor calls ``mm`` with ``out=`` buffers it reuses. The tolerance of
+    :func:`test_inductor_regional_recompute_matches_inductor_plain`. The whole model compiled by
+    Inductor (another 15 s) runs with ``LIGHTNING_SWAP_ZOO=full``."""
+    assert _worst_relative(_inductor_train(how, "selective", InPlaceNet), _inductor_train(how, None, InPlaceNet)) < 1e-5
+
+
+def test_auto_does_not_plan_selective_for_a_compiled_segment():
+    """Note [Refused actions]: the observed profile marks a compiled segment's selective refused."""
+    backend, model, optimizer, compiled = _fresh("regional", InPlaceNet, False)
+    session = SwapSession(compiled, SwapConfig(budget_bytes=1 << 30, min_offload_bytes=0, log_plan=False), "cpu")
+    try:
+        _session_steps(session, compiled, optimizer, backend, 3)
+        assert session.profile is not None
+        assert all(s.refused == (Action.SELECTIVE,) and "compiled" in s.refusal for s in session.profile.segments)
+    finally:
+        session.remove()
 
 
 def _snapshot(model: nn.Module) -> dict:
@@ -404,6 +498,26 @@ def test_offload_engine_offloads_what_the_compiled_graphs_save():
 
 
 # -- the session (policy "auto" driven directly) ------------------------------------------------------
+def _session_steps(session, compiled, optimizer, backend, steps: int) -> tuple[list, list]:
+    """``steps`` training steps driven through ``session`` as the adapters drive it: each step's
+    kind and the compiled graph runs it made."""
+    kinds, runs = [], []
+    for x, y in _batches(steps):
+        before = backend.runs
+        states = [optimizer.state]
+        kinds.append(session.before_step(x, [x, y, states], states))
+        loss = nn.functional.mse_loss(compiled(x), y)
+        session.backward_begins()
+        loss.backward()
+        session.backward_done()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        session.end_step()
+        session.step_done()
+        runs.append(backend.runs - before)
+    return kinds, runs
+
+
 @pytest.mark.parametrize("how", ["torch.compile", "regional"])
 def test_session_auto_plans_and_trains_compiled(how):
     steps = 6
@@ -411,21 +525,8 @@ def test_session_auto_plans_and_trains_compiled(how):
     backend, model, optimizer, compiled = _fresh(how, Net, False)
     # A budget below the steady plain peak (67 KB eager; offload: 54 KB), so the plan acts.
     session = SwapSession(compiled, SwapConfig(budget_bytes=60_000, min_offload_bytes=0, log_plan=False), "cpu")
-    kinds, runs = [], []
     try:
-        for x, y in _batches(steps):
-            before = backend.runs
-            states = [optimizer.state]
-            kinds.append(session.before_step(x, [x, y, states], states))
-            loss = nn.functional.mse_loss(compiled(x), y)
-            session.backward_begins()
-            loss.backward()
-            session.backward_done()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            session.end_step()
-            session.step_done()
-            runs.append(backend.runs - before)
+        kinds, runs = _session_steps(session, compiled, optimizer, backend, steps)
         assert set(session.plan.actions.values()) != {Action.KEEP}
     finally:
         session.remove()

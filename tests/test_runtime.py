@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_swap import Action, SwapRuntime, find_segments
+from lightning_swap.core.errors import InputMutatedError
 from lightning_swap.core import DeviceMemoryMeter, resolve_policy
 
 from .helpers import POLICIES, assert_same_state, plain_core, swap_runtime, train_core
@@ -186,10 +187,58 @@ def test_retain_graph_backward_twice_with_offload():
         assert torch.equal(e, a) and torch.equal(e, b)
 
 
-def test_recompute_refuses_a_segment_that_modifies_its_input():
+@pytest.mark.parametrize("action", [Action.RECOMPUTE, Action.SELECTIVE, Action.RECOMPUTE_OFFLOAD])
+def test_recompute_of_a_segment_that_writes_into_its_input_is_exact(action, caplog):
+    """Note [Checkpointed segments must not modify their input]: the segment's first call sees the
+    write coming (``relu_`` on its argument), copies the input first, warns naming the segment and
+    the op, and reports it (``refusals``, what ``auto`` excludes); later calls copy the input."""
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 1))
+    xs = [torch.randn(4, 8) for _ in range(2)]
+    plain = []
+    for x in xs:
+        model(x).sum().backward()
+        plain.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad()
+    with caplog.at_level("WARNING"), SwapRuntime(model, {"1": action}, device="cpu", min_offload_bytes=0) as runtime:
+        for x, expected in zip(xs, plain):
+            runtime.begin_step([x])
+            model(x).sum().backward()
+            runtime.end_step()
+            assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+            model.zero_grad()
+    assert "writes into its input in place" in runtime.refusals["1"] and "relu_" in runtime.refusals["1"]
+    warned = [r.getMessage() for r in caplog.records if "writes into its input" in r.getMessage()]
+    assert len(warned) == 1 and "'1'" in warned[0] and "aten.relu_" in warned[0] and "offload" in warned[0]
+
+
+class _OnCall(nn.Module):
+    """A linear layer that runs ``effect(call, x)`` first, counting its calls with grad (a
+    recomputation is one)."""
+
+    def __init__(self, effect) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls = 0
+        self.effect = effect
+
+    def forward(self, x):
+        self.calls += 1
+        self.effect(self.calls, x)
+        return self.fc(x)
+
+
+def _writes_later(call, x):
+    """From the second call on: the first call's watch sees nothing."""
+    if call > 1:
+        x.mul_(2)
+
+
+def test_a_write_into_the_input_the_watch_did_not_see_is_refused_by_name():
+    model = nn.Sequential(nn.Linear(8, 8), _OnCall(_writes_later), nn.Linear(8, 1))
     with SwapRuntime(model, {"1": Action.RECOMPUTE}, device="cpu"):
-        with pytest.raises(RuntimeError, match="modified its input in place"):
+        model(torch.randn(4, 8)).sum().backward()
+        with pytest.raises(InputMutatedError, match=r"segment '1' modified its input in place \(MulBackward0\).*policy=\{'1': 'offload'\}"):
             model(torch.randn(4, 8)).sum().backward()
 
 
@@ -322,3 +371,17 @@ def test_copies_of_a_planned_model_run_their_own_weights():
     loaded = torch.load(buffer, weights_only=False)
     assert torch.equal(loaded(x), model(x))
     assert list(loaded.state_dict()) == list(model.state_dict())
+
+
+def _fails_in_recomputation(call, x):
+    """Raises in the recomputation (the second call), not in the forward."""
+    if call == 2:
+        raise ValueError("a failure inside the segment")
+
+
+def test_an_error_in_a_recomputation_names_the_segment():
+    model = nn.Sequential(nn.Linear(8, 8), _OnCall(_fails_in_recomputation), nn.Linear(8, 1))
+    with SwapRuntime(model, {"1": Action.RECOMPUTE}, device="cpu"):
+        with pytest.raises(ValueError, match="a failure inside the segment") as raised:
+            model(torch.randn(4, 8)).sum().backward()
+    assert "lightning-swap: raised in the recomputation of segment '1'" in raised.value.__notes__

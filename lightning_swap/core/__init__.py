@@ -25,7 +25,7 @@ from .decide.plan import Plan, PlanRow, format_bytes
 from .decide.solver import brute_force, min_budget_bytes, solve
 from .engine.meter import DeviceMemoryMeter, host_allocation, mark_host
 from .engine.unified.memory import UnifiedMemory, UnifiedMemoryStats, install_unified_memory, unified_memory_for
-from .errors import InfeasibleBudgetError, UnifiedMemoryError, is_out_of_memory
+from .errors import InfeasibleBudgetError, InputMutatedError, UnifiedMemoryError, is_out_of_memory
 from .measure.model_profile import ModelProfile, SegmentProfile
 from .measure.profiler import measure_bandwidth, profile
 from .measure.timeline import Timeline, TimelineRecorder
@@ -38,7 +38,7 @@ from .scale.auto import StepKind
 from .scale.collectives import Collectives
 from .scale.loop_search import adopt_search_profile, search_for_loop
 from .scale.session import SwapSession
-from .segments import SegmentSpec, find_segments
+from .segments import SegmentSpec, find_segments, split_call
 from .tensors import tensors_in
 from .units import ByteSize, parse_bytes
 
@@ -52,6 +52,7 @@ __all__ = [
     "DEFAULT_MIN_OFFLOAD_BYTES",
     "DeviceMemoryMeter",
     "InfeasibleBudgetError",
+    "InputMutatedError",
     "ModelProfile",
     "Plan",
     "PlanRow",
@@ -76,6 +77,7 @@ __all__ = [
     "brute_force",
     "chunked_cross_entropy",
     "find_segments",
+    "split_call",
     "format_bytes",
     "hf_causal_lm_loss",
     "host_allocation",

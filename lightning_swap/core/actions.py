@@ -9,7 +9,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from typing import Optional, Union
 
-from .segments import canonical_name
+from .segments import canonical_name, split_call
 
 __all__ = ["AUTO", "Action", "PolicyLike", "allowed_actions", "resolve_policy"]
 
@@ -66,7 +66,10 @@ def resolve_policy(policy: PolicyLike, segment_names: Sequence[str]) -> dict[str
         # Keys copied from a compiled model's named_modules() carry ``_orig_mod``: segment
         # names never do (Note [Canonical segment names] in segments.py).
         canonical = {name: canonical_name(name) if isinstance(name, str) else name for name in policy}
-        unknown = sorted(name for name in policy if canonical[name] not in set(segment_names))
+        known = set(segment_names)  # and a call of one (``name#k``: Note [A segment per call] in segments.py)
+        unknown = sorted(
+            name for name in policy if canonical[name] not in known and split_call(str(canonical[name]))[0] not in known
+        )
         if unknown:
             raise ValueError(
                 f"`policy` names segments the model does not have: {unknown}; "

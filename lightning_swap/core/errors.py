@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["InfeasibleBudgetError", "UnifiedMemoryError", "is_out_of_memory"]
+__all__ = ["InfeasibleBudgetError", "InputMutatedError", "UnifiedMemoryError", "is_out_of_memory"]
 
 #: What an out-of-memory error says when it does not carry the type (older torch, cuDNN,
 #: the CPU allocator, errors re-raised as plain ``RuntimeError``).
@@ -71,3 +71,25 @@ class UnifiedMemoryError(RuntimeError):
 
 def _rebuild_um(message: str, mode: str, device: str) -> "UnifiedMemoryError":
     return UnifiedMemoryError(message, mode=mode, device=device)
+
+
+class InputMutatedError(RuntimeError):
+    """A recomputed segment wrote into its own input in a way the runtime could not see coming
+    (Note [Checkpointed segments must not modify their input] in ``engine/recompute.py``);
+    ``segment`` is its name, ``op`` what wrote (an autograd node or aten op name)."""
+
+    def __init__(self, *, segment: str, op: str) -> None:
+        self.segment = segment
+        self.op = op
+        super().__init__(
+            f"segment {segment!r} modified its input in place ({op}), so recomputing it would rerun it on "
+            "changed values. Keep or offload this segment (policy={" + repr(segment) + ": 'offload'}), or pass "
+            "`segments=` that start after the in-place op (Note [Checkpointed segments must not modify their input])."
+        )
+
+    def __reduce__(self):
+        return (_rebuild_mutated, (self.segment, self.op))
+
+
+def _rebuild_mutated(segment: str, op: str) -> "InputMutatedError":
+    return InputMutatedError(segment=segment, op=op)

@@ -1,12 +1,39 @@
 """Cutting a model into segments: the units one :class:`~lightning_swap.Action` applies to.
 
-By default the repeated blocks are found automatically: the children of ``nn.Sequential`` /
-``nn.ModuleList`` containers that hold at least two non-leaf modules of one class (ResNet
-bottlenecks, transformer layers). A model with no such container (a flat ``nn.Sequential``
-of layers) falls back to every child of its outermost ``nn.Sequential``: each layer is then
-its own segment, which offload serves well and recompute hardly at all (a one-op segment
-keeps its input, which is as big as what it would have saved).
-Users may instead name module classes or qualified module names.
+By default the repeated blocks are found automatically (Note [Finding the blocks]); users may
+instead name module classes or qualified module names.
+
+Note [Finding the blocks]: a *block* is a module with submodules of its own whose class occurs
+at least twice in the model (ResNet's ``BasicBlock``, a transformer layer, GoogLeNet's
+``Inception``, DenseNet's ``_DenseBlock`` and ``_Transition``), the only element of a
+``ModuleList`` (ALBERT's one layer, run in a loop), or a plain ``nn.Sequential`` of leaf layers
+beside others like it (an MLP chain's blocks). The blocks taken are the outermost, wherever
+they are: attributes of the model (GoogLeNet, Inception-v3), a list, nested stages. Plain
+containers (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict`` exactly) are walked through,
+never taken, so a stage of blocks (ConvNeXt's ``features.5``, nine ``CNBlock``) is cut into its
+blocks; so is a block class that holds a list of layers (T5's two ``T5Stack``). Where blocks
+are found, their siblings with submodules are segments too (Inception-v3's ``Mixed_6a``, a
+stem, ConvNeXt's downsampling layers between stages), and in a plain container the leaf layers
+with parameters between them (an MLP chain's head); a leaf without parameters never is, nor an
+in-place activation (DenseNet's ``relu0``: as a segment of its own it writes into its input,
+which recomputation cannot rerun: Note [Checkpointed segments must not modify their input] in
+``engine/recompute.py``). A module registered under two names (tied) is one segment. With no
+blocks, the children of the outermost ``nn.Sequential`` are the segments (in-place activations
+left out); with none, the model is followed down through the part that holds two thirds of its
+parameters to the first module with two or more composite parts, which are the segments; with
+none of those, there are no segments and the model trains as it would without the library.
+What is left outside the segments (a stem made of leaf layers, the head, the loss) is planned
+too, keep or offload, as regions of its own (Note [Regions outside the segments] in
+``measure/model_profile.py``); the segments' coverage (``ModelProfile.coverage``) is the part
+of a step's saved bytes that can also be recomputed.
+
+Note [A segment per call]: a module may run several times in one step (ALBERT's one layer,
+twelve times; a weight-tied or looped block). Each call is its own segment in a profile and a
+plan: call 0 keeps the module's name, call ``k`` is ``name#k`` (:func:`call_name`,
+:func:`split_call`). The profiler numbers the calls as they run (``measure/trace.py``); the
+runtime counts them and runs each call's action (``runtime/calls.py``); a plan or a policy that
+names the module alone applies to every call. ``find_segments`` returns module names: how many
+times each runs is only known once a step has run.
 
 Note [Canonical segment names]: ``torch.compile(module)`` returns an ``OptimizedModule`` that
 holds the module as its child ``_orig_mod``, so after ``self.model = torch.compile(model)`` the
@@ -17,6 +44,11 @@ the module it wraps, names never contain ``_orig_mod``, and :func:`resolve_modul
 to the live module (the wrapped one, whose ``forward`` the runtime replaces). Names therefore
 stay the same whether the user compiles before, after, or not at all, and a policy written for
 the eager model applies to the compiled one. ``module.compile()`` changes no name.
+FSDP1's ``FullyShardedDataParallel`` (its child ``_fsdp_wrapped_module``) and torch's
+``checkpoint_wrapper`` (``_checkpoint_wrapped_module``) are looked through the same way: a
+block Lightning's ``FSDPStrategy`` wrapped is still ``model.blocks.0``, and the segment is the
+user's module inside, whose forward runs once its unit's parameters are gathered. FSDP2's
+``fully_shard`` wraps nothing (it changes the module's class in place), so names never move.
 """
 
 from __future__ import annotations
@@ -29,8 +61,8 @@ from typing import Optional, Union
 from torch import nn
 
 __all__ = [
-    "PREFIX_REGION", "TAIL_REGION", "SegmentSpec", "canonical_name", "find_segments", "named_modules", "outside_region_names",
-    "region_after", "resolve_modules", "unwrap_compiled",
+    "CALL_SEPARATOR", "PREFIX_REGION", "TAIL_REGION", "SegmentSpec", "call_name", "canonical_name", "describe_segments",
+    "find_segments", "named_modules", "outside_region_names", "region_after", "resolve_modules", "split_call", "unwrap_compiled",
 ]
 
 SegmentSpec = Union[None, Sequence[Union[str, type]]]
@@ -39,22 +71,54 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList)
 
 
 _WRAPPED = "_orig_mod"
+#: (module defining the wrapper class, its name, the child holding the wrapped module).
+_WRAPPERS = (
+    ("torch._dynamo.eval_frame", "OptimizedModule", _WRAPPED),
+    ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel", "_fsdp_wrapped_module"),
+    ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "ActivationWrapper", "_checkpoint_wrapped_module"),
+)
+_WRAPPED_PARTS = frozenset(child for _, _, child in _WRAPPERS)
+
+
+def _wrapper_child(module: nn.Module) -> str | None:
+    # No wrapper can exist before its module is imported: do not import it here.
+    for where, cls_name, child in _WRAPPERS:
+        cls = getattr(sys.modules.get(where), cls_name, None)
+        if cls is not None and isinstance(module, cls):
+            return child
+    return None
 
 
 def unwrap_compiled(module: nn.Module) -> nn.Module:
-    """The module a ``torch.compile`` wrapper (``OptimizedModule``) holds; ``module`` itself if
-    it is not one (Note [Canonical segment names])."""
-    # No OptimizedModule can exist before torch._dynamo is imported: do not import it here.
-    dynamo = sys.modules.get("torch._dynamo.eval_frame")
-    optimized = getattr(dynamo, "OptimizedModule", None)
-    while optimized is not None and isinstance(module, optimized):
-        module = module._orig_mod
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``), an FSDP1 wrapper or a
+    ``checkpoint_wrapper`` holds; ``module`` itself if it is none (Note [Canonical segment names])."""
+    while (child := _wrapper_child(module)) is not None:
+        module = getattr(module, child)
     return module
 
 
+#: Note [A segment per call]: call ``k`` (from 0) of a module run several times in one step.
+CALL_SEPARATOR = "#"
+
+
+def call_name(name: str, call: int) -> str:
+    """The segment of call ``call`` of module ``name``: ``name`` itself for the first call,
+    ``name#k`` for the others (Note [A segment per call])."""
+    return name if call == 0 else f"{name}{CALL_SEPARATOR}{call}"
+
+
+def split_call(name: str) -> tuple[str, int]:
+    """``(module name, call)`` of a segment name (Note [A segment per call])."""
+    module, sep, call = name.rpartition(CALL_SEPARATOR)
+    if sep and call.isdigit():
+        return module, int(call)
+    return name, 0
+
+
 def canonical_name(name: str) -> str:
-    """``name`` without the ``_orig_mod`` parts ``torch.compile`` wrappers add."""
-    return ".".join(part for part in name.split(".") if part != _WRAPPED)
+    """``name`` without the parts wrappers add (``_orig_mod``, ``_fsdp_wrapped_module``,
+    ``_checkpoint_wrapped_module``)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPED_PARTS)
 
 
 def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -76,14 +140,14 @@ def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 def resolve_modules(model: nn.Module, names: Sequence[str], *, field: str = "segments") -> dict[str, nn.Module]:
     """The live module behind each name, compiled or not (Note [Canonical segment names]).
 
-    ``names`` are canonical (an ``_orig_mod`` part is looked through as well); a name the
-    model does not have is a ``ValueError`` naming ``field``.
+    ``names`` are canonical (an ``_orig_mod`` part is looked through as well), a call's segment
+    (``name#k``) is its module's; a name the model does not have is a ``ValueError`` naming ``field``.
     """
     modules = dict(named_modules(model))
     found: dict[str, nn.Module] = {}
     unknown = []
     for name in names:
-        module = modules.get(canonical_name(name)) if name else None
+        module = modules.get(canonical_name(split_call(name)[0])) if name else None
         if module is None:
             unknown.append(name)
         else:
@@ -97,32 +161,135 @@ def _is_leaf(module: nn.Module) -> bool:
     return next(iter(unwrap_compiled(module).children()), None) is None
 
 
-def _repeated_blocks(model: nn.Module) -> list[str]:
-    names: list[str] = []
-    taken: list[str] = []  # prefixes already inside a chosen segment
+_GENERIC = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Module)
 
-    for name, module in named_modules(model):
-        if any(name == t or name.startswith(t + ".") for t in taken):
-            continue
-        if not isinstance(module, _CONTAINERS):
-            continue
-        children = list(module.named_children())
-        counts = Counter(type(unwrap_compiled(c)) for _, c in children if not _is_leaf(c))
-        if not counts or max(counts.values()) < 2:
-            continue
-        for child_name, _ in children:
-            full = f"{name}.{child_name}" if name else child_name
-            names.append(full)
-            taken.append(full)
-    return names
+
+def _generic(module: nn.Module) -> bool:
+    """A plain container (these exact classes; a bare ``nn.Module`` is a namespace, it has no
+    forward): a list of layers or a stage, never a block by itself. Subclasses with a forward of
+    their own (``_DenseBlock``, ``Conv2dNormActivation``) are blocks."""
+    return type(module) in _GENERIC
+
+
+def _kids(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, unwrap_compiled(c)) for n, c in module._modules.items() if c is not None]
+
+
+def _composite(module: nn.Module) -> bool:
+    return any(not _is_leaf(c) for _, c in _kids(module))
+
+
+def _in_place(module: nn.Module) -> bool:
+    return getattr(module, "inplace", False) is True
+
+
+class _Finder:
+    """Note [Finding the blocks]."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.root = unwrap_compiled(model)
+        modules = [m for _, m in named_modules(model)]
+        counts = Counter(type(m) for m in modules[1:] if not _is_leaf(m) and not _generic(m))
+        self.repeated = {cls for cls, n in counts.items() if n >= 2}
+        self._has: dict[int, bool] = {}
+        self._seen: set[int] = set()
+
+    def layer_list(self, container: nn.Module) -> bool:
+        """A list of layers: a plain container of composite modules of one class, two or more (one
+        in a ``ModuleList``: ALBERT's layer group of one layer, run in a loop)."""
+        kids = [c for _, c in _kids(container)]
+        if not kids or not _generic(container) or len({type(c) for c in kids}) != 1 or not all(map(_composite, kids)):
+            return False
+        return len(kids) >= 2 or type(container) is nn.ModuleList
+
+    def stage(self, module: nn.Module) -> bool:
+        """A module that holds a list of layers (T5's ``T5Stack``, a custom stage class): cut into them."""
+        pending = [c for _, c in _kids(module) if _generic(c)]
+        while pending:
+            container = pending.pop()
+            if self.layer_list(container):
+                return True
+            pending.extend(c for _, c in _kids(container) if _generic(c))
+        return False
+
+    def block(self, module: nn.Module, parent: nn.Module) -> bool:
+        if _is_leaf(module):
+            return False
+        if _generic(module):  # a plain group of layers, repeated beside others (an MLP chain's blocks)
+            groups = [c for _, c in _kids(parent) if _generic(c) and not _composite(c) and type(c) is type(module)]
+            return not _composite(module) and len(groups) >= 2
+        if self.stage(module):
+            return False
+        return type(module) in self.repeated or (type(parent) is nn.ModuleList and len(parent) == 1)
+
+    def has_blocks(self, module: nn.Module) -> bool:
+        key = id(module)
+        if key not in self._has:
+            self._has[key] = any(self.block(c, module) or self.has_blocks(c) for _, c in _kids(module))
+        return self._has[key]
+
+    def visit(self, prefix: str, module: nn.Module) -> list[str]:
+        kids = [(f"{prefix}.{n}" if prefix else n, c) for n, c in _kids(module)]
+        out: list[str] = []
+        level = any(self.block(c, module) for _, c in kids)
+        stages = _generic(module) and any(_generic(c) and self.has_blocks(c) for _, c in kids)
+        for name, child in kids:
+            if id(child) in self._seen:
+                continue  # a module registered twice (tied): one name, its first
+            if level and self.block(child, module):
+                self._take(out, name, child)
+            elif (level or stages) and not _is_leaf(child):
+                if (_generic(child) or self.stage(child)) and self.has_blocks(child):
+                    out += self.visit(name, child)
+                else:  # beside the blocks: Inception-v3's Mixed_6a, a stem, a downsampling layer
+                    self._take(out, name, child)
+            elif level and _generic(module) and _is_leaf(child):
+                if not _in_place(child) and next(child.parameters(), None) is not None:
+                    self._take(out, name, child)  # a layer between blocks in a chain (a head, a norm)
+            elif not _is_leaf(child) and self.has_blocks(child):
+                out += self.visit(name, child)
+        return out
+
+    def _take(self, out: list[str], name: str, module: nn.Module) -> None:
+        self._seen.add(id(module))
+        out.append(name)
+
+
+def _repeated_blocks(model: nn.Module) -> list[str]:
+    return _Finder(model).visit("", unwrap_compiled(model))
 
 
 def _flat_chain(model: nn.Module) -> list[str]:
     for name, module in named_modules(model):
         if isinstance(module, nn.Sequential):
             prefix = f"{name}." if name else ""
-            return [prefix + child_name for child_name, _ in module.named_children()]
+            return [prefix + child_name for child_name, child in module.named_children() if not _in_place(unwrap_compiled(child))]
     return []
+
+
+def _parameter_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _largest_modules(model: nn.Module) -> list[str]:
+    """The fallback when nothing repeats: from the model down, through a child that holds most of
+    its parent's parameters, to the first module with two or more composite parts: those parts."""
+    prefix, module = "", unwrap_compiled(model)
+    while True:
+        kids = [(f"{prefix}.{n}" if prefix else n, c) for n, c in _kids(module) if not _is_leaf(c)]
+        total = max(_parameter_bytes(module), 1)
+        dominant = [(n, c) for n, c in kids if _composite(c) and _parameter_bytes(c) * 3 >= total * 2]
+        if len(kids) == 1 or dominant:
+            prefix, module = (dominant or kids)[0]
+            continue
+        return [n for n, _ in kids] if len(kids) >= 2 else []
+
+
+def describe_segments(names: Sequence[str], *, shown: int = 4) -> str:
+    """A list of segments for a log line: all names, or the first and last few of a long list."""
+    if len(names) <= 2 * shown:
+        return ", ".join(names)
+    return ", ".join(names[:shown]) + f", … ({len(names) - 2 * shown} more), " + ", ".join(names[-shown:])
 
 
 def _check_disjoint(names: Sequence[str]) -> None:
@@ -135,21 +302,16 @@ def _check_disjoint(names: Sequence[str]) -> None:
 
 
 def find_segments(model: nn.Module, segments: SegmentSpec = None) -> list[str]:
-    """Qualified names of the model's segments, in registration order.
+    """Qualified names of the model's segments, in registration order (Note [Finding the blocks]
+    for ``segments=None``); possibly none, never an error for ``None``: a model with nothing to
+    cut trains as it would without the library.
 
     Registration order is the execution order for the chains this library targets; the
     profiler records the order actually executed. Names are canonical: the same for a compiled
     model as for the eager one (Note [Canonical segment names]).
     """
     if segments is None:
-        names = _repeated_blocks(model) or _flat_chain(model)
-        if not names:
-            raise ValueError(
-                "`segments` could not be found automatically: the model has no nn.Sequential "
-                "or nn.ModuleList of repeated blocks. Pass `segments=[BlockClass]` or "
-                "`segments=['qualified.module.name', ...]`."
-            )
-        return names
+        return _repeated_blocks(model) or _flat_chain(model) or _largest_modules(model)
     if isinstance(segments, (str, type)):
         segments = [segments]
     if not isinstance(segments, Sequence) or not segments:
@@ -184,7 +346,9 @@ def find_segments(model: nn.Module, segments: SegmentSpec = None) -> list[str]:
 #: Note [Names of the regions outside the segments]: the code before the first segment, after
 #: each segment (up to the next) and after the last one (the head and the loss) are named from
 #: the segments' names in execution order, so that a plan made without a profile (every region
-#: offloaded) names the regions a profile would.
+#: offloaded) names the regions a profile would. A module run several times is a segment per
+#: call (Note [A segment per call]): the region after call ``k`` is ``<after name#k>``; in a plan
+#: that names the module alone, every call's region is the one after the module.
 PREFIX_REGION = "<prefix>"
 TAIL_REGION = "<tail>"
 

@@ -19,8 +19,8 @@ from torch.utils._pytree import tree_leaves
 from .compiled import dynamo_disable
 
 __all__ = [
-    "CUDA_BUDGET_MARGIN", "ModuleHook", "device_budget_bytes", "gradient_bytes", "infer_batch_size", "loss_of",
-    "normalize_device", "on_backward_start", "storage_bytes", "tensors_in",
+    "CUDA_BUDGET_MARGIN", "ModuleHook", "device_budget_bytes", "gradient_bytes", "infer_batch_size", "local_tensor",
+    "loss_of", "normalize_device", "on_backward_start", "storage_bytes", "tensors_in",
 ]
 
 
@@ -42,11 +42,20 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return out
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``t``'s bytes on this process: a ``DTensor``'s local shard
+    (FSDP2's parameters, their gradients and optimizer state: Note [Sharded state is local]
+    in ``sharded.py``), else ``t`` itself. A wrapper subclass has no storage of its own."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views and shared storages once)."""
+    """Bytes of the distinct storages behind ``tensors`` (views and shared storages once; a
+    ``DTensor``'s local shard)."""
     seen: dict[int, int] = {}
     for t in tensors:
-        storage = t.untyped_storage()
+        storage = local_tensor(t).untyped_storage()
         seen[storage.data_ptr() or id(storage)] = storage.nbytes()
     return sum(seen.values())
 

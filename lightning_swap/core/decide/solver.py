@@ -74,6 +74,12 @@ def _allowed(actions: Optional[Iterable[Action]]) -> tuple[Action, ...]:
 _FORBIDDEN = 1 << 60
 
 
+def _runs(profile: ModelProfile, plan: Iterable[Action]) -> bool:
+    """No segment gets an action it refused (Note [Refused actions] in model_profile.py);
+    ``plan``: one action per element of the chain (a region outside the segments refuses none)."""
+    return all(a not in e.refused for e, a in zip(elements(profile), plan))
+
+
 def _element_actions(acts: tuple[Action, ...], is_outside: bool) -> tuple[Action, ...]:
     """Note [What each element may take]: a segment takes any allowed action; a region outside the
     segments (no module: nothing to recompute) is kept, or offloaded where the allowed actions
@@ -96,8 +102,9 @@ class _Transitions:
         self.allowed = allowed
         acts = allowed if Action.KEEP in allowed or not any(self.outside) else allowed + (Action.KEEP,)
         self.acts = acts
-        #: [i][a]: may element ``i`` take ``acts[a]``?
-        self.may = [[a in _element_actions(allowed, o) for a in acts] for o in self.outside]
+        #: [i][a]: may element ``i`` take ``acts[a]``? Not an action it refused (Note [Refused
+        #: actions] in model_profile.py).
+        self.may = [[a in _element_actions(allowed, o) and a not in e.refused for a in acts] for e, o in zip(segs, self.outside)]
         k = len(acts)
         self.overlap = profile.copies_overlap
         self.window = window
@@ -105,7 +112,7 @@ class _Transitions:
         self.prefetch_bytes, self.inflight_bytes = window.prefetch_bytes, window.inflight_bytes
         self.copies = [[copied_bytes(s, a) for a in acts] for s in segs]
         #: The most any allowed action copies, per element: the bound for elements the state forgot.
-        self.most = [max(c for c, ok in zip(row, may) if ok) for row, may in zip(self.copies, self.may)]
+        self.most = [max((c for c, ok in zip(row, may) if ok), default=0) for row, may in zip(self.copies, self.may)]
         # [i, p, a]: p == k is "no previous segment" (i == 0).
         self.fwd_need = np.zeros((n, k + 1, k), dtype=np.int64)
         self.bwd_need = np.zeros((n, k + 1, k), dtype=np.int64)
@@ -233,6 +240,8 @@ def _dp(chain: _Transitions, budget: Optional[int], fixed_peak: int, *, minimise
         new: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
         for pi, (kept, score) in fronts.items():
             for ai in range(k):
+                if not chain.may[i][ai]:
+                    continue
                 need = kept + np.maximum(chain.fwd_need[i, pi, ai], chain.bwd_need[i, pi, ai])
                 ok = need <= limit
                 if not ok.any():
@@ -287,7 +296,9 @@ def _min_peak_plan(profile: ModelProfile, costs: SegmentCosts, chain: _Transitio
     simulated."""
     acts, window = chain.acts, chain.window.keywords()
     result = _dp(chain, None, costs.fixed_peak_bytes, minimise_peak=True, max_states=max_states)
-    assert result is not None  # without a budget every plan is allowed
+    if result is None:  # without a budget every plan is allowed, unless a segment refused them all
+        stuck = [f"{e.name} ({e.refusal})" for e, ok in zip(chain.segs, chain.may) if not any(ok)]
+        raise ValueError(f"`actions` {[a.value for a in acts]}: no allowed action runs on segment(s) {stuck}.")
     picks = [acts[a] for a in result[0]]
     best = (picks, simulate_chain(profile, picks, costs, **window))
     if not chain.exact:
@@ -392,7 +403,7 @@ def _fastest_fitting(
     if best is None and not chain.exact:
         candidates.append(_min_peak_plan(profile, costs, chain, max_states)[0])
     for plan in candidates:
-        if best is not None and plan == best[0]:
+        if (best is not None and plan == best[0]) or not _runs(profile, plan):
             continue
         candidate = simulate_chain(profile, plan, costs, **window)
         if candidate.peak_bytes <= budget_bytes and (best is None or candidate.step_ms < best[1].step_ms - 1e-9):
@@ -468,6 +479,8 @@ def brute_force(
     best = None
     for window in resolve_windows(profile, prefetch_segments, inflight_segments, prefetch_bytes, inflight_bytes):
         for combo in itertools.product(*(_element_actions(acts, o) for o in mask)):
+            if not _runs(profile, combo):
+                continue
             pred = simulate_chain(profile, combo, costs, **window.keywords())
             if pred.peak_bytes <= budget_bytes and (best is None or pred.step_ms < best[1] - 1e-9):
                 best = (tuple(a for a, o in zip(combo, mask) if not o), pred.step_ms, pred.peak_bytes)

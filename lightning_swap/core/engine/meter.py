@@ -6,6 +6,14 @@ every tensor an op produces and follows its storage with a weak reference until 
 as ``torch.distributed._tools.mem_tracker`` does. Storages made inside
 :func:`host_allocation` or marked with :func:`mark_host` (the offload host pool) are not
 device memory and are not counted, nor are views of them.
+
+Note [Storages resized in place]: FSDP2 allocates each unit's all-gather buffers once and
+then frees and re-allocates their bytes every step with ``UntypedStorage.resize_`` (0 after
+the unit's forward, the full size before its backward), a method the dispatcher never sees.
+While a CPU meter is open, ``resize_`` is wrapped (as ``torch.distributed._tools.mem_tracker``
+does) so that a tracked storage's bytes follow it, and a storage that grows from nothing on
+the device starts being counted. A ``DTensor`` (FSDP2's sharded parameters, gradients and
+optimizer state) is counted by its local shard, the bytes this process holds.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..compiled import force_eager
+from ..tensors import local_tensor
 
 __all__ = ["DeviceMemoryMeter", "host_allocation", "mark_host"]
 
@@ -35,6 +44,32 @@ def mark_host(t: torch.Tensor) -> None:
     storage = t.untyped_storage()
     key = id(storage)
     _host_storages[key] = weakref.ref(storage, lambda _ref, key=key: _host_storages.pop(key, None))
+
+
+#: CPU meters open now, told of every ``UntypedStorage.resize_`` (Note [Storages resized in place]).
+_resize_listeners: list["DeviceMemoryMeter"] = []
+_original_resize: list[Any] = []
+
+
+def _resize_(storage: torch.UntypedStorage, size: int) -> Any:
+    out = _original_resize[0](storage, size)
+    for meter in list(_resize_listeners):
+        meter._resized(storage)
+    return out
+
+
+def _listen_to_resizes(meter: "DeviceMemoryMeter") -> None:
+    if not _resize_listeners:
+        _original_resize.append(torch.UntypedStorage.resize_)
+        torch.UntypedStorage.resize_ = _resize_
+    _resize_listeners.append(meter)
+
+
+def _stop_listening(meter: "DeviceMemoryMeter") -> None:
+    if meter in _resize_listeners:
+        _resize_listeners.remove(meter)
+        if not _resize_listeners:
+            torch.UntypedStorage.resize_ = _original_resize.pop()
 
 
 def _is_host(storage: torch.UntypedStorage) -> bool:
@@ -109,6 +144,7 @@ class DeviceMemoryMeter:
             self._stance = force_eager()
             self._mode = _StorageTracker(self)
             self._mode.__enter__()
+            _listen_to_resizes(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -119,6 +155,7 @@ class DeviceMemoryMeter:
             self._current = stats.get("allocated_bytes.all.current", 0)
         else:
             assert self._mode is not None
+            _stop_listening(self)
             self._mode.__exit__(*exc)
             self._mode = None
             if self._stance is not None:
@@ -155,28 +192,49 @@ class DeviceMemoryMeter:
 
     def _observe(self, leaves: Iterable[Any]) -> None:
         for t in leaves:
-            if not isinstance(t, torch.Tensor) or t.device != self.device or t.layout != torch.strided:
+            if not isinstance(t, torch.Tensor):
+                continue
+            t = local_tensor(t)
+            if t.device != self.device or t.layout != torch.strided:
                 continue
             try:
                 storage = t.untyped_storage()
             except (NotImplementedError, RuntimeError):  # tensors without storage
                 continue
-            if _is_host(storage):
-                continue
-            key = id(storage)
-            entry = self._storages.get(key)
-            if entry is not None and entry[0]() is storage:
-                continue
-            nbytes = storage.nbytes()
-            if nbytes == 0:
-                continue
-            ref = weakref.ref(storage, self._make_release(key))
-            self._storages[key] = (ref, nbytes)
-            self._current += nbytes
-            if self._current > self._peak:
-                self._peak = self._current
-            for listener in self.listeners:
-                listener(self._current)
+            self._add(storage)
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        if _is_host(storage):
+            return
+        key = id(storage)
+        entry = self._storages.get(key)
+        if entry is not None and entry[0]() is storage:
+            return
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return
+        ref = weakref.ref(storage, self._make_release(key))
+        self._storages[key] = (ref, nbytes)
+        self._changed(nbytes)
+
+    def _changed(self, delta: int) -> None:
+        self._current += delta
+        if self._current > self._peak:
+            self._peak = self._current
+        for listener in self.listeners:
+            listener(self._current)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        """Note [Storages resized in place]."""
+        key = id(storage)
+        entry = self._storages.get(key)
+        if entry is None or entry[0]() is not storage:
+            if storage.device == self.device and not _in_host_allocation():
+                self._add(storage)  # grown from nothing on the device: an allocation
+            return
+        nbytes = storage.nbytes()
+        self._storages[key] = (entry[0], nbytes)
+        self._changed(nbytes - entry[1])
 
     def _make_release(self, key: int):
         def release(ref: weakref.ref) -> None:

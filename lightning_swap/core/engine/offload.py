@@ -11,9 +11,11 @@ On CPU the same code runs with synchronous copies.
 Note [What is never offloaded]: whatever is alive before the step anyway — parameters (any
 ``nn.Parameter``, also one swapped in during the step, as FSDP does with its gathered ones),
 buffers and the tensors the caller tracks (the batch): a copy would cost bandwidth and free
-nothing — tensors smaller than ``min_offload_bytes``, tensors on another device, and tensor
-subclasses or non-strided layouts (their storage is not a plain byte array). These are
-returned to autograd as they are, detached (Note [No reference cycle]).
+nothing —, any view of the parameters a sharded model gathered for the segment running (a
+transposed FSDP2 weight, FSDP1's views into its flat parameter; FSDP frees and gathers them
+again itself: :meth:`OffloadEngine.segment_parameters`), tensors smaller than
+``min_offload_bytes``, tensors on another device, and tensor subclasses or non-strided layouts
+(their storage is not a plain byte array). These are returned to autograd as they are, detached (Note [No reference cycle]).
 
 Note [One storage, one copy]: several ops often save the same storage (a block's output is
 saved by its last ReLU and by the next block's first conv; ``x`` and ``x.t()`` share one
@@ -96,6 +98,15 @@ keep). During a backward (a reentrant checkpoint recomputing, a double backward)
 offloaded. A forward after a backward in the same step (accumulation) starts with the prefix
 again; two forwards before one backward (micro-batches summed into one loss) run the second's
 prefix under the tail's action (the runtime cannot tell them apart until a segment runs).
+A module run several times (Note [A segment per call] in ``segments.py``) ends a region at each
+call: the region after call ``k`` is named after the call's segment when the plan names calls.
+
+Note [Regions outside the segments under FSDP]: the code outside the blocks runs with the root
+unit's parameters gathered (the embedding's, the head's); the head's matmul saves a view of its
+gathered weight, which is no activation and is freed or kept by FSDP itself. Before an offloaded
+region saves its first tensor after a segment (or at the step's start), the runtime names every
+parameter the model holds now to :meth:`OffloadEngine.segment_parameters`, as a segment names
+its own unit's, so none is offloaded and none is counted as saved (Note [What is never offloaded]).
 
 Note [Unplanned bytes]: a region whose action offloads still leaves some of its saved tensors
 on the device — those Note [What is never offloaded] lists that would not be alive anyway
@@ -120,6 +131,7 @@ from ..compiled import dynamo_disable
 from .host_pool import HostPool, SlabHostPool
 from .meter import host_allocation
 from .streams import CopyStreams, StreamOps, Timing, default_ops
+from ..tensors import local_tensor
 
 __all__ = ["OffloadCounters", "OffloadEngine"]
 
@@ -310,6 +322,7 @@ class OffloadEngine:
         self.pool = pool if pool is not None else SlabHostPool(pin_memory=device.type == "cuda")
         self._lock = threading.RLock()
         self._skip_ptrs: frozenset[int] = frozenset()
+        self._gathered_ptrs: frozenset[int] = frozenset()
         self._by_storage: dict[int, weakref.ref] = {}
         self._by_run: dict[int, list[weakref.ref]] = {}
         self._backward = False
@@ -330,7 +343,8 @@ class OffloadEngine:
     # -- step ---------------------------------------------------------------------------
     def begin_step(self, skip: Iterable[torch.Tensor]) -> None:
         """Start a step; ``skip`` are tensors never offloaded (Note [What is never offloaded])."""
-        self._skip_ptrs = frozenset(t.untyped_storage().data_ptr() for t in skip)
+        self._skip_ptrs = frozenset(local_tensor(t).untyped_storage().data_ptr() for t in skip)
+        self._gathered_ptrs = frozenset()
         self._by_storage.clear()
         self._by_run.clear()
         self._backward = False
@@ -388,6 +402,12 @@ class OffloadEngine:
         self._backward = False
         self.copies.segment_started()
 
+    def segment_parameters(self, tensors: Iterable[torch.Tensor]) -> None:
+        """The parameters of the segment whose forward starts, as they are now: under FSDP the
+        gathered (unsharded) ones, whose storage FSDP re-allocates at every gather, so they are
+        named per segment rather than once per step (Note [What is never offloaded])."""
+        self._gathered_ptrs = frozenset(t.untyped_storage().data_ptr() for t in tensors)
+
     def segment_ended(self) -> None:
         """A segment's forward ended: bounds what is in flight (Note [Stream protocol], rule 2)."""
         self.copies.segment_ended()
@@ -422,8 +442,8 @@ class OffloadEngine:
         if type(t) is not torch.Tensor or t.layout != torch.strided or t.device != self.device:
             return None  # a parameter is alive anyway, as in _should_offload
         storage = t.untyped_storage()
-        if storage.data_ptr() in self._skip_ptrs:
-            return None
+        if storage.data_ptr() in self._skip_ptrs or storage.data_ptr() in self._gathered_ptrs:
+            return None  # alive anyway: a parameter FSDP gathered is no saved activation either
         if not self._was_seen(storage):
             self._seen[id(storage)] = weakref.ref(storage)
             self.counters.saved_bytes += storage.nbytes()
@@ -443,7 +463,7 @@ class OffloadEngine:
         storage = t.untyped_storage()
         if storage.nbytes() < max(self.min_offload_bytes, 1):
             return False
-        return storage.data_ptr() not in self._skip_ptrs
+        return storage.data_ptr() not in self._skip_ptrs and storage.data_ptr() not in self._gathered_ptrs
 
     def _pack(self, segment: Optional[int], t: torch.Tensor, *, region: Optional[str] = None) -> Any:
         plain = type(t) is torch.Tensor and t.layout == torch.strided

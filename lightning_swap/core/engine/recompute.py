@@ -24,26 +24,73 @@ writes statistics without bumping the version) is snapshot when the recomputatio
 copied back when it ends.
 
 Note [Checkpointed segments must not modify their input]: the recomputation reruns the
-segment on its saved input; if the forward changed that input in place, the rerun would see
-the changed values. We compare the input's version before and after the forward and refuse.
+segment on its saved input; if the forward changed that input in place (DenseNet's stem
+``relu0`` made a segment of its own, a block whose first op is ``relu_`` on its argument), the
+rerun would see the changed values. A segment's first checkpointed call (per wrapper) therefore
+runs under :class:`_InPlaceWatch` (eagerly, compiled or not, and so does its recomputation: a
+compiled graph saves other tensors than the eager ops, which checkpoint refuses), a dispatch mode that looks at every op writing into a tensor:
+when one is about to write into the storage of an input checkpoint saved, the input is copied
+first and the recomputation reruns on the copy, so the step is exact. The segment is then
+reported (``on_refuse``: ``auto`` plans no recomputation for it) and warned about once, naming the
+op and the module; its later calls copy their inputs when checkpoint saves them (the copy is what
+the recomputation needs; it costs the input's bytes until the segment's backward). A write the
+watch cannot see (inside a compiled kernel) still moves the input's version counter: that
+raises :class:`InputMutatedError`, naming the segment and the op, rather than train wrongly.
+
+Note [A recomputed segment fills no cache]: a Hugging Face layer given a key/value cache
+(``transformers``' ``Cache``: ``use_cache=True``, the default of many configs, in training too)
+appends its keys to it in forward, and again when the recomputation reruns it: the cache then
+holds the keys twice, the layer reads a longer cache than it did (and, from transformers 5.24,
+slices it), so the recomputation runs other ops than the forward (``selective`` fails with
+"encountered during backward but not found in storage") and the cache is wrong afterwards. So
+a recomputed segment is called without its cache argument (``None`` in its place), in forward
+and in the recomputation, as transformers' own gradient checkpointing does (``cache=None``
+under ``GradientCheckpointingLayer``): training does not read it. Logged once per segment.
+
+Note [Selective never replays a mutated tensor]: ``SELECTIVE`` caches the outputs of
+compute-heavy ops (``create_selective_checkpoint_contexts``) by reference; torch refuses at
+backward time (``Tensor cached during selective activation checkpoint has been mutated``) when
+a later op of the forward wrote into one: EfficientNet's squeeze-excitation runs
+``SiLU(inplace=True)`` on a convolution's output, a residual ``out += x`` adds into one. The
+recomputation would need the value from before the write, which no longer exists, so such an
+entry is recomputed instead: when the forward ends and again when the recomputation starts
+(:class:`_DropMutated`), every cached entry whose version moved since it was cached becomes
+torch's recompute marker, and the op runs again on recomputed inputs, as plain recomputation
+would. Ops that write into a buffer given to
+them (``mm.out``: the ``out=`` overloads) are not cached at all: the buffer belongs to the caller.
+Entries never mutated are replayed as before, so the policy is narrowed per op and per call.
+
+Note [Selective under compile]: a segment whose forward is compiled (regional, or inside a
+compiled model) runs, under Inductor, generated code that calls a few ops through the
+dispatcher (matmuls, convolutions) and reuses their output buffers for later kernels that write
+through raw pointers, without moving the version counter: a cached output could change under
+the cache with nothing to detect it. So a compiled segment's ``SELECTIVE`` caches nothing and
+recomputes the whole segment, as ``RECOMPUTE`` does (logged once per segment; the planner is
+told through ``on_refuse``, so ``auto`` does not pick ``selective`` for it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import Any, Callable, Optional
 
 import torch
+import torch.utils.checkpoint as _torch_checkpoint
 from torch import nn
 from torch.nn.modules.batchnorm import SyncBatchNorm, _BatchNorm, _NormBase
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 from torch.utils._pytree import tree_leaves
 
 from ..actions import Action
+from ..errors import InputMutatedError
 from .streams import StreamOps, Timing
 
-__all__ = ["RecomputeTimer", "checkpointed", "compute_heavy_ops"]
+__all__ = ["RecomputeTimer", "checkpointed", "compute_heavy_ops", "written_args"]
+
+log = logging.getLogger(__name__)
 
 try:  # torch >= 2.4
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -66,8 +113,10 @@ def compute_heavy_ops() -> frozenset:
     for name in _HEAVY_OP_NAMES:
         packet = getattr(torch.ops.aten, name, None)
         if packet is not None:
-            ops.update(packet.overloads() and [getattr(packet, o) for o in packet.overloads()])
-    return frozenset(ops)
+            ops.update(getattr(packet, o) for o in packet.overloads())
+    # ``out=`` overloads write into a buffer their caller owns (Note [Selective never replays a
+    # mutated tensor]).
+    return frozenset(op for op in ops if not op._schema.is_mutable)
 
 
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -79,25 +128,22 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 def _measured_policy(save_ops: frozenset) -> Callable[..., Any]:
     """Note [Who decides under compile]: the plan's op-level choice (Note [Which ops selective
     recomputation saves] in ``measure/profiler.py``) saves the outputs of ``save_ops`` and
-    recomputes every other op. Both are ``MUST_``: under ``torch.compile`` the min-cut
-    partitioner (and its ``activation_memory_budget``) may overrule ``PREFER_`` tags, and the
-    plan priced exactly these bytes and milliseconds, so the plan decides inside the segments it
-    recomputes; the partitioner decides inside the segments the plan keeps, whose activations
-    the plan leaves to the compiled graph."""
+    recomputes every other op. Both are ``MUST_``: the plan priced exactly these bytes and
+    milliseconds, and the min-cut partitioner of ``torch.compile`` (and its
+    ``activation_memory_budget``) may overrule ``PREFER_`` tags. A compiled segment's
+    ``SELECTIVE`` caches nothing at all (Note [Selective under compile]: it recomputes the whole
+    segment and is refused, so ``auto`` never plans it there): the plan decides inside the eager
+    segments it recomputes, the partitioner inside the compiled segments the plan keeps. An
+    ``out=`` overload is never saved, whatever its name (Note [Selective never replays a
+    mutated tensor]), and what a later op wrote into is dropped from the cache as for the
+    compute-heavy rule (:class:`_DropMutated`)."""
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        return CheckpointPolicy.MUST_SAVE if str(op) in save_ops else CheckpointPolicy.MUST_RECOMPUTE
+        if str(op) in save_ops and not op._schema.is_mutable:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.MUST_RECOMPUTE
 
     return policy
-
-
-def _respects_hooks_keyword() -> dict[str, Any]:
-    """``respect_saved_tensors_hooks=False`` where torch has it: what selective checkpointing
-    saves stays on the device (it is what the plan keeps), the legacy behaviour, without the
-    warning torch 2.15 gives when saved-tensor hooks (the offload engine's) are active."""
-    import inspect
-
-    return {"respect_saved_tensors_hooks": False} if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {}
 
 
 class RecomputeTimer:
@@ -157,6 +203,21 @@ class _Chain:
         return stack.__exit__(*exc) if stack is not None else None
 
 
+class _Named:
+    """An error raised in a segment's checkpointed forward or recomputation (torch's, from deep
+    inside checkpoint) carries a note naming the segment: every error about a segment names it."""
+
+    def __init__(self, name: str, phase: str) -> None:
+        self._note = f"lightning-swap: raised in the {phase} of segment {name!r}" if name else ""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: Optional[BaseException], tb: Any) -> None:
+        if exc is not None and self._note and hasattr(exc, "add_note") and self._note not in getattr(exc, "__notes__", ()):
+            exc.add_note(self._note)
+
+
 def _plain_batch_norm(m: nn.Module) -> bool:
     """A BatchNorm whose ``forward`` is torch's, which reads ``momentum`` and ``num_batches_tracked``
     as Note [Recompute leaves buffers alone] needs."""
@@ -207,51 +268,318 @@ class _BufferGuard:
                     b.copy_(s)
 
 
+class _DropMutated:
+    """Note [Selective never replays a mutated tensor]: turns every cache entry written into since
+    it was cached into a recompute marker, when the forward ends (``at_exit``: the cache lets the
+    written tensor go) and again when the recomputation starts, before torch's replaying mode
+    (a write after the forward: the next segment's). Without the torch internals it reads
+    (``_VersionWrapper``, ``_RECOMPUTE``; torch >= 2.4), the policy caches nothing
+    (:func:`_selective_contexts`)."""
+
+    def __init__(self, storage: dict, *, at_exit: bool = False) -> None:
+        self._storage = storage
+        self._at_exit = at_exit
+
+    def drop(self) -> None:
+        for entries in self._storage.values():
+            for index, entry in list(entries.items()):
+                leaves = tree_leaves(entry, is_leaf=lambda x: isinstance(x, _torch_checkpoint._VersionWrapper))
+                if any(_written_since_cached(x) for x in leaves):
+                    entries[index] = _torch_checkpoint._RECOMPUTE
+
+    def __enter__(self) -> None:
+        if not self._at_exit:
+            self.drop()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._at_exit:
+            self.drop()
+
+
+def _written_since_cached(entry: Any) -> bool:
+    version = getattr(entry, "version", None)
+    value = getattr(entry, "val", None)
+    return version is not None and isinstance(value, torch.Tensor) and value._version != version
+
+
+def _cache_is_checkable() -> bool:
+    return hasattr(_torch_checkpoint, "_VersionWrapper") and hasattr(_torch_checkpoint, "_RECOMPUTE")
+
+
+def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts(save_ops: Optional[frozenset] = None) -> tuple[Any, Any]:
+    """The two contexts of ``SELECTIVE`` (Note [Selective never replays a mutated tensor]),
+    saving the ops ``save_ops`` names (the plan's: Note [Who decides under compile]), else the
+    compute-heavy ones."""
+    if not _cache_is_checkable():  # pragma: no cover - a torch without the internals read here
+        return create_selective_checkpoint_contexts(_recompute_everything)
+    policy = _selective_policy if save_ops is None else _measured_policy(frozenset(save_ops))
+    fwd, rec = create_selective_checkpoint_contexts(policy)
+    if hasattr(fwd, "respect_saved_tensors_hooks"):
+        # checkpoint sets it only on a bare caching mode, and ours comes in a chain: the hooks
+        # around a segment hold its inputs, not what SELECTIVE caches (_checkpoint_options).
+        fwd.respect_saved_tensors_hooks = False
+    return _Chain(_DropMutated(fwd.storage, at_exit=True), fwd), _Chain(_DropMutated(fwd.storage), rec)
+
+
+@functools.lru_cache(maxsize=1)
+def _checkpoint_options() -> dict:
+    """``respect_saved_tensors_hooks=False`` where checkpoint has it (torch >= 2.11): the hooks
+    around a segment's checkpoint hold its inputs only; what ``SELECTIVE`` caches stays on the
+    device, as it always did, and torch does not warn that this default will change."""
+    import inspect
+
+    return {"respect_saved_tensors_hooks": False} if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {}
+
+
+def written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op writes into (its schema's mutable arguments)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+        written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return written
+
+
+class _Held:
+    """An input checkpoint saved, as the saved-tensor hooks around it hold it: what the outer
+    hooks (offload; none: the tensor itself) made of it, or of a copy taken before the segment
+    wrote into it, which then replaces it (the written tensor is not what backward needs, and
+    offload's unpack refuses it as modified, as autograd does)."""
+
+    __slots__ = ("tensor", "packed", "pack", "written")
+
+    def __init__(self, tensor: torch.Tensor, pack: Callable[[torch.Tensor], Any]) -> None:
+        #: Only while the segment's forward runs (the watch reads it): never kept for backward.
+        self.tensor: Optional[torch.Tensor] = tensor
+        self.pack = pack
+        self.packed = pack(tensor)
+        self.written = False
+
+    def before_write(self) -> None:
+        """The input is about to be written: backward gets a copy taken now, packed as the input
+        was (offloaded, under ``RECOMPUTE_OFFLOAD``: the device copy does not stay)."""
+        assert self.tensor is not None
+        self.packed = self.pack(self.tensor.detach().clone())
+        self.written = True
+
+
+class _InPlaceWatch(TorchDispatchMode):
+    """Note [Checkpointed segments must not modify their input]: before an op writes into the
+    storage of a held input, the input is copied (once) and the op and module are remembered."""
+
+    def __init__(self, held: list[_Held], module: nn.Module) -> None:
+        super().__init__()
+        # By the storage's address (an empty storage has none worth the name: never watched).
+        self._held = {
+            h.tensor.untyped_storage().data_ptr(): h for h in held
+            if h.tensor is not None and h.tensor.layout == torch.strided and h.tensor.untyped_storage().nbytes() > 0
+        }
+        self._module = module
+        self._names = {id(m): f"{n} ({type(m).__name__})" for n, m in module.named_modules() if n}
+        self._stack: list[str] = []
+        self.writes: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in written_args(func, args, kwargs):
+            written = t.layout == torch.strided and t.untyped_storage().nbytes() > 0
+            held = self._held.get(t.untyped_storage().data_ptr()) if written else None
+            if held is not None and not held.written and held.tensor is not None:
+                held.before_write()
+                where = self._stack[-1] if self._stack else type(self._module).__name__
+                self.writes.append(f"{func} in {where}")
+        return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def tracking_modules(self):
+        """The innermost module running, for the message (global module hooks, removed after)."""
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        def pre(m: nn.Module, args: Any) -> None:
+            if id(m) in self._names:
+                self._stack.append(self._names[id(m)])
+
+        def post(m: nn.Module, args: Any, out: Any) -> None:
+            if id(m) in self._names and self._stack:
+                self._stack.pop()
+
+        handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _is_cache(value: Any) -> bool:
+    """A transformers key/value cache, by its interface (no import of transformers)."""
+    return type(value).__name__.endswith("Cache") and callable(getattr(value, "update", None)) and hasattr(value, "get_seq_length")
+
+
+def _without_caches(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Note [A recomputed segment fills no cache]."""
+    if not any(map(_is_cache, args)) and not any(map(_is_cache, kwargs.values())):
+        return args, kwargs
+    if name not in _DROPPED_CACHE:
+        _DROPPED_CACHE.add(name)
+        log.info("lightning-swap: segment %r is recomputed, so it runs without its key/value cache argument "
+                 "(Note [A recomputed segment fills no cache])", name)
+    return tuple(None if _is_cache(a) else a for a in args), {k: None if _is_cache(v) else v for k, v in kwargs.items()}
+
+
+_DROPPED_CACHE: set[str] = set()
+
+
+def _outer_functions(outer: Optional[Callable[[], Any]]) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    if outer is None:
+        return (lambda t: t), (lambda p: p)
+    hooks = outer()  # a torch.autograd.graph.saved_tensors_hooks
+    return hooks.pack_hook, hooks.unpack_hook
+
+
+class _InputGuard:
+    """Note [Checkpointed segments must not modify their input], for one wrapped segment."""
+
+    def __init__(self, module: nn.Module, name: str, on_refuse: Optional[Callable[[str, str], None]]) -> None:
+        self.module = module
+        self.name = name
+        self.on_refuse = on_refuse
+        #: None: not seen yet; "" : never writes into its inputs; else the writes, for messages.
+        self.verdict: Optional[str] = None
+
+    def hooks(self, outer: Optional[Callable[[], Any]], held: list[_Held]) -> Any:
+        """The saved-tensor hooks around the checkpoint call: ``outer``'s alone for a segment known
+        not to write into its inputs; else ones that hold the inputs (copied for one that does)."""
+        if self.verdict == "":
+            return outer() if outer is not None else contextlib.nullcontext()
+        pack_outer, unpack_outer = _outer_functions(outer)
+        copy = bool(self.verdict)
+
+        def pack(t: torch.Tensor) -> _Held:
+            h = _Held(t.detach().clone() if copy else t, pack_outer)
+            held.append(h)
+            return h
+
+        def unpack(h: _Held) -> torch.Tensor:
+            return unpack_outer(h.packed)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def watched(self, forward: Callable[..., Any], held: list[_Held]) -> Callable[..., Any]:
+        """``forward`` under :class:`_InPlaceWatch` on its first call, run eagerly (a dispatch mode
+        and compiled code); its recomputation eagerly too, unwatched: a compiled graph may save
+        other tensors than the eager ops did, which checkpoint refuses."""
+        if self.verdict is not None:
+            return forward
+
+        def first(*args: Any, **kwargs: Any) -> Any:
+            from ..compiled import force_eager
+
+            recomputing = torch._C._current_graph_task_id() != -1
+            watch = _InPlaceWatch(held, self.module)
+            stance = force_eager()
+            try:
+                if recomputing:
+                    return forward(*args, **kwargs)
+                with watch.tracking_modules(), watch:
+                    out = forward(*args, **kwargs)
+            finally:
+                if stance is not None:
+                    stance.__exit__(None, None, None)
+            self._judge(watch.writes)
+            return out
+
+        return first
+
+    def _judge(self, writes: list[str]) -> None:
+        self.verdict = "; ".join(writes)
+        if writes:
+            log.warning(
+                "lightning-swap: segment %r writes into its input in place (%s); recomputing it keeps a copy "
+                "of its input until its backward. Keep or offload it (policy={%r: 'offload'}), or pass "
+                "`segments=` that start after that op (Note [Checkpointed segments must not modify their input]).",
+                self.name, self.verdict, self.name,
+            )
+            if self.on_refuse is not None:
+                self.on_refuse(self.name, f"writes into its input in place ({self.verdict})")
+
+    def check(self, inputs: list[torch.Tensor], versions: list[int]) -> None:
+        """A write the watch could not see (inside compiled code): refuse rather than train wrongly."""
+        if self.verdict:
+            return  # its inputs were copied before the writes
+        for t, v in zip(inputs, versions):
+            if t._version != v:
+                node = type(t.grad_fn).__name__ if t.grad_fn is not None else "an in-place op"
+                raise InputMutatedError(segment=self.name or type(self.module).__name__, op=node)
+
+
 def checkpointed(
     module: nn.Module,
     forward: Callable[..., Any],
     action: Action,
     timer: RecomputeTimer,
-    outer: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
+    outer: Optional[Callable[[], Any]] = None,
     name: str = "",
+    *,
+    compiled: bool = False,
+    on_refuse: Optional[Callable[[str, str], None]] = None,
     save_ops: Optional[frozenset] = None,
 ) -> Callable[..., Any]:
     """``forward`` wrapped so the segment is recomputed in backward.
 
-    ``outer`` (for ``RECOMPUTE_OFFLOAD``) gives the offload hooks: entered around the
-    checkpoint call, they receive exactly what checkpoint keeps, the segment's inputs, while
-    checkpoint's own inner hooks drop everything else. ``save_ops`` (``SELECTIVE``): the ops
-    whose outputs are saved, by name (Note [Who decides under compile]); ``None``: the
+    ``outer`` (for ``RECOMPUTE_OFFLOAD``) gives the offload hooks (a ``saved_tensors_hooks``):
+    they receive exactly what checkpoint keeps, the segment's inputs, while checkpoint's own
+    inner hooks drop everything else. ``compiled``: the forward runs compiled code (Note
+    [Selective under compile]). ``on_refuse(name, reason)`` hears of an action this segment
+    cannot run as asked (Notes [Checkpointed segments must not modify their input] and
+    [Selective under compile]). ``save_ops`` (``SELECTIVE``): the ops whose outputs are saved,
+    by name, as the plan chose them (Note [Who decides under compile]); ``None``: the
     compute-heavy ops.
     """
     if action is Action.SELECTIVE and create_selective_checkpoint_contexts is None:
         raise RuntimeError("Action.SELECTIVE needs torch.utils.checkpoint.create_selective_checkpoint_contexts (torch >= 2.4).")
     guard = _BufferGuard(module)
-    policy = _selective_policy if save_ops is None else _measured_policy(frozenset(save_ops))
-    extra = _respects_hooks_keyword() if action is Action.SELECTIVE else {}
+    inputs_guard = _InputGuard(module, name, on_refuse)
+    selective = action is Action.SELECTIVE and not compiled
+    if action is Action.SELECTIVE and compiled:
+        log.info("lightning-swap: segment %r is compiled: selective recomputes all of it (Note [Selective under compile])", name)
+        if on_refuse is not None:
+            on_refuse(name, "selective: compiled, recomputes everything (Note [Selective under compile])")
 
     def context_fn():
-        if action is Action.SELECTIVE:
-            fwd, rec = create_selective_checkpoint_contexts(policy)
-        else:
-            fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
+        fwd, rec = _selective_contexts(save_ops) if selective else (contextlib.nullcontext(), contextlib.nullcontext())
         # Entered lazily: checkpoint enters the first now and the second only in backward.
-        return _Chain(fwd, guard.watch_forward), _Chain(lambda: timer.measure(name), guard.preserve, rec)
+        return (
+            _Chain(_Named(name, "forward"), fwd, guard.watch_forward),
+            _Chain(_Named(name, "recomputation"), lambda: timer.measure(name), guard.preserve, rec),
+        )
 
     @functools.wraps(forward, updated=())  # not a compiled forward's Dynamo attributes (compiled.py)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        args, kwargs = _without_caches(name, args, kwargs)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in inputs]
-        with outer() if outer is not None else contextlib.nullcontext():
-            out = checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **extra, **kwargs)
-        if any(t._version != v for t, v in zip(inputs, versions)):
-            raise RuntimeError(
-                "A recomputed segment modified its input in place, so its recomputation would "
-                "see different values; keep or offload this segment instead "
-                "(Note [Checkpointed segments must not modify their input])."
+        held: list[_Held] = []
+        with inputs_guard.hooks(outer, held):
+            fn = inputs_guard.watched(forward, held)
+            out = checkpoint(
+                fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **_checkpoint_options(), **kwargs
             )
+        for h in held:
+            h.tensor = None  # the watch is over; what backward needs is in ``packed`` (offloaded, maybe)
+        inputs_guard.check(inputs, versions)
         return out
 
     return run

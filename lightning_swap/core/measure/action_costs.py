@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 from ..actions import Action
 from ..engine.recompute import RecomputeTimer, checkpointed
 from ..engine.streams import StreamOps, Timing
+from .model_profile import SELECTIVE_REFUSAL
 from .trace import CapturedCall
 
 __all__ = ["ActionCosts", "measure_action_costs", "measure_released_working"]
@@ -49,6 +50,9 @@ class ActionCosts:
     recompute_ms: Optional[float]
     selective_ms: Optional[float]
     released_working_bytes: int = -1
+    #: Why an action cannot run on this segment as planned, "" if all ran (Note [Refused actions]
+    #: in ``model_profile.py``): the first refusal seen.
+    refusal: str = ""
 
 
 def measure_released_working(module: nn.Module, call: CapturedCall, device: torch.device) -> int:
@@ -88,6 +92,46 @@ def _run(module: nn.Module, forward: Any, call: CapturedCall, ops: StreamOps) ->
     return fwd.resolve(wait=True) or 0.0, bwd.resolve(wait=True) or 0.0
 
 
+def _worst(refusals: list[str]) -> str:
+    """The refusal that rules out most: one of every recomputing action over selective's alone."""
+    broad = [r for r in refusals if not r.startswith(SELECTIVE_REFUSAL)]
+    return (broad or refusals or [""])[0]
+
+
+def _time_variants(
+    module: nn.Module, name: str, call: CapturedCall, ops: StreamOps, repeats: int, *, save_ops: Optional[tuple[str, ...]] = None,
+) -> tuple[dict, list[str]]:
+    """(action -> median (forward ms, backward ms) or ``None`` where it failed, the refusals):
+    the segment kept, recomputed and selectively recomputed (saving ``save_ops``, as the plan
+    will run it) through the runtime's own wrappers."""
+    timer = RecomputeTimer(ops)
+    refusals: list[str] = []
+
+    def refuse(segment: str, why: str) -> None:
+        refusals.append(why)
+
+    variants = {
+        Action.KEEP: module.forward,
+        Action.RECOMPUTE: checkpointed(module, module.forward, Action.RECOMPUTE, timer, name=name, on_refuse=refuse),
+        Action.SELECTIVE: checkpointed(module, module.forward, Action.SELECTIVE, timer, name=name, on_refuse=refuse, save_ops=save_ops),
+    }
+    best: dict[Action, Optional[tuple[float, float]]] = {}
+    for action, forward in variants.items():
+        try:
+            _run(module, forward, call, ops)  # warm-up (allocator, kernels, compiled graphs)
+            runs = [_run(module, forward, call, ops) for _ in range(repeats)]
+            # Medians, not minima: a minimum of a shared machine's timings is its luckiest
+            # run, and a lucky KEEP against an unlucky RECOMPUTE misprices both (issue 20).
+            best[action] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+        except Exception as exc:  # noqa: BLE001 - an action that cannot run here is not timed, nor planned
+            log.debug("timing %s under %s failed: %s", name, action.value, exc)
+            best[action] = None
+            if action is not Action.KEEP:
+                prefix = SELECTIVE_REFUSAL + " " if action is Action.SELECTIVE else ""
+                refusals.append(f"{prefix}{action.value} failed: {type(exc).__name__}: {exc}"[:300])
+    return best, refusals
+
+
 def measure_action_costs(
     model: nn.Module,
     modules: dict[str, nn.Module],
@@ -110,20 +154,7 @@ def measure_action_costs(
     try:
         for name, call in calls.items():
             module = modules[name]
-            timer, selective = RecomputeTimer(ops), (save_ops or {}).get(name)
-            variants = {Action.KEEP: module.forward, Action.RECOMPUTE: checkpointed(module, module.forward, Action.RECOMPUTE, timer),
-                        Action.SELECTIVE: checkpointed(module, module.forward, Action.SELECTIVE, timer, save_ops=selective)}
-            best: dict[Action, Optional[tuple[float, float]]] = {}
-            for action, forward in variants.items():
-                try:
-                    _run(module, forward, call, ops)  # warm-up (allocator, kernels, compiled graphs)
-                    runs = [_run(module, forward, call, ops) for _ in range(repeats)]
-                    # Medians, not minima: a minimum of a shared machine's timings is its luckiest
-                    # run, and a lucky KEEP against an unlucky RECOMPUTE misprices both (issue 20).
-                    best[action] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
-                except Exception as exc:  # noqa: BLE001 - an action that cannot run here is not timed
-                    log.debug("timing %s under %s failed: %s", name, action.value, exc)
-                    best[action] = None
+            best, refusals = _time_variants(module, name, call, ops, repeats, save_ops=(save_ops or {}).get(name))
             keep = best[Action.KEEP]
             if keep is None:
                 continue
@@ -140,7 +171,9 @@ def measure_action_costs(
                 working = -1
             # Recomputing reruns the whole forward: it adds at least the kept forward's time. A smaller
             # difference is the noise of a shared machine, and would make recomputation look free.
-            out[name] = ActionCosts(keep[0], keep[1], extra(Action.RECOMPUTE, floor=keep[0]), extra(Action.SELECTIVE), working)
+            out[name] = ActionCosts(
+                keep[0], keep[1], extra(Action.RECOMPUTE, floor=keep[0]), extra(Action.SELECTIVE), working, _worst(refusals),
+            )
     finally:
         rng.__exit__(None, None, None)
         with torch.no_grad():

@@ -15,15 +15,26 @@ the planner gives it an action as it gives a segment one, ``KEEP`` or ``OFFLOAD`
 module: nothing recomputes it), and the runtime offloads it through hooks held over the whole
 step (Note [Regions outside the segments are hooked for the whole step] in ``engine/offload.py``).
 A region that saves nothing is not planned: its windows are folded into its neighbours'.
+
+Note [Refused actions]: ``auto`` never plans an action for a segment that has not run as planned
+there. Each segment's recomputing actions are tried on it after the observed step (``.costs``:
+one that raises is refused), and the runtime reports what it found in real steps (a segment
+that writes into its input, a compiled segment's selective: ``SwapRuntime.refusals``); the
+session keeps those and :meth:`ModelProfile.refusing` marks them on the profile before each
+plan, so the solver leaves them out for that segment only. The lowest-memory plan of a guard
+step offloads a segment whose recomputation is refused instead of recomputing it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
-__all__ = ["ModelProfile", "SegmentProfile"]
+from ..actions import Action
+from ..segments import split_call
+
+__all__ = ["ModelProfile", "SegmentProfile", "max_profile"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +99,28 @@ class SegmentProfile:
     #: (Note [Which ops selective recomputation saves] in ``profiler.py``); ``None``: the fixed
     #: rule (compute-heavy ops: ``engine/recompute.py``), which ``heavy_*`` then describe.
     selective_ops: Optional[tuple[str, ...]] = None
+    #: Under FSDP: bytes of the parameters gathered while this segment computes (its unit's, on
+    #: this rank), freed again after its forward and gathered anew for its backward; part of
+    #: every window's measured base whatever the plan (Note [Sharded state is local] in
+    #: ``sharded.py``). 0 for a model that is not sharded.
+    gathered_parameter_bytes: int = 0
+    #: Actions this segment did not run as planned when tried (Note [Refused actions]): the
+    #: planner never gives it one of them. ``refusal`` says why, for the log.
+    refused: tuple[Action, ...] = ()
+    refusal: str = ""
+
+
+#: Note [Refused actions]: a segment that writes into its input cannot be recomputed from it
+#: as it was (it is, from a copy, at the copy's cost, so the planner leaves recomputation out);
+#: a compiled segment's selective recomputes everything (Note [Selective under compile]).
+_RECOMPUTING = (Action.RECOMPUTE, Action.SELECTIVE, Action.RECOMPUTE_OFFLOAD)
+SELECTIVE_REFUSAL = "selective:"
+
+
+def refused_actions(why: str) -> tuple[Action, ...]:
+    """The actions a refusal rules out: ``SELECTIVE`` alone for one that starts with
+    :data:`SELECTIVE_REFUSAL`, else every recomputing action."""
+    return (Action.SELECTIVE,) if why.startswith(SELECTIVE_REFUSAL) else _RECOMPUTING
 
 
 _SCALED_INT_FIELDS = tuple(
@@ -139,10 +172,42 @@ class ModelProfile:
     #: the segment ``outside[j]`` runs after (-1: before the first).
     outside: tuple[SegmentProfile, ...] = ()
     outside_after: tuple[int, ...] = ()
+    #: Processes the model is sharded over (FSDP); every byte above is this process's own
+    #: (Note [Sharded state is local] in ``sharded.py``), so a budget is per process.
+    world_size: int = 1
+    #: Bytes of every storage the step saved for backward, in the segments or not (parameters
+    #: excluded): what the segments' ``saved_bytes`` are a part of (Note [Finding the blocks]
+    #: in ``segments.py``); -1: not known.
+    total_saved_bytes: int = -1
+    #: The part of those saved while a segment's forward ran (each storage once): the segments'
+    #: coverage is ``segment_saved_bytes / total_saved_bytes`` (:meth:`coverage`); -1: not known.
+    segment_saved_bytes: int = -1
+
+    def coverage(self) -> Optional[float]:
+        """The fraction of the step's saved bytes that the segments hold (Note [Finding the blocks]
+        in ``segments.py``); ``None`` when not measured."""
+        if self.total_saved_bytes <= 0 or self.segment_saved_bytes < 0:
+            return None
+        return min(self.segment_saved_bytes / self.total_saved_bytes, 1.0)
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.segments)
+
+    def refusing(self, refusals: Mapping[str, str]) -> "ModelProfile":
+        """This profile with the actions ``refusals`` (segment name -> why) rule out
+        (Note [Refused actions]); a name without a call number covers every call of its module."""
+        if not refusals:
+            return self
+        segments = []
+        for seg in self.segments:
+            why = refusals.get(seg.name) or refusals.get(split_call(seg.name)[0])
+            if why:
+                refused = tuple(dict.fromkeys(seg.refused + refused_actions(why)))
+                seg = dataclasses.replace(seg, refused=refused, refusal=seg.refusal or why)
+            segments.append(seg)
+        reference = self.reference.refusing(refusals) if self.reference is not None else None
+        return dataclasses.replace(self, segments=tuple(segments), reference=reference)
 
     @property
     def chain(self) -> tuple[tuple[SegmentProfile, bool], ...]:
@@ -250,6 +315,9 @@ class ModelProfile:
             f: line(getattr(lo, f), getattr(ref, f))
             for f in ("static_bytes", "prefix_forward_peak_bytes", "prefix_backward_peak_bytes", "tail_peak_bytes", "peak_bytes")
         }
+        for f in ("total_saved_bytes", "segment_saved_bytes"):
+            if getattr(lo, f) >= 0 and getattr(ref, f) >= 0:
+                top[f] = line(getattr(lo, f), getattr(ref, f))
         return dataclasses.replace(
             self,
             segments=tuple(segments),
@@ -261,3 +329,74 @@ class ModelProfile:
             reference=dataclasses.replace(self, reference=None),
             **top,
         )
+
+
+def _largest(values: list[Any]) -> Any:
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    if isinstance(known[0], bool):
+        return any(known)
+    if isinstance(known[0], (int, float)):
+        return max(known)
+    if isinstance(known[0], tuple):  # refused actions: refused on any process, refused
+        return tuple(dict.fromkeys(a for v in known for a in v))
+    if any(v != known[0] for v in known):
+        raise ValueError(f"`profiles` disagree on a value every process must share: {known}.")
+    return known[0]
+
+
+def max_profile(profiles: "list[ModelProfile]") -> "ModelProfile":
+    """One profile from the same step measured on several processes (Note [Observe every rank]
+    in ``observe.py``): every byte count and time the largest any process measured, every
+    yes/no true if it was true on any (the conservative reading; they agree when the processes
+    run the same model), names and kinds as they all have them (a ``ValueError`` if they do not:
+    the processes cut the model differently). One process's profile is itself."""
+    profiles = list(profiles)
+    if not profiles:
+        raise ValueError("`profiles` is empty.")
+    first = profiles[0]
+    if len(profiles) == 1:
+        return first
+    if any(len(p.segments) != len(first.segments) for p in profiles):
+        raise ValueError(f"`profiles` have different numbers of segments: {[len(p.segments) for p in profiles]}.")
+    segments = tuple(_max_segment(column) for column in zip(*(p.segments for p in profiles)))
+    outside, outside_after = _max_outside(profiles)
+    refs = [p.reference for p in profiles]
+    skip = ("segments", "reference", "outside", "outside_after")
+    top = {f.name: _largest([getattr(p, f.name) for p in profiles]) for f in dataclasses.fields(ModelProfile) if f.name not in skip}
+    reference = max_profile(refs) if all(r is not None for r in refs) else None
+    return ModelProfile(segments=segments, reference=reference, outside=outside, outside_after=outside_after, **top)
+
+
+def _max_segment(column: "tuple[SegmentProfile, ...]") -> SegmentProfile:
+    """One segment (or region outside the segments) as several processes measured it (Note
+    [Observe every rank]): the largest of each field; the first refusal given; the ops
+    ``SELECTIVE`` saves, those every process chose (one plan runs on all of them: an op one
+    process found not worth its bytes is recomputed everywhere, so no process saves more than
+    its own ``heavy_bytes`` priced)."""
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(SegmentProfile):
+        values = [getattr(s, f.name) for s in column]
+        if f.name == "refusal":
+            fields[f.name] = next((v for v in values if v), "")
+        elif f.name == "selective_ops":
+            chosen = [v for v in values if v is not None]
+            fields[f.name] = tuple(op for op in chosen[0] if all(op in v for v in chosen[1:])) if chosen else None
+        else:
+            fields[f.name] = _largest(values)
+    return SegmentProfile(**fields)
+
+
+def _max_outside(profiles: "list[ModelProfile]") -> "tuple[tuple[SegmentProfile, ...], tuple[int, ...]]":
+    """The regions outside the segments (Note [Regions outside the segments]) of several
+    processes' profiles, matched by name: each the largest any process measured; a region only
+    some processes planned (it saved something there only) is planned, as they measured it."""
+    columns: dict[str, list[SegmentProfile]] = {}
+    after: dict[str, int] = {}
+    for p in profiles:
+        for region, position in zip(p.outside, p.outside_after):
+            columns.setdefault(region.name, []).append(region)
+            after.setdefault(region.name, position)
+    names = sorted(columns, key=lambda name: after[name])  # stable: the first process's order within a gap
+    return tuple(_max_segment(tuple(columns[n])) for n in names), tuple(after[n] for n in names)

@@ -40,8 +40,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ..engine.meter import host_allocation, mark_host
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
 from ..segments import PREFIX_REGION, SegmentSpec, find_segments, region_after, resolve_modules
-from ..tensors import infer_batch_size, loss_of, storage_bytes
-from .model_profile import _SCALED_INT_FIELDS, _SCALED_MS_FIELDS, ModelProfile, SegmentProfile
+from ..sharded import is_sharded, like_shard, world_size
+from ..tensors import infer_batch_size, local_tensor, loss_of, storage_bytes
+from .model_profile import _SCALED_INT_FIELDS, _SCALED_MS_FIELDS, ModelProfile, SegmentProfile, refused_actions
 from .trace import PREFIX, StepTrace, run_timing, run_trace
 from .action_costs import measure_released_working
 
@@ -239,7 +240,7 @@ def _element_profile(
     boundary = {in_key, out_key}
     save_ops = None
     if isinstance(e.key, int) and e.key >= 0 and trace.ops.get(e.key):  # Note [Which ops selective recomputation saves]
-        save_ops, heavy, share = selective_choice(trace.ops[e.key], boundary, frozenset(trace.mutated.get(e.key, ())))
+        save_ops, heavy, share = selective_choice(trace.ops[e.key], boundary, frozenset(trace.mutated))
         heavy_ms = fwd_ms * share
     internal = {k: b for k, b in saved.items() if k not in boundary}
     heavy_internal = {k: b for k, b in heavy.items() if k not in boundary}
@@ -282,6 +283,7 @@ def _element_profile(
         output_small=out_bytes < small,
         output_heavy=out_key is not None and out_key in heavy and out_bytes > 0,
         output_held_elsewhere=out_bytes > 0 and held_elsewhere(out_key, {e.key, nxt.key} if output_to_next else {e.key}),
+        gathered_parameter_bytes=trace.gathered_bytes.get(e.key, 0),
     )
 
 
@@ -304,9 +306,10 @@ class _Snapshot:
             self.grads = []
             for p in self.model.parameters():
                 saved = None
-                if p.grad is not None:
-                    saved = p.grad.detach().to("cpu", copy=True)
+                if p.grad is not None:  # a shard's local tensor (Note [Sharded state is local])
+                    saved = local_tensor(p.grad).detach().to("cpu", copy=True)
                     mark_host(saved)
+                    saved = (saved, like_shard(p.grad))
                 self.grads.append((p, saved))
         self.rng = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
         self.rng.__enter__()
@@ -318,7 +321,7 @@ class _Snapshot:
             for b, saved in self.buffers:
                 b.copy_(saved)
             for p, saved in self.grads:
-                p.grad = None if saved is None else saved.to(p.device, copy=True)
+                p.grad = None if saved is None else saved[1](saved[0].to(local_tensor(p).device, copy=True))
 
 
 def _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_offload_bytes) -> StepTrace:
@@ -355,13 +358,15 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
     measured: dict[int, tuple[None, None, int]] = {}
     with _Snapshot(model, device):
         trace = _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_offload_bytes)
+        names = trace.names  # one per call of a module run several times (Note [A segment per call])
         if not fake:
             fwd, bwd, step_ms, regions = run_timing(model, names, lambda: loss_of(step_fn(model, batch)), device)
             fwd = {**fwd, **{k: v[0] for k, v in regions.items()}}
             bwd = {**bwd, **{k: v[1] for k, v in regions.items()}}
             modules = resolve_modules(model, names)  # canonical names, compiled or not
-            for i, call in trace.inputs.items():  # Note [A forward that does not keep]
-                measured[i] = (None, None, measure_released_working(modules[names[i]], call, device))
+            # Note [A forward that does not keep]; never a sharded segment alone: Note [Observe every rank].
+            for i, call in trace.inputs.items() if not is_sharded(model) else ():
+                measured[i] = (None, None, measure_released_working(modules[names[i]], call, device), "")
             trace.inputs = {}
     n = len(names)
     if fake:
@@ -379,9 +384,10 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
 
 def _chain_profiles(
     trace: StepTrace, elements: list[_Element], *, fwd: dict[Any, float], bwd: dict[Any, float], heavy: dict[int, float],
-    min_offload_bytes: int, measured: dict[int, tuple[Optional[float], Optional[float], int]],
+    min_offload_bytes: int, measured: dict[int, tuple[Optional[float], Optional[float], int, str]],
 ) -> list[tuple[_Element, SegmentProfile]]:
-    """Each element of the chain with its profile (Note [Regions outside the segments])."""
+    """Each element of the chain with its profile (Note [Regions outside the segments]); a
+    segment's with what :mod:`.costs` timed and refused (Note [Refused actions])."""
     profiles = []
     for pos, e in enumerate(elements):
         prev = elements[pos - 1] if pos else None
@@ -391,21 +397,29 @@ def _chain_profiles(
             min_offload_bytes=min_offload_bytes,
         )
         if isinstance(e.key, int) and e.key >= 0:
-            m = measured.get(e.key, (None, None, -1))
-            p = dataclasses.replace(p, recompute_ms=m[0], selective_ms=m[1], released_forward_working_bytes=m[2])
+            m = measured.get(e.key, (None, None, -1, ""))
+            p = dataclasses.replace(
+                p, recompute_ms=m[0], selective_ms=m[1], released_forward_working_bytes=m[2],
+                refused=refused_actions(m[3]) if m[3] else (), refusal=m[3],
+            )
         profiles.append((e, p))
     return profiles
+
+
+def _saved_bytes(trace: StepTrace, regions: Callable[[Any], bool]) -> int:
+    """Bytes of the storages saved for backward in the ``regions`` chosen, each storage once."""
+    return sum({key: nbytes for region, saved in trace.saved.items() if regions(region) for key, nbytes in saved.items()}.values())
 
 
 def assemble(
     trace: StepTrace, model: nn.Module, names: list[str], *, batch_size: int, device: torch.device, fake: bool, min_offload_bytes: int,
     fwd: dict[Any, float], bwd: dict[Any, float], heavy: dict[int, float], step_ms: float,
-    measured: Optional[dict[int, tuple[Optional[float], Optional[float], int]]] = None,
+    measured: Optional[dict[int, tuple[Optional[float], Optional[float], int, str]]] = None,
 ) -> ModelProfile:
     """A :class:`ModelProfile` from a step's trace and its times (``fwd`` / ``bwd``: per segment
     index, and per region outside the segments, ``PREFIX`` or ``("after", i)``, where known;
-    ``measured``: per segment index the recompute and selective costs and the released forward's
-    working bytes, timed and measured by :mod:`.costs`)."""
+    ``measured``: per segment index the recompute and selective costs, the released forward's
+    working bytes and what was refused, timed and measured by :mod:`.costs`)."""
     order = [names.index(name) for name in trace.order]
     elements = _chain_elements(trace, names, order)
     profiles = _chain_profiles(trace, elements, fwd=fwd, bwd=bwd, heavy=heavy, min_offload_bytes=min_offload_bytes, measured=measured or {})
@@ -449,6 +463,9 @@ def assemble(
         optimizer_peak_bytes=trace.window_peak.get("optimizer", 0),
         outside=tuple(outside),
         outside_after=tuple(outside_after),
+        world_size=world_size(model),
+        total_saved_bytes=_saved_bytes(trace, lambda region: True),
+        segment_saved_bytes=_saved_bytes(trace, lambda region: isinstance(region, int) and region >= 0),
     )
 
 
@@ -475,7 +492,8 @@ def profile(
     ``scale=True`` also fake-measures twice the batch so :meth:`ModelProfile.at_batch` works.
     ``min_offload_bytes`` must match the runtime's. ``assume`` (with ``fake=True``): the times
     estimated for another device's rates (:class:`DeviceAssumption`), a prediction for a device
-    that is not here.
+    that is not here. A sharded (FSDP) model is profiled for real only, on every process at once
+    (each runs the same collectives): Note [Observe every rank] in ``observe.py``.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"`model` must be an nn.Module; got {type(model).__name__}.")
@@ -489,6 +507,7 @@ def profile(
         device = first.device if first is not None else torch.device("cpu")
     device = torch.device(device)
     names = find_segments(model, segments)
+    _check_fake(model, fake)
     step_fn = step_fn or _default_step
     track = [t for t in tree_leaves(list(track)) if isinstance(t, torch.Tensor)]
     rates = _compute_rates(device) if fake or scale else (1.0, 1.0)
@@ -503,7 +522,7 @@ def profile(
 
     result = _try_fake(lambda: build(batch, batch_size, True), lambda: build(batch, batch_size, False)) if fake else build(batch, batch_size, False)
     if scale:
-        result = dataclasses.replace(result, reference=_references(result, batch, batch_size, build))
+        result = dataclasses.replace(result, reference=_references(result, batch, batch_size, build, sharded=is_sharded(model)))
     if assume is not None:
         result = assume.applied(result)
     log.debug("profiled %d segments at batch %d in %.2f s (fake=%s)", len(names), batch_size, time.perf_counter() - start, fake)
@@ -529,13 +548,15 @@ class DeviceAssumption:
         )
 
 
-def _references(result: ModelProfile, batch: Any, batch_size: int, build: Callable[[Any, int, bool], ModelProfile]) -> ModelProfile:
+def _references(
+    result: ModelProfile, batch: Any, batch_size: int, build: Callable[[Any, int, bool], ModelProfile], *, sharded: bool = False,
+) -> ModelProfile:
     """The profile at twice the batch, itself referring to the profile at eight times it, where
     fake mode can measure them (Note [Batch scaling]); fake slopes are anchored at a real
-    profile; without fake mode, one real point at twice the batch."""
+    profile; without fake mode (or ``sharded``: never fake), one real point at twice the batch."""
     big = 2 * batch_size
     bigger = _resize(batch, batch_size, big)
-    fake_big = _try_fake(lambda: build(bigger, big, True), lambda: None)
+    fake_big = None if sharded else _try_fake(lambda: build(bigger, big, True), lambda: None)
     if fake_big is None:  # Note [Fake mode is an optimisation]
         return build(bigger, big, False)
     far = 8 * batch_size
@@ -547,6 +568,14 @@ def _references(result: ModelProfile, batch: Any, batch_size: int, build: Callab
         return build(bigger, big, False)
     ref_far = _anchor(result, fake_far, fake_here=fake_here) if fake_far is not None else None
     return dataclasses.replace(_anchor(result, fake_big, fake_here=fake_here), reference=ref_far)
+
+
+def _check_fake(model: nn.Module, fake: bool) -> None:
+    if fake and is_sharded(model):
+        raise ValueError(
+            "`fake`: a sharded (FSDP) model cannot be profiled on fake tensors (its forward gathers parameters from the "
+            "other processes); profile it with fake=False, on every process at once."
+        )
 
 
 def _fake_unsupported(exc: BaseException) -> bool:

@@ -44,8 +44,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..engine.meter import DeviceMemoryMeter
-from ..engine.recompute import compute_heavy_ops
-from ..segments import resolve_modules
+from ..engine.recompute import compute_heavy_ops, written_args
+from ..segments import call_name, resolve_modules, split_call
+from ..sharded import gathered_bytes, gathered_parameters, is_sharded
+from ..tensors import local_tensor
 
 __all__ = ["CapturedCall", "PREFIX", "StepTrace", "StepTracer", "boundary_keys", "region_times", "run_trace", "run_timing"]
 
@@ -60,6 +62,7 @@ def _first_tensor(value: Any) -> Optional[torch.Tensor]:
 
 
 def _storage(t: torch.Tensor) -> Optional[torch.UntypedStorage]:
+    t = local_tensor(t)  # a shard's bytes (Note [Sharded state is local])
     if t.layout != torch.strided:
         return None
     try:
@@ -112,17 +115,22 @@ class StepTrace:
     #: Per segment, per op (``str`` of its overload): the forward milliseconds (estimated in fake
     #: mode) and the storages its outputs made, by key.
     ops: dict[int, dict[str, list]] = field(default_factory=lambda: defaultdict(dict))
-    #: Per segment, the storages an op of its forward wrote in place.
-    mutated: dict[int, set] = field(default_factory=lambda: defaultdict(set))
+    #: The storages an op of the forward wrote in place (any region's: a later segment's or the
+    #: glue's write changes what an earlier segment would have saved).
+    mutated: set = field(default_factory=set)
     all_op_ms: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     est_heavy_ms: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     est_all_ms: dict[Any, float] = field(default_factory=lambda: defaultdict(float))
     static_bytes: int = 0
     peak_bytes: int = 0
+    #: Bytes of the parameters FSDP gathered for each segment's forward (a sharded model only).
+    gathered_bytes: dict[int, int] = field(default_factory=dict)
     #: Milliseconds from the step's start to each segment boundary (``StepTracer`` with ``ops``).
     marks: dict[Any, float] = field(default_factory=dict)
     #: What each segment was called with (``StepTracer(capture_inputs=True)``).
     inputs: dict[int, "CapturedCall"] = field(default_factory=dict)
+    #: Every segment by index, one per call of a module run several times (Note [A segment per call]).
+    names: list[str] = field(default_factory=list)
 
 
 #: Tensors up to this size are kept by value for re-running a segment; larger ones by shape only.
@@ -163,16 +171,20 @@ class CapturedCall:
         return cls(tree_map(keep, args), tree_map(keep, kwargs), autocast)
 
     def make(self) -> tuple[tuple, dict]:
-        """Fresh arguments: tensors that required grad require it again."""
+        """Fresh arguments: tensors that required grad require it again (outputs of a copy, not
+        leaves, as in the step: a segment may write into its input)."""
         from torch.utils._pytree import tree_map
 
         def fresh(v: Any) -> Any:
             if isinstance(v, tuple) and v and v[0] == "value":
-                return v[1].clone().requires_grad_(v[2]) if v[2] else v[1].clone()
-            if isinstance(v, tuple) and v and v[0] == "shape":
+                t, rg = v[1].clone(), v[2]
+            elif isinstance(v, tuple) and v and v[0] == "shape":
                 _, shape, dtype, device, rg = v
-                return torch.randn(shape, dtype=dtype, device=device).requires_grad_(rg)
-            return v
+                t = torch.randn(shape, dtype=dtype, device=device)
+            else:
+                return v
+            # Not a leaf, as it was not in the step: a segment may write into its input in place.
+            return t.requires_grad_(True).clone() if rg else t
 
         is_leaf = lambda v: isinstance(v, tuple) and bool(v) and v[0] in ("value", "shape")  # noqa: E731
         return tree_map(fresh, self.args, is_leaf=is_leaf), tree_map(fresh, self.kwargs, is_leaf=is_leaf)
@@ -207,6 +219,8 @@ class _OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         elapsed_ms = (time.perf_counter() - start) * 1e3
         region = rec.region
+        if rec.phase_is_forward:  # what it writes in place, in any region (Note [Which ops selective recomputation saves])
+            rec.trace.mutated.update(rec.keys.key(s) for t in written_args(func, args, kwargs) if (s := _storage(t)) is not None)
         if rec.phase_is_forward and isinstance(region, int) and region >= 0:
             is_heavy = func in self.heavy
             rec.trace.all_op_ms[region] += elapsed_ms
@@ -217,16 +231,12 @@ class _OpRecorder(TorchDispatchMode):
             if is_heavy:
                 rec.trace.heavy_op_ms[region] += elapsed_ms
                 rec.trace.heavy[region].update(outputs)
-            if func._schema.is_mutable:  # what it writes in place (Note [Which ops selective recomputation saves])
-                for arg, value in zip(func._schema.arguments, args):
-                    if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor) and (s := _storage(value)) is not None:
-                        rec.trace.mutated[region].add(rec.keys.key(s))
             est = self._estimate_ms(func, args, kwargs, out) if rec.fake else elapsed_ms
             if rec.fake:
                 rec.trace.est_all_ms[region] += est
                 if is_heavy:
                     rec.trace.est_heavy_ms[region] += est
-            rec.record_op(region, str(func), est, outputs)
+            rec.record_op(region, str(func), est, outputs, cacheable=not func._schema.is_mutable)
         elif rec.fake and rec.phase_is_forward:
             rec.trace.est_all_ms[region] += self._estimate_ms(func, args, kwargs, out)
         elif isinstance(region, tuple) and region[0] == "bwd":
@@ -253,9 +263,15 @@ class _Recorder:
 
     def __init__(self, model: nn.Module, names: list[str], meter: DeviceMemoryMeter, param_storages: set, fake: bool) -> None:
         self.model = model
-        self.names = names
+        #: Segment names by index: the given ones, then a call's segment for each call of a module
+        #: beyond those named (Note [A segment per call] in segments.py), in the order first run.
+        self.names = list(names)
+        self.given = len(names)
         self.index = {name: i for i, name in enumerate(names)}
         self.modules = resolve_modules(model, names)  # canonical names, compiled or not
+        #: Module name -> calls so far this step, and the indices of its calls still running.
+        self.calls: dict[str, int] = {}
+        self.running: dict[str, list[int]] = {}
         self.meter = meter
         self.param_storages = param_storages
         self.fake = fake
@@ -273,16 +289,20 @@ class _Recorder:
         self.capture_inputs = False
         self.inputs: dict[int, "CapturedCall"] = {}
         self._bwd_ops: dict[int, list[tuple[int, set]]] = {}
+        self.sharded = is_sharded(model)
         #: Storage keys some op of the forward has made (Note [Which ops selective recomputation saves]).
         self._made: set[int] = set()
 
-    def record_op(self, region: int, op: str, ms: float, outputs: dict[int, int]) -> None:
+    def record_op(self, region: int, op: str, ms: float, outputs: dict[int, int], *, cacheable: bool = True) -> None:
         """One op of segment ``region``'s forward: its time and the storages it made, not those
         its outputs share with what existed (views, in-place ops: Note [Which ops selective
-        recomputation saves] in ``profiler.py``)."""
+        recomputation saves] in ``profiler.py``). An op that is not ``cacheable`` (an ``out=``
+        overload: Note [Selective never replays a mutated tensor] in ``engine/recompute.py``)
+        makes nothing selective could save."""
         costs = self.trace.ops[region].setdefault(op, [0.0, {}])
         costs[0] += ms
-        costs[1].update({k: b for k, b in outputs.items() if k not in self._made})
+        if cacheable:
+            costs[1].update({k: b for k, b in outputs.items() if k not in self._made})
         self._made.update(outputs)
 
     def mark(self, key: Any) -> None:
@@ -313,16 +333,28 @@ class _Recorder:
         return PREFIX if pos == 0 else ("after", self._exec[pos - 1])
 
     # -- forward hooks ------------------------------------------------------------------
-    def pre(self, i: int):
+    def _call_index(self, module_name: str) -> int:
+        """The segment of this call of ``module_name`` (Note [A segment per call])."""
+        call = self.calls.get(module_name, 0)
+        self.calls[module_name] = call + 1
+        name = call_name(module_name, call)
+        if name not in self.index:
+            self.index[name] = len(self.names)
+            self.names.append(name)
+        return self.index[name]
+
+    def pre(self, module_name: str):
         def hook(module, args, kwargs):
-            if i in self._exec:
-                raise ValueError(f"`segments`: segment {self.names[i]!r} ran twice in one step; segments must run once.")
+            i = self._call_index(module_name)
+            self.running.setdefault(module_name, []).append(i)
             self._exec.append(i)
             self.mark(("fs", i))
             if self.capture_inputs:
                 self.inputs[i] = CapturedCall.of(args, kwargs)
             self.switch(("fwd", i))
             self.region = i
+            if self.sharded:
+                self._gathered(module, i)
             x = _first_tensor(args)
             if x is not None and (s := _storage(x)) is not None:
                 self.trace.input_key[i] = (self.keys.key(s), s.nbytes())
@@ -331,8 +363,9 @@ class _Recorder:
 
         return hook
 
-    def post(self, i: int):
+    def post(self, module_name: str):
         def hook(module, args, output):
+            i = self.running[module_name].pop()
             self.mark(("fe", i))
             y = _first_tensor(output)
             if y is not None and (s := _storage(y)) is not None:
@@ -429,6 +462,17 @@ class _Recorder:
     def boundary_keys(self, key: Any) -> tuple[Any, Any]:
         return boundary_keys(self.trace, self._exec, key)
 
+    def _gathered(self, module: nn.Module, i: Optional[int] = None) -> None:
+        """FSDP gathered these parameters just now (its hook runs before ours): they are not
+        saved activations, and their bytes are the segment's (Note [Sharded state is local])."""
+        tensors = [t for t in gathered_parameters(module) if t.layout == torch.strided]
+        self.param_storages.update(id(t.untyped_storage()) for t in tensors)
+        if i is not None:
+            self.trace.gathered_bytes[i] = gathered_bytes(tensors)
+
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        self._gathered(module)  # the root unit's parameters, saved by the head and the embedding
+
     # -- saved tensors ------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         s = _storage(t)
@@ -437,11 +481,17 @@ class _Recorder:
         return t
 
     def install(self, params: list[torch.Tensor]) -> None:
+        hooked: set[str] = set()
         for name in self.names:
+            module_name = split_call(name)[0]
+            if module_name in hooked:
+                continue
+            hooked.add(module_name)
             module = self.modules[name]
-            i = self.index[name]
-            self.handles.append(module.register_forward_pre_hook(self.pre(i), with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self.post(i)))
+            self.handles.append(module.register_forward_pre_hook(self.pre(module_name), with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self.post(module_name)))
+        if self.sharded:
+            self.handles.append(self.model.register_forward_pre_hook(self._root_pre))
         for p in params:
             if p.requires_grad and p.grad is None:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -552,10 +602,11 @@ class StepTracer:
         self._close()
         rec.offload_peaks()
         trace = rec.trace
-        missing = [self.names[i] for i in range(len(self.names)) if i not in rec._exec]
+        missing = [rec.names[i] for i in range(rec.given) if i not in rec._exec]
         if missing:
             raise ValueError(f"`segments` {missing} did not run in the profiled step.")
-        trace.order = [self.names[i] for i in rec._exec]
+        trace.order = [rec.names[i] for i in rec._exec]
+        trace.names = list(rec.names)
         trace.inputs = rec.inputs
         if rec.ops is not None:
             trace.marks = rec.resolve_marks()
@@ -626,15 +677,26 @@ def region_times(marks: dict[Any, float], order: list[int], end: float) -> dict[
     return out
 
 
+def _timed_windows(marks: dict, n: int, end: float, fwd: dict[int, float], bwd: dict[int, float]) -> float:
+    """Each segment's forward and backward ms from one step's marks, kept if faster; ``end``."""
+    for i in range(n):
+        fwd[i] = min(fwd.get(i, float("inf")), marks[("fe", i)] - marks[("fs", i)])
+        finish = marks.get(("be", i), end)  # input without grad: the backward ends with the step
+        bwd[i] = min(bwd.get(i, float("inf")), max(finish - marks.get(("bs", i), finish), 0.0))
+    return end
+
+
 def run_timing(
     model: nn.Module, names: list[str], step: Callable[[], torch.Tensor], device: torch.device, *, repeats: int = 2
 ) -> tuple[dict[int, float], dict[int, float], float, dict[Any, tuple[float, float]]]:
     """Forward and backward milliseconds per segment, of the whole step, and of the regions
-    outside the segments (:func:`region_times`), from the fastest of ``repeats`` plain steps."""
+    outside the segments (:func:`region_times`), from the fastest of ``repeats`` plain steps
+    (``names`` as the trace found them: one per call of a module run several times)."""
     marks: dict[Any, float] = {}
     handles: list[Any] = []
     order: list[int] = []
-    now = _timing_hooks(model, names, device, marks, handles, order)
+    calls: dict[str, int] = {}
+    now = _timing_hooks(model, names, device, marks, handles, order, calls)
     fwd: dict[int, float] = {}
     bwd: dict[int, float] = {}
     outside: dict[Any, tuple[float, float]] = {}
@@ -643,16 +705,13 @@ def run_timing(
         for _ in range(repeats):  # the fastest of a few steps: the first pays for warm-up
             marks.clear()
             order.clear()
+            calls.clear()
             start = now()
             loss = step()
             marks["bb"] = now()
             loss.backward()
-            end = now()
+            end = _timed_windows(marks, len(names), now(), fwd, bwd)
             total = min(total, end - start)
-            for i in range(len(names)):
-                fwd[i] = min(fwd.get(i, float("inf")), marks[("fe", i)] - marks[("fs", i)])
-                finish = marks.get(("be", i), end)  # input without grad: the backward ends with the step
-                bwd[i] = min(bwd.get(i, float("inf")), max(finish - marks.get(("bs", i), finish), 0.0))
             times = region_times({k: v - start for k, v in marks.items()}, order, end - start)
             for key, (f, b) in times.items():
                 old = outside.get(key, (float("inf"), float("inf")))
@@ -663,21 +722,30 @@ def run_timing(
     return fwd, bwd, total, outside
 
 
-def _timing_hooks(model: nn.Module, names: list[str], device: torch.device, marks: dict, handles: list, order: list) -> Callable[[], float]:
+def _timing_hooks(
+    model: nn.Module, names: list[str], device: torch.device, marks: dict, handles: list, order: list, calls: dict[str, int],
+) -> Callable[[], float]:
     """Hooks that mark each segment's forward and backward bounds in ``marks`` (and its place in
-    ``order``); returns the clock they read."""
+    ``order``; ``calls``: each module's calls so far, Note [A segment per call]); returns the
+    clock they read."""
     cuda = device.type == "cuda"
     index = {name: i for i, name in enumerate(names)}
     modules = resolve_modules(model, names)  # canonical names, compiled or not
+    running: dict[str, list[int]] = {}
 
     def now() -> float:
         if cuda:
             torch.cuda.synchronize(device)  # per-segment times need the device idle at each mark
         return time.perf_counter() * 1e3
 
-    def pre(i):
+    def pre(module_name):
         def hook(module, args):
-            order.append(i)
+            call = calls.get(module_name, 0)
+            calls[module_name] = call + 1
+            i = index.get(call_name(module_name, call), -1)  # -1: a call the trace did not see
+            running.setdefault(module_name, []).append(i)
+            if i >= 0:
+                order.append(i)
             marks[("fs", i)] = now()
             x = _first_tensor(args)
             if x is not None and x.requires_grad:
@@ -685,8 +753,9 @@ def _timing_hooks(model: nn.Module, names: list[str], device: torch.device, mark
 
         return hook
 
-    def post(i):
+    def post(module_name):
         def hook(module, args, output):
+            i = running[module_name].pop()
             marks[("fe", i)] = now()
             y = _first_tensor(output)
             if y is not None and y.requires_grad:
@@ -694,7 +763,7 @@ def _timing_hooks(model: nn.Module, names: list[str], device: torch.device, mark
 
         return hook
 
-    for name in names:
-        handles.append(modules[name].register_forward_pre_hook(pre(index[name])))
-        handles.append(modules[name].register_forward_hook(post(index[name])))
+    for module_name in dict.fromkeys(split_call(name)[0] for name in names):
+        handles.append(modules[module_name].register_forward_pre_hook(pre(module_name)))
+        handles.append(modules[module_name].register_forward_hook(post(module_name)))
     return now

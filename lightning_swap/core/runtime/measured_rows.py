@@ -38,14 +38,23 @@ class RowMeasure:
         def inflight() -> int:
             return rt.engine.copies.inflight_bytes if rt.engine is not None else 0
 
-        for name in rt._names:
-            module = rt._modules[name]
+        for module_name, entries in rt._calls.groups.items():  # one bracket per module, whatever its calls
+            module = rt._modules[module_name]
 
-            def pre(m: nn.Module, args: Any, name: str = name) -> None:
-                if torch.is_grad_enabled():
+            def now(module_name: str = module_name, single: str = entries[0][1]) -> Optional[str]:
+                """The segment of the call running (Note [A segment per call] in ``calls.py``)."""
+                if not rt._calls.per_call(module_name):
+                    return single
+                entry = rt._calls.entry_now(module_name)
+                return entry[1] if entry is not None else None
+
+            def pre(m: nn.Module, args: Any, now: Any = now) -> None:
+                name = now()
+                if torch.is_grad_enabled() and name is not None:
                     marks[name] = (rt.meter.current_bytes, inflight())
 
-            def post(m: nn.Module, args: Any, out: Any, name: str = name) -> None:
+            def post(m: nn.Module, args: Any, out: Any, now: Any = now) -> None:
+                name = now()
                 if name in marks:
                     bytes0, flying0 = marks.pop(name)
                     left = rt.meter.current_bytes - bytes0 - (inflight() - flying0)

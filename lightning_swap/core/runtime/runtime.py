@@ -55,6 +55,7 @@ reported once per segment with a warning.
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 from collections.abc import Iterable, Mapping
@@ -69,10 +70,12 @@ from ..engine.meter import DeviceMemoryMeter
 from ..engine.offload import OffloadEngine
 from ..decide.plan import Plan
 from ..engine.recompute import RecomputeTimer, checkpointed
-from ..segments import region_after, resolve_modules, unwrap_compiled
+from ..segments import region_after, resolve_modules, split_call, unwrap_compiled
+from ..sharded import gathered_parameters, is_sharded, units_inside
 from ..engine.streams import Timing, default_ops
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, UMMode, check_inflight_segments, check_min_offload_bytes, check_window_bytes
 from ..tensors import ModuleHook, normalize_device, on_backward_start, tensors_in
+from .calls import SegmentCalls
 from .measured_rows import RowMeasure
 from .stats import StatsHistory, StepRecord, StepStats
 
@@ -134,6 +137,25 @@ def _prefetch_for(device: torch.device, prefetch_segments: Optional[int]) -> int
     return prefetch_segments
 
 
+def _checked_actions(plan: Plan) -> Mapping[str, Action]:
+    for name, action in plan.actions.items():
+        if not isinstance(action, Action):
+            raise ValueError(f"`plan` action for {name!r} must be an Action; got {action!r}.")
+    return plan.actions
+
+
+def _check_selective(plan: Plan, modules: Mapping[str, nn.Module]) -> None:
+    """Note [Selective around FSDP hooks]: no ``SELECTIVE`` on a segment holding an FSDP unit."""
+    for name, action in plan.actions.items():
+        units = units_inside(modules[name]) if action is Action.SELECTIVE else []
+        if units:
+            raise ValueError(
+                f"`plan`: segment {name!r} is selective but holds FSDP units of its own ({units}); their hooks run inside "
+                "the selective region, which torch's selective checkpointing cannot replay (Note [Selective around FSDP "
+                "hooks]). Use 'recompute' for it, or shard the block as one unit."
+            )
+
+
 class SwapRuntime:
     """Applies ``plan`` (or a mapping from segment name to action) to ``model``.
 
@@ -155,8 +177,7 @@ class SwapRuntime:
         inflight_bytes: Optional[int] = None,
     ) -> None:
         self.model = model
-        #: A :class:`~lightning_swap.core.engine.unified.memory.UnifiedMemory`: offloaded activations go to
-        #: managed buffers, and under ``um="all"`` segments' parameters are prefetched.
+        #: A ``UnifiedMemory`` (``engine/unified/memory.py``): managed host buffers, parameter prefetch.
         self.unified = unified
         self.plan = plan if isinstance(plan, Plan) else Plan(actions=plan)
         self.min_offload_bytes = check_min_offload_bytes(min_offload_bytes)
@@ -165,29 +186,33 @@ class SwapRuntime:
             device = first.device if first is not None else torch.device("cpu")
         self.device = normalize_device(device)
         self._set_windows(prefetch_segments, inflight_segments, prefetch_bytes, inflight_bytes)
-        # Canonical names, compiled or not (Note [Canonical segment names] in segments.py).
-        self._modules = resolve_modules(model, list(self.plan.actions), field="plan")
+        # Canonical names (Note [Canonical segment names]); a call's segment is its module's.
+        self._calls = SegmentCalls(_checked_actions(self.plan))
+        self._modules = resolve_modules(model, [*self.plan.actions, *self._calls.groups], field="plan")
+        _check_selective(self.plan, self._modules)
         self._names = list(self.plan.actions)
-        #: Note [Measured rows]: a plan without predicted rows (a forced policy) gets measured
-        #: ones from the first step: ``None`` until then, the rows being collected, then a Plan.
+        #: Note [Measured rows]: a plan without predicted rows gets rows measured in its first step.
         self.measure_rows = not self.plan.rows
         self._row_measure: Optional[RowMeasure] = None
         self.measured_plan_result: Optional[Plan] = None
         self._saved_forward: dict[str, tuple[bool, Any]] = {}
-        #: Segment name -> (compiled module's name, its Dynamo context) as installed.
+        #: Module name -> (compiled module's name, its Dynamo context) as installed.
         self._contexts: dict[str, Optional[tuple[str, Any]]] = {}
-        #: Module-level compilations set aside (Note [Regional compilation is taken over]):
-        #: (object, attribute, had it in __dict__, previous value, value set).
+        #: Compilations set aside (Note [Regional compilation is taken over]): (object,
+        #: attribute, had it in __dict__, previous value, value set).
         self._set_aside: list[tuple[Any, str, bool, Any, Any]] = []
         self._active = self._compiled = self._step_open = self._metered = self._logged_unmetered = False
         self._handles: list[Any] = []
-        #: Segments whose module call is running (their forward hooks fired): Note [Direct
-        #: forward calls].
+        #: Segments whose module call is running (hooks fired): Note [Direct forward calls].
         self._in_call: set[int] = set()
         self._reported_checkpoints: set[str] = set()
         #: Note [Regions outside the segments are hooked for the whole step] (engine/offload.py):
         #: segment forwards running now, the last that ended, the whole-step hooks in a step.
-        self._depth, self._last_ran, self._outside_hooks = 0, None, None
+        #: Under FSDP, whether the parameters gathered now must be named to the engine before an
+        #: outside region saves anything (Note [Regions outside the segments under FSDP]).
+        self._depth, self._last_ran, self._outside_hooks, self._sharded, self._outside_params_stale = 0, None, None, is_sharded(model), True
+        #: Segment -> why its recomputation cannot run as planned (Note [Refused actions]).
+        self.refusals: dict[str, str] = {}
         self.engine: Optional[OffloadEngine] = None
         #: The stream layer every timing and copy of this runtime goes through (Note [Stream protocol]).
         self.ops = default_ops(self.device)
@@ -201,10 +226,7 @@ class SwapRuntime:
 
     def _set_windows(self, prefetch_segments: Optional[int], inflight_segments: int, prefetch_bytes: Optional[int], inflight_bytes: Optional[int]) -> None:
         """The copy windows: in bytes, given here or those the plan was priced for (Note [Copy
-        windows in bytes] in engine/offload.py), else in segments; and the plan's actions checked."""
-        for name, action in self.plan.actions.items():
-            if not isinstance(action, Action):
-                raise ValueError(f"`plan` action for {name!r} must be an Action; got {action!r}.")
+        windows in bytes] in engine/offload.py), else in segments."""
         self.prefetch_segments = _prefetch_for(self.device, prefetch_segments)
         self.inflight_segments = check_inflight_segments(inflight_segments)
         self.prefetch_bytes = check_window_bytes(prefetch_bytes if prefetch_bytes is not None else self.plan.prefetch_bytes, "prefetch_bytes")
@@ -231,10 +253,16 @@ class SwapRuntime:
                 inflight_bytes=self.inflight_bytes,
             )
         try:
+            for module_name in self._calls.groups:  # first: the other hooks read the call it counts
+                if self._calls.per_call(module_name):
+                    self._handles.append(self._modules[module_name].register_forward_pre_hook(self._calls.counter(module_name)))
             self._install_forwards()
             if self.engine is not None:
-                for index, name in enumerate(self.plan.actions):
-                    module = self._modules[name]
+                for module_name, entries in self._calls.groups.items():
+                    module = self._modules[module_name]
+                    index: Any = entries[0][2]
+                    if self._calls.per_call(module_name):
+                        index = functools.partial(self._calls.index_now, module_name)
                     self._handles.append(module.register_forward_pre_hook(self._forward_trigger(index)))
                     self._handles.append(module.register_forward_hook(self._backward_trigger(index)))
             if self.unified is not None and self.unified.mode is UMMode.ALL:
@@ -247,7 +275,7 @@ class SwapRuntime:
 
     # -- forwards, compiled or not (Note [Actions around compiled segments]) -----------------
     def _find_contexts(self) -> dict[str, Optional[tuple[str, Any]]]:
-        found = {name: compile_context(self.model, name) for name in self.plan.actions}
+        found = {name: compile_context(self.model, name) for name in self._calls.groups}
         for name, before in self._contexts.items():
             now = found.get(name)
             if before is not None and before[0] == name and (now is None or now[0] != name) and self._is_set_aside(name):
@@ -259,13 +287,16 @@ class SwapRuntime:
         return any(obj is module or getattr(obj, "_orig_mod", None) is module for obj, *_ in self._set_aside)
 
     def _install_forwards(self) -> None:
+        """Contexts and forwards are per module (``self._calls.groups``): one module, one forward,
+        whatever calls of it the plan names (Note [A segment per call] in ``calls.py``)."""
         contexts = self._find_contexts()
         self._compiled = is_compiled(self.model) or any(c is not None for c in contexts.values())
         acting = any(a is not Action.KEEP for a in self.plan.actions.values())
         hooked = self.engine is not None or (self.unified is not None and self.unified.mode is UMMode.ALL)
         for name, action in self.plan.actions.items():
-            found = contexts[name]
-            if found is None or found[0] == name or not fullgraph(found[1]) or (action is Action.KEEP and not hooked):
+            module_name = split_call(name)[0]
+            found = contexts[module_name]
+            if found is None or found[0] == module_name or not fullgraph(found[1]) or (action is Action.KEEP and not hooked):
                 continue
             where = repr(found[0]) if found[0] else "the model"
             what = f"action {action.value!r}" if action is not Action.KEEP else "hooks (the offload engine's)"
@@ -275,24 +306,34 @@ class SwapRuntime:
                 "fullgraph=True, or compile each block on its own (regional compilation: `block.compile(fullgraph=True)` "
                 "for each segment), which the runtime supports with no graph break."
             )
-        for index, (name, action) in enumerate(self.plan.actions.items()):
-            module = self._modules[name]
-            found = contexts[name]
-            regional = found is not None and found[0] == name
-            if action is Action.KEEP and (found is None or not (acting or hooked) or (regional and not hooked)):
-                continue  # nothing runs around it: leave it as the user compiled it (or not)
-            had_attr = "forward" in module.__dict__
-            self._saved_forward[name] = (had_attr, module.__dict__.get("forward"))
-            forward = module.forward
-            if found is not None:
-                if regional:
-                    self._set_aside_compilation(name)
-                forward = found[1](forward)
-            if action is Action.KEEP:
-                module.forward = _CompiledForward(module, forward)
-            else:
-                module.forward = self._wrap(module, forward, action, index)
+        for module_name, entries in self._calls.groups.items():
+            self._install_forward(module_name, entries, contexts[module_name], acting=acting, hooked=hooked)
         self._contexts = contexts
+
+    def _install_forward(self, module_name: str, entries: list, found: Any, *, acting: bool, hooked: bool) -> None:
+        module = self._modules[module_name]
+        regional = found is not None and found[0] == module_name
+        actions = [self.plan.actions[name] for _, name, _ in entries]
+        if all(a is Action.KEEP for a in actions) and (found is None or not (acting or hooked) or (regional and not hooked)):
+            return  # nothing runs around it: leave it as the user compiled it (or not)
+        had_attr = "forward" in module.__dict__
+        self._saved_forward[module_name] = (had_attr, module.__dict__.get("forward"))
+        forward = module.forward
+        if found is not None:
+            if regional:
+                self._set_aside_compilation(module_name)
+            forward = found[1](forward)
+        compiled = found is not None or is_compiled(module)
+        variants = {}
+        for (call, name, index), action in zip(entries, actions):
+            if action is Action.KEEP:
+                variants[call] = _CompiledForward(module, forward) if found is not None else forward
+            else:
+                variants[call] = self._wrap(module, forward, action, index, compiled=compiled)
+        if self._calls.per_call(module_name):
+            module.forward = _SegmentForward(module, self._calls.dispatch(module_name, variants, forward))
+        else:
+            module.forward = variants[0]
 
     def _set_aside_compilation(self, name: str) -> None:
         """Note [Regional compilation is taken over]."""
@@ -351,7 +392,11 @@ class SwapRuntime:
         else:
             self._compiled = is_compiled(self.model) or any(c is not None for c in contexts.values())
 
-    def _wrap(self, module: nn.Module, forward: Any, action: Action, index: int) -> Any:
+    def _refused(self, name: str, reason: str) -> None:
+        """A segment cannot run its recomputation as planned (``checkpointed``'s ``on_refuse``)."""
+        self.refusals.setdefault(name, reason)
+
+    def _wrap(self, module: nn.Module, forward: Any, action: Action, index: int, *, compiled: bool = False) -> Any:
         engine = self.engine
         if action is Action.OFFLOAD:
             assert engine is not None
@@ -362,10 +407,13 @@ class SwapRuntime:
                 with engine.hooks(index):
                     return forward(*args, **kwargs)
 
-            return _SegmentForward(module, self._also_direct(offloaded, index))
+            return _SegmentForward(module, self._also_direct(offloaded, index, module))
         outer = (lambda: engine.hooks(index)) if action is Action.RECOMPUTE_OFFLOAD else None
         save_ops = self.plan.selective_ops.get(self._names[index]) if action is Action.SELECTIVE else None
-        fn = checkpointed(module, forward, action, self.timer, outer=outer, name=self._names[index], save_ops=save_ops)
+        fn = checkpointed(
+            module, forward, action, self.timer, outer=outer, name=self._names[index], compiled=compiled, on_refuse=self._refused,
+            save_ops=save_ops,
+        )
         if outer is None:
             return _SegmentForward(module, fn)
 
@@ -374,7 +422,7 @@ class SwapRuntime:
                 return forward(*args, **kwargs)
             return fn(*args, **kwargs)
 
-        return _SegmentForward(module, self._also_direct(recomputed_offloaded, index))
+        return _SegmentForward(module, self._also_direct(recomputed_offloaded, index, module))
 
     def _user_recomputes(self, index: int) -> bool:
         """Note [A user's checkpoint inside a segment]."""
@@ -394,7 +442,7 @@ class SwapRuntime:
             )
         return True
 
-    def _also_direct(self, fn: Any, index: int) -> Any:
+    def _also_direct(self, fn: Any, index: int, module: nn.Module) -> Any:
         """Note [Direct forward calls]: ``block.forward(x)`` skips the module's forward hooks,
         which bound what is in flight and trigger the prefetch; the segment's own forward then
         does what they would have done."""
@@ -402,50 +450,58 @@ class SwapRuntime:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if index in self._in_call or torch._C._current_graph_task_id() != -1:
                 return fn(*args, **kwargs)
-            self._segment_started()
+            self._segment_started(module)
             output = fn(*args, **kwargs)
             self._segment_ended(output, index)
             return output
 
         return forward
 
-    def _segment_started(self) -> None:
+    def _segment_started(self, module: nn.Module) -> None:
         self._depth += 1
+        self._outside_params_stale = True
         if torch.is_grad_enabled():
             self.engine.segment_started()
+            # FSDP gathered this segment's parameters just now (its hooks run first): never offloaded.
+            self.engine.segment_parameters(gathered_parameters(module))
 
     def _segment_ended(self, output: Any, index: int) -> None:
         engine = self.engine
         self._depth = max(self._depth - 1, 0)
-        self._last_ran = index
+        if index is not None:  # a call beyond the plan's is kept: its region is the last planned one's
+            self._last_ran = index
         if torch.is_grad_enabled():
             run = engine.run  # this forward's place in the execution order, not the plan's
             engine.segment_ended()
             if engine.prefetch_segments > 0:
                 on_backward_start(output, lambda: engine.backward_started(run))
 
-    def _forward_trigger(self, index: int) -> Any:
+    def _forward_trigger(self, index: Any) -> Any:
         """A forward pre-hook on every segment: what is in flight is bounded in segments
-        (Note [Stream protocol], rule 2)."""
+        (Note [Stream protocol], rule 2). ``index``: the segment's, or a function giving the
+        running call's (Note [A segment per call] in ``calls.py``)."""
 
         def hook(module: nn.Module, args: Any) -> None:
             if torch._C._current_graph_task_id() != -1:
                 return  # recomputed in backward by a reentrant checkpoint: not a forward
-            self._in_call.add(index)
-            self._segment_started()
+            i = index() if callable(index) else index
+            if i is not None:
+                self._in_call.add(i)
+            self._segment_started(module)
 
         return ModuleHook(hook)
 
-    def _backward_trigger(self, index: int) -> Any:
+    def _backward_trigger(self, index: Any) -> Any:
         """A forward hook: the segment's copies to the host may stay in flight only so long
         (Note [Stream protocol]), and its outputs mark when its backward starts (Note [Prefetch
-        schedule] in offload.py)."""
+        schedule] in offload.py). ``index`` as :meth:`_forward_trigger`'s."""
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if torch._C._current_graph_task_id() != -1:
                 return
-            self._in_call.discard(index)
-            self._segment_ended(output, index)
+            index_now = index() if callable(index) else index
+            self._in_call.discard(index_now)
+            self._segment_ended(output, index_now)
 
         return ModuleHook(hook)
 
@@ -459,10 +515,18 @@ class SwapRuntime:
             self._last_ran = None
         last = self._names[self._last_ran] if self._last_ran is not None else None
         name = region_after(self._names, last)
-        return name if self.plan.outside.get(name) is Action.OFFLOAD else None
+        if self.plan.outside.get(name) is not Action.OFFLOAD:
+            return None
+        if self._sharded and self._outside_params_stale:
+            # Note [Regions outside the segments under FSDP]: the root unit's parameters (the
+            # embedding's, the head's), gathered by FSDP for the code outside the blocks, are
+            # never offloaded, as a segment's own gathered parameters are not.
+            self.engine.segment_parameters(gathered_parameters(self.model))
+            self._outside_params_stale = False
+        return name
 
     def _enter_outside_hooks(self) -> None:
-        self._depth, self._last_ran = 0, None
+        self._depth, self._last_ran, self._outside_params_stale = 0, None, True
         if self.engine is not None and self.plan.offloads_outside:
             hooks = self.engine.outside_hooks(self._outside_region)
             hooks.__enter__()
@@ -495,7 +559,8 @@ class SwapRuntime:
         forward starts, and segment ``i-1``'s when segment ``i``'s backward starts, once the
         managed memory outgrows the device (Note [Prefetch only when oversubscribed])."""
         unified = self.unified
-        params = [list(self._modules[name].parameters()) for name in self.plan.actions]
+        modules = list(self._calls.groups)  # one per module, however many calls it runs
+        params = [list(self._modules[name].parameters()) for name in modules]
         last = len(params) - 1
 
         def prefetch(index: int) -> None:
@@ -517,7 +582,7 @@ class SwapRuntime:
 
             return ModuleHook(hook)
 
-        for index, name in enumerate(self.plan.actions):
+        for index, name in enumerate(modules):
             module = self._modules[name]
             self._handles.append(module.register_forward_pre_hook(before_forward(index)))
             self._handles.append(module.register_forward_hook(after_forward(index)))
@@ -578,6 +643,7 @@ class SwapRuntime:
         elif self._metered and self._compiled and not self.meter.is_cuda:
             log.info("lightning-swap: measuring this step's device memory on CPU; the compiled model runs eagerly for it")
         self._step_open = True
+        self._calls.reset()
         self._in_call.clear()  # a forward that raised last step left its segment there
         if self._metered:
             self.meter.__enter__()

@@ -8,8 +8,9 @@ Note [Auto: observe, plan, check]: before every training step the session asks
   step runs under the lowest-memory plan, measured (Note [Observe only what fits]); after it
   the main process decides for every process (``VERDICT``, broadcast) what comes next;
 - ``OBSERVE``: the guard steps bound plain's peak within the budget: the step runs with every
-  segment kept and the main process observes it (Note [Observe, do not re-run] in
-  ``observe.py``);
+  segment kept and every process observes it (Note [Observe, do not re-run] in
+  ``observe.py``; the profiles merge by their largest values: Note [Decide from the largest
+  measurement] in ``collectives.py``);
 - ``PLAN``: a plan is due: the first step after an observation (the profile is shifted to the
   state alive now, Note [Steady-state shift]), the step after a new plan's first step (the
   check below), or the gradients and optimizer state grew;
@@ -17,7 +18,7 @@ Note [Auto: observe, plan, check]: before every training step the session asks
 
 The answer depends only on what every data-parallel process sees alike (batch shapes, the
 order of steps, the sizes of gradients and optimizer state), so all enter the plan's broadcast
-together; the main process alone solves.
+together; the main process alone solves, from the largest of every process's measurements.
 
 The check: the first step under a new plan is measured. If its peak exceeded the prediction,
 the difference is learned (the model misses allocator rounding, workspaces, ...: it only grows)
@@ -131,6 +132,7 @@ class _Guard:
     bound: Optional[int] = None  # plain's bound, once a guard step began in the steady state
     least: Optional[int] = None  # the lowest-memory plan's steady peak (from the verdict)
     start: StateSizes = StateSizes()  # the state the running guard step began with
+    refused: int = 0  # the refusals its plan knew of (Note [Refused actions])
     decision: Optional[StepKind] = None
     open: bool = False
 
@@ -150,9 +152,11 @@ class AutoPlanner:
 
     def __init__(
         self, *, budget_bytes: Optional[int], segments: Sequence[str], config: SwapConfig = SwapConfig(),
-        grads_freed_before_backward: bool = False,
+        grads_freed_before_backward: bool = False, actions: Optional[Sequence[Action]] = None,
     ) -> None:
         self.budget_bytes = budget_bytes
+        #: The actions plans may use (``None``: all; Note [Selective around FSDP hooks]).
+        self.actions = None if actions is None else tuple(actions)
         self.segments = tuple(segments)
         self.config = config
         self.grads_freed_before_backward = grads_freed_before_backward
@@ -174,6 +178,10 @@ class AutoPlanner:
         self._guard_end: Optional[StateSizes] = None  # the state the last guard step ended with
         #: Bytes the measured peaks exceeded the predictions by, learned from the checks.
         self.correction_bytes = 0
+        #: Segment -> why its recomputation cannot run as planned, as the session's steps found
+        #: (Note [Refused actions] in ``model_profile.py``): never planned, offloaded when guarding.
+        self.refusals: dict[str, str] = {}
+        self._refusals_planned = 0  # how many of them the last plan knew of
 
     @property
     def check_pending(self) -> bool:
@@ -183,7 +191,7 @@ class AutoPlanner:
     # -- what the next step does ---------------------------------------------------------
     def next_step(self, step: StepInputs) -> StepKind:
         """The decision table (Note [Auto: observe, plan, check])."""
-        if self.budget_bytes is None:
+        if self.budget_bytes is None or not self.segments:
             return StepKind.PLAN if self._plan_due else StepKind.RUN
         batch = step.batch
         if self._adopt_shape:  # a profile made elsewhere (a batch-size search): this batch's shape
@@ -197,8 +205,8 @@ class AutoPlanner:
         if self._scalable and batch.size != self._planned_batch:
             self._planned_batch = batch.size
             return StepKind.PLAN  # a profile measured at two batch sizes rescales (Note [Batch scaling])
-        if self._plan_due or self._check_pending:
-            return StepKind.PLAN
+        if self._plan_due or self._check_pending or len(self.refusals) != self._refusals_planned:
+            return StepKind.PLAN  # ... or a segment refused an action since (Note [Refused actions])
         if step.state.signature != self._signature:
             self._signature = step.state.signature
             if step.state.total_bytes > self._planned_state:
@@ -219,7 +227,8 @@ class AutoPlanner:
         if self._guard is None or not self._guard.covers(step.batch):
             self._guard = _Guard(step.batch)
         self._guard.start, self._guard.decision, self._guard.open = step.state, None, True
-        return Plan.lowest_memory(self.segments)
+        self._guard.refused = len(self.refusals)  # recomputation refused: offloaded (Note [Refused actions])
+        return Plan.lowest_memory(self.segments, self.refusals)
 
     def guard_backward_done(self, peak_bytes: int) -> None:
         """The guard step's peak up to the end of its backward (its optimizer step not yet run)."""
@@ -272,8 +281,13 @@ class AutoPlanner:
 
     def take_verdict(self, verdict: Verdict) -> None:
         """Every process, with the main process's verdict."""
-        self._guard.decision, self._guard.least = verdict.decision, verdict.least_bytes
-        if verdict.decision is StepKind.RUN:
+        decision = verdict.decision
+        if decision is StepKind.RUN and len(self.refusals) > self._guard.refused:
+            # A segment refused the recomputation the guard plan gave it (it ran on a copy of its
+            # input): guard once more with it offloaded, and keep that plan (Note [Refused actions]).
+            decision = StepKind.GUARD
+        self._guard.decision, self._guard.least = decision, verdict.least_bytes
+        if decision is StepKind.RUN:
             log.info(
                 "lightning-swap: plain training may need up to %s, over the budget of %s: every segment stays "
                 "recompute_offload (measured %s) rather than observe a step that would not fit.",
@@ -292,14 +306,15 @@ class AutoPlanner:
 
     # -- observing ------------------------------------------------------------------------
     def begin_observe(self, step: StepInputs) -> None:
-        """Every process, as the observed step begins (the main process traces it): what was
-        observed is recorded everywhere, so that all take the same decisions afterwards."""
+        """Every process, as the observed step begins (each traces it): what was observed is
+        recorded everywhere, so that all take the same decisions afterwards."""
         self._plan_due, self._check_pending = True, False
         self._profile_shape, self._profile_batch = step.batch.shape, step.batch.size
         self._observing, self._observed_state = step.batch, step.state
 
     def finish_observe(self, profile: ModelProfile) -> None:
-        """The main process: the observed step's profile, which the next plans are solved from."""
+        """Every process: the observed step's profile (the largest over the processes), which the
+        next plans are solved from."""
         self.set_profile(profile, self._observing)
 
     def set_profile(self, profile: ModelProfile, batch: Optional[BatchKey], *, steady: bool = False) -> None:
@@ -332,7 +347,8 @@ class AutoPlanner:
         """The plan for the steps to come (the main process; the session broadcasts it).
         ``measured_peak_bytes``: the newest step's measured peak, the check of the plan applied
         last when one is pending."""
-        if self.budget_bytes is None:
+        self._refusals_planned = len(self.refusals)
+        if self.budget_bytes is None or not self.segments:
             return Plan(actions={name: Action.KEEP for name in self.segments})
         grown = state.total_bytes > self._planned_state
         if self._check_pending and self._current is not None and self._current.predicted_peak_bytes is not None:
@@ -367,8 +383,8 @@ class AutoPlanner:
 
     def _solve(self, state: StateSizes) -> Plan:
         """The fastest plan within the budget less what the checks learned."""
-        budget, window = self.budget_bytes, copy_window_of(self.config)
-        profile = self.steady_profile(state)
+        budget, window = self.budget_bytes, dict(copy_window_of(self.config), actions=self.actions)
+        profile = self.steady_profile(state).refusing(self.refusals)
         if self._scalable and self._planned_batch != profile.batch_size:
             profile = profile.at_batch(self._planned_batch)
         effective = budget - self.correction_bytes

@@ -1,5 +1,15 @@
 """How the processes of a data-parallel job agree: :class:`Collectives`.
 
+Note [Decide from the largest measurement]: what one process measured (a peak, a profile)
+can be less than another's — under FSDP each rank holds its own shards, gathers the same units
+and may pad differently, and a data-parallel rank's batch can be larger — and a plan made from
+the main process's measurements alone may not fit the fullest rank. So every decision reads
+the largest over the processes: every process measures (under FSDP it must anyway: every rank
+runs every collective of the step), numbers are reduced by :attr:`Collectives.reduce_max`, and
+profiles are :attr:`Collectives.gather`-ed and merged by
+:func:`~lightning_swap.core.measure.model_profile.max_profile`. The main process then decides
+from those, and broadcasts (:meth:`Collectives.on_main`).
+
 The one mechanism every agreement goes through: the session's plans and guard verdicts
 (:meth:`Collectives.on_main`), the batch-size search's profile, measurements and answer. The
 adapters build it from their framework (Lightning's ``strategy.broadcast`` / ``reduce``,
@@ -11,7 +21,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Optional, TypeVar
 
 __all__ = ["Collectives"]
 
@@ -20,6 +30,10 @@ T = TypeVar("T")
 
 def _same(value: Any) -> Any:
     return value
+
+
+def _alone(value: Any) -> list[Any]:
+    return [value]
 
 
 def _sendable(error: Exception) -> Exception:
@@ -44,6 +58,14 @@ class Collectives:
     reduce_max: Callable[[float], float] = _same
     #: The smallest of every process's number (the batch size all agree on).
     reduce_min: Callable[[int], int] = _same
+    #: Every process's object, in process order, on every process (the profiles each measured).
+    gather: Callable[[Any], list[Any]] = _alone
+
+    def largest(self, value: Optional[int]) -> Optional[int]:
+        """The largest of every process's measured bytes (Note [Decide from the largest
+        measurement]); ``None`` where no process measured any. Every process must call it."""
+        largest = self.reduce_max(-1.0 if value is None else float(value))
+        return None if largest < 0 else int(largest)
 
     def on_main(self, decide: Callable[[], T]) -> T:
         """``decide()`` on the main process, its result handed to every process.

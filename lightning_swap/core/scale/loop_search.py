@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ..decide.costmodel import copy_window_of
 from ..decide.plan import Plan
+from ..measure.model_profile import max_profile
 from ..measure.profiler import StepFn
 from ..runtime.stats import StepStats
 from .auto import BatchKey
@@ -56,10 +57,10 @@ def search_for_loop(
     1. Warm-up (Note [Profile in the steady state]): one step at ``profile_batch_size`` under
        the leanest plan (every segment ``RECOMPUTE_OFFLOAD``), so that gradients and optimizer
        state exist when the step is profiled, as they do in every step but the first.
-    2. The main process profiles one plain step, ``step_fn(session.model, make_batch(n))``
+    2. Every process profiles one plain step, ``step_fn(session.model, make_batch(n))``
        with ``track()`` (optimizer state) alive, at ``n = profile_batch_size`` and again near
-       the largest batch that profile predicts (Note [Profile near the answer]), and
-       broadcasts the profile.
+       the largest batch that profile predicts (Note [Profile near the answer]); the profiles
+       are gathered and merged by their largest values.
     3. :func:`search_batch_size`, each trial applying its plan pinned and running
        ``config.steps_per_trial`` steps; a trial's peak is the max over its steps, its step
        time the median of the steps after the first (the first includes warm-up); peaks and step
@@ -106,24 +107,24 @@ def _profile_for_search(
     collectives: Collectives,
     predict: Callable[[Any], Any],
 ) -> Any:
-    """Steps 1 and 2 of :func:`search_for_loop`: warm up, profile (again near the answer
-    ``predict`` gives), broadcast; every process's ``session.profile`` is the result."""
+    """Steps 1 and 2 of :func:`search_for_loop`: warm up, profile on every process (again near
+    the answer ``predict`` gives), merge; every process's ``session.profile`` is the result."""
     session.apply(Plan.lowest_memory(session.segments), pinned=True)
     try:
         run_steps(profile_batch_size, 1)
     finally:
         session.remove()
-    # Every process makes the batches (a loader may synchronise the processes); the main
-    # process alone profiles.
+    # Every process makes the batches (a loader may synchronise the processes) and profiles: a
+    # sharded model's step runs every rank's collectives, and the search plans for the fullest
+    # process (Note [Decide from the largest measurement] in ``collectives.py``).
     batch = make_batch(profile_batch_size)
-    prof = session.measure(batch, step_fn, track()) if collectives.is_main else None
+    prof = max_profile(collectives.gather(session.measure(batch, step_fn, track())))
     top = predict(prof) if collectives.is_main else None
     top_size = collectives.broadcast(top.batch_size if top is not None else 0)
     if top_size > 2 * profile_batch_size:  # Note [Profile near the answer]
         log.info("re-profiling at batch %d, near the predicted answer", top_size)
         batch = make_batch(top_size)
-        prof = session.measure(batch, step_fn, track()) if collectives.is_main else None
-    prof = collectives.broadcast(prof)
+        prof = max_profile(collectives.gather(session.measure(batch, step_fn, track())))
     session.profile = prof  # every process: the adapter may plan training from it afterwards
     return prof
 

@@ -23,17 +23,18 @@ from torch import nn
 
 from ..actions import Action, allowed_actions, resolve_policy
 from ..config import SwapConfig
-from ..decide.plan import Plan
+from ..decide.plan import Plan, format_bytes
 from ..engine.streams import SyncOps, Timing
 from ..engine.unified.memory import UnifiedMemory
 from ..errors import is_out_of_memory
-from ..measure.model_profile import ModelProfile
+from ..measure.model_profile import ModelProfile, max_profile
 from ..measure.observe import ObservedStep
 from ..measure.profiler import profile as profile_step
 from ..measure.timeline import Timeline
 from ..runtime.runtime import SwapRuntime
 from ..runtime.stats import StatsHistory, StepRecord, StepStats
-from ..segments import find_segments, resolve_modules
+from ..segments import describe_segments, find_segments, resolve_modules, split_call
+from ..sharded import units_inside
 from ..tensors import device_budget_bytes, normalize_device, tensors_in
 from .auto import AutoPlanner, BatchKey, StepInputs, StepKind
 from .collectives import Collectives
@@ -44,6 +45,32 @@ __all__ = ["SwapSession"]
 
 
 log = logging.getLogger(__name__)
+
+
+def _largest_rows(gathered: list[Any]) -> Optional[tuple[Any, ...]]:
+    """Every process's measured rows (``None`` where one measured none) as one: per segment the
+    largest bytes kept, offloaded and recomputed (Note [Decide from the largest measurement])."""
+    if any(rows is None for rows in gathered) or not gathered:
+        return None
+    largest = []
+    for column in zip(*gathered):
+        largest.append(replace(
+            column[0], kept_bytes=max(r.kept_bytes for r in column), offloaded_bytes=max(r.offloaded_bytes for r in column),
+            recomputed_bytes=max(r.recomputed_bytes for r in column), added_ms=max(r.added_ms for r in column),
+        ))
+    return tuple(largest)
+
+
+def _log_segments(names: list[str], *, found: bool) -> None:
+    """What the model was cut into, once per session (Note [Finding the blocks])."""
+    how = "found automatically" if found else "as named by `segments`"
+    if not names:
+        log.warning(
+            "lightning-swap: no segments %s: the model trains as it would without the library. Name its blocks "
+            "with `segments=[BlockClass]` or `segments=['qualified.name', ...]` to plan for them.", how,
+        )
+        return
+    log.info("lightning-swap: %d segments %s: %s", len(names), how, describe_segments(names))
 
 
 def _observed_record(profile: Any) -> StepRecord:
@@ -77,6 +104,11 @@ class SwapSession:
         self.unified = unified
         self.collectives = collectives
         self.segments = find_segments(model, None if config.segments is None else list(config.segments))
+        _log_segments(self.segments, found=config.segments is None)
+        #: Segment name -> why its recomputation cannot run as planned, from every runtime of
+        #: this session (Note [Refused actions] in ``model_profile.py``): what ``auto`` leaves out.
+        self.refusals: dict[str, str] = {}
+        self._coverage_logged = False
         self._budget_bytes = config.budget_bytes if config.budget_bytes is not None else device_budget_bytes(self.device)
         self._grads_freed = grads_freed_before_backward
         self.plan: Optional[Plan] = None
@@ -89,17 +121,36 @@ class SwapSession:
         self._warned_no_budget = False
         self._state: Optional[StateSizes] = None
         self._guard_states: Any = None
-        #: The step being observed (the main process), and (batch, states, RNG state) of the
+        #: The step being observed (every process), and (batch, states, RNG state) of the
         #: step observed last (every process: Note [The observed step does not fit]).
         self.observation: Optional[ObservedStep] = None
         self._observed_call: Optional[tuple[Any, Any, tuple]] = None
         #: ``policy="auto"``'s decisions (Note [Auto: observe, plan, check]); ``None`` for a forced policy.
         self.auto = self._new_planner() if config.is_auto else None
+        self._measured_logged = False
+        if self.auto is not None and self._budget_bytes is None and self.segments and collectives.is_main:
+            self.warn_no_budget()  # now, before training starts: not in the middle of a progress bar
 
     def _new_planner(self) -> AutoPlanner:
-        return AutoPlanner(
+        planner = AutoPlanner(
             budget_bytes=self._budget_bytes, segments=self.segments, config=self.config,
-            grads_freed_before_backward=self._grads_freed,
+            grads_freed_before_backward=self._grads_freed, actions=self.allowed_actions(),
+        )
+        planner.refusals = self.refusals  # the session's, as its steps find them (Note [Refused actions])
+        return planner
+
+    def note_profile(self, profile: Optional[ModelProfile]) -> None:
+        """Log once how much of a step's saved bytes the segments cover (Note [Finding the blocks])."""
+        coverage = profile.coverage() if profile is not None else None
+        if self._coverage_logged or coverage is None:
+            return
+        self._coverage_logged = True
+        # Note [Regions outside the segments] (model_profile.py): the rest is planned, keep or offload.
+        rest = f"planned as {len(profile.outside)} region(s) of its own, kept or offloaded" if profile.outside else "kept"
+        log.info(
+            "lightning-swap: the %d segments hold %s of the %s a step saves for backward (%.0f%%); the rest "
+            "(what runs outside them: stem, head, loss) is %s", len(profile.segments), format_bytes(profile.segment_saved_bytes),
+            format_bytes(profile.total_saved_bytes), 100 * coverage, rest,
         )
 
     @property
@@ -156,7 +207,7 @@ class SwapSession:
             self.apply(self.auto.begin_guard(step))
             self._guard_states = states
             self.begin_step(track, measure=True)
-        elif kind is StepKind.OBSERVE:  # the other processes run the same step plainly
+        elif kind is StepKind.OBSERVE:  # every process observes (Note [Decide from the largest measurement])
             self._begin_observe(batch, track, states, step)
         else:
             if kind is StepKind.PLAN:
@@ -184,21 +235,23 @@ class SwapSession:
         self.remove()
         self.plan = None
         self.auto.begin_observe(step)
-        if self.collectives.is_main:
-            self.observation = ObservedStep(
-                self.model, list(self.segments), device=self.device, batch=batch, track=track,
-                min_offload_bytes=self.config.min_offload_bytes, modules=self.modules,
-            ).begin()
+        self.observation = ObservedStep(
+            self.model, list(self.segments), device=self.device, batch=batch, track=track,
+            min_offload_bytes=self.config.min_offload_bytes, modules=self.modules,
+        ).begin()
         self._observed_call = (batch, states, rng_state(self.device))
 
     def _plan(self, step: StepInputs) -> None:
         """A plan solved on the main process, applied on every process."""
 
+        newest = self.records.newest()
+        # The check reads the fullest process's peak (Note [Decide from the largest measurement]).
+        peak = self.collectives.largest(newest.peak_device_bytes if newest is not None else None)
+
         def solve() -> Plan:
             if self._budget_bytes is None:
                 self.warn_no_budget()
-            newest = self.records.newest()
-            return self.auto.plan(step.state, newest.peak_device_bytes if newest is not None else None)
+            return self.auto.plan(step.state, peak)
 
         plan = self._received(self.collectives.on_main(solve))
         if plan != self.plan:  # by value: other processes get a new object each time
@@ -207,8 +260,9 @@ class SwapSession:
 
     def _received(self, plan: Plan) -> Plan:
         """``plan`` from the main process, checked against this process's segments."""
-        # the planner lists segments in execution order, the forced plan in the model's order
-        if sorted(plan.segments) != sorted(self.segments):
+        # the planner lists segments in execution order, the forced plan in the model's order; a
+        # module run several times is a segment per call (Note [A segment per call])
+        if sorted({split_call(name)[0] for name in plan.segments}) != sorted(self.segments):
             raise ValueError(
                 f"this process cut the model into segments {list(self.segments)}, but the main process "
                 f"planned {list(plan.segments)}; every process must build the same model."
@@ -230,8 +284,9 @@ class SwapSession:
         if self.auto is not None and self.auto.guarding and self.runtime is not None:
             stats = self.records.newest()
             measured = self.runtime.measured_plan(wait=True)
+            rows = _largest_rows(self.collectives.gather(measured.rows if measured else None))
             self.auto.end_guard(
-                stats.peak_device_bytes if stats is not None else None, measured.rows if measured else None,
+                self.collectives.largest(stats.peak_device_bytes if stats is not None else None), rows,
                 self._state_sizes(self._guard_states),
             )
             self._guard_states = None
@@ -239,9 +294,10 @@ class SwapSession:
                 self.plan = measured
         if self.observation is not None:
             observed, self.observation = self.observation, None
-            profile = observed.finish()
+            profile = max_profile(self.collectives.gather(observed.finish()))
             self.auto.finish_observe(profile)
             self.records.add(_observed_record(profile))
+            self.note_profile(profile)
         self._observed_call = None
 
     def abort_step(self) -> None:
@@ -327,11 +383,16 @@ class SwapSession:
         )
 
     def allowed_actions(self) -> Optional[tuple[Action, ...]]:
-        """The actions the planner may use: all for ``"auto"``, the one for a single forced action.
+        """The actions the planner may use: all for ``"auto"`` (but ``SELECTIVE`` when a segment
+        holds FSDP units of its own: Note [Selective around FSDP hooks]), the one for a single
+        forced action.
 
         A per-segment mapping cannot be re-planned at another batch size: ``ValueError``
         (:func:`~lightning_swap.core.actions.allowed_actions`)."""
-        return allowed_actions(self.config.policy)
+        allowed = allowed_actions(self.config.policy)
+        if allowed is None and any(units_inside(m) for m in self.modules.values()):
+            return tuple(a for a in Action if a is not Action.SELECTIVE)
+        return allowed
 
     def reset(self) -> None:
         """Remove the runtime and forget the plan and the steps measured so far (a batch-size
@@ -364,6 +425,7 @@ class SwapSession:
         )
         runtime.install()
         self.runtime, self.plan = runtime, plan
+        self._measured_logged = False
         if self.config.log_plan:
             log.info("lightning-swap plan (%s):\n%s", plan.summary(), plan.render())
         return plan
@@ -384,7 +446,7 @@ class SwapSession:
         """The loss's backward is over (what follows, the optimizer step, is its own window in
         an observed step)."""
         if self.auto is not None and self.auto.guarding and self.runtime is not None and self.runtime.measuring:
-            self.auto.guard_backward_done(self.runtime.meter.peak_bytes)
+            self.auto.guard_backward_done(self.collectives.largest(self.runtime.meter.peak_bytes))
         if self.observation is not None and not self.observation.backward_over:
             self.observation.backward_done()
 
@@ -398,7 +460,22 @@ class SwapSession:
             return None
         self.last_stats = self.runtime.end_step()
         self.records.add(self.runtime.records.newest_record())
+        for name, why in self.runtime.refusals.items():
+            self.refusals.setdefault(name, why)
+        self._log_measured_plan()
         return self.last_stats
+
+    def _log_measured_plan(self) -> None:
+        """A plan without numbers (a forced policy's, every segment kept) becomes the plan its first
+        step measured (Note [Measured rows]); with ``log_plan`` it is logged again, with them."""
+        if self._measured_logged or not self.runtime.measure_rows or self.plan is None or self.plan.rows:
+            return
+        measured = self.runtime.measured_plan(wait=False)  # None until the device has finished it
+        if measured is not None:
+            self._measured_logged = True
+            self.plan = measured
+            if self.config.log_plan:
+                log.info("lightning-swap plan (%s), measured in its first step:\n%s", measured.summary(), measured.render())
 
     def stats(self, *, wait: bool = False) -> Optional[StepStats]:
         """The newest step whose device times are known; ``wait=True`` (outside a step) waits
