@@ -259,29 +259,32 @@ def _estimate(body, line, tmp_path, request):
     assert "Plan at batch 64 for a budget of 8.0 GiB" in out
 
 
+def _fsdp(body, line, tmp_path, request):
+    """The three constructions, CPU variant: 2 CPU processes for 8 GPUs (``devices``,
+    ``data_parallel_size``); ``Block`` the repository GPT's block. The Trainer is built, not fit:
+    training under both strategies on 2 gloo ranks is ``tests/test_fsdp.py``'s (a launched job per
+    model, every policy equal to plain FSDP)."""
+    request.getfixturevalue("quick_trainer")
+    from examples.models import Block
+
+    from lightning_swap import ModelParallelCPUSwapStrategy
+
+    assert 'accelerator="cuda", devices=8' in body and "data_parallel_size=8" in body
+    body = body.replace('accelerator="cuda", devices=8', 'accelerator="cpu", devices=2').replace("data_parallel_size=8", "data_parallel_size=2")
+    ns = _exec(body, line, {"Block": Block})
+    assert isinstance(ns["trainer"].strategy, ModelParallelCPUSwapStrategy)
+    assert isinstance(ns["strategy"], ModelParallelCPUSwapStrategy)  # with_cpu_swap's, the last assigned
+    assert ns["strategy"]._data_parallel_size == 2 and ns["strategy"].swap_config.budget_bytes == 60 * 2**30
+    assert ns["trainer"].strategy.swap_config.is_auto
+    assert hasattr(ns["LitGPT"], "configure_model")
+
+
 def _skip_unified(body, line, tmp_path, request):
     pytest.skip("unified memory (`um=`) needs CUDA: on CPU it is refused with a message (tests/test_unified.py checks it)")
 
 
-def _fsdp(body, line, tmp_path, request):
-    """The block asks for 8 GPUs: here its strategies are built as written (the real FSDP runs
-    are ``tests/test_fsdp.py``'s, on 2 CPU ranks), and the trainer gets them."""
-    import lightning
-
-    from lightning_swap import FSDPCPUSwapStrategy, ModelParallelCPUSwapStrategy
-
-    from examples.models import Block  # the GPT block the README's models are made of
-
-    request.getfixturevalue("monkeypatch").setattr(lightning, "Trainer", lambda **kwargs: kwargs)
-    ns = _exec(body, line, {"Block": Block})
-    assert isinstance(ns["trainer"]["strategy"], ModelParallelCPUSwapStrategy)
-    assert isinstance(FSDPCPUSwapStrategy, type) and ns["strategy"] is not None
-    assert callable(ns["LitGPT"].configure_model)
-
-
 #: A line the block contains -> its runner.
 RUNNERS = {
-    "from lightning_swap import FSDPCPUSwapStrategy, ModelParallelCPUSwapStrategy, with_cpu_swap": _fsdp,
     "python3 -m venv .venv": _two_commands,
     'trainer = L.Trainer(strategy="cpu_swap")': _lightning,
     "finder = lightning_swap.SwapBatchSizeFinder": _finder,
@@ -294,6 +297,7 @@ RUNNERS = {
     "accelerate-swap config --policy auto": _config_file,
     "@find_batch_size(": _find_batch_size,
     "accelerate-swap estimate resnet50": _estimate,
+    "from lightning_swap import FSDPCPUSwapStrategy, ModelParallelCPUSwapStrategy, with_cpu_swap": _fsdp,
 }
 
 
