@@ -98,9 +98,12 @@ def _worst(refusals: list[str]) -> str:
     return (broad or refusals or [""])[0]
 
 
-def _time_variants(module: nn.Module, name: str, call: CapturedCall, ops: StreamOps, repeats: int) -> tuple[dict, list[str]]:
+def _time_variants(
+    module: nn.Module, name: str, call: CapturedCall, ops: StreamOps, repeats: int, *, save_ops: Optional[tuple[str, ...]] = None,
+) -> tuple[dict, list[str]]:
     """(action -> median (forward ms, backward ms) or ``None`` where it failed, the refusals):
-    the segment kept, recomputed and selectively recomputed through the runtime's own wrappers."""
+    the segment kept, recomputed and selectively recomputed (saving ``save_ops``, as the plan
+    will run it) through the runtime's own wrappers."""
     timer = RecomputeTimer(ops)
     refusals: list[str] = []
 
@@ -110,7 +113,7 @@ def _time_variants(module: nn.Module, name: str, call: CapturedCall, ops: Stream
     variants = {
         Action.KEEP: module.forward,
         Action.RECOMPUTE: checkpointed(module, module.forward, Action.RECOMPUTE, timer, name=name, on_refuse=refuse),
-        Action.SELECTIVE: checkpointed(module, module.forward, Action.SELECTIVE, timer, name=name, on_refuse=refuse),
+        Action.SELECTIVE: checkpointed(module, module.forward, Action.SELECTIVE, timer, name=name, on_refuse=refuse, save_ops=save_ops),
     }
     best: dict[Action, Optional[tuple[float, float]]] = {}
     for action, forward in variants.items():
@@ -137,9 +140,12 @@ def measure_action_costs(
     *,
     device: torch.device,
     repeats: int = 3,
+    save_ops: Optional[dict[str, tuple[str, ...]]] = None,
 ) -> dict[str, ActionCosts]:
     """Time every segment in ``calls`` kept, recomputed and selectively recomputed (the median
-    of ``repeats`` runs after one warm-up). Note [Timing a segment leaves no trace]."""
+    of ``repeats`` runs after one warm-up; selectively saving ``save_ops[name]`` where given:
+    Note [Which ops selective recomputation saves] in ``profiler.py``). Note [Timing a segment
+    leaves no trace]."""
     out: dict[str, ActionCosts] = {}
     with torch.no_grad():
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -148,7 +154,7 @@ def measure_action_costs(
     try:
         for name, call in calls.items():
             module = modules[name]
-            best, refusals = _time_variants(module, name, call, ops, repeats)
+            best, refusals = _time_variants(module, name, call, ops, repeats, save_ops=(save_ops or {}).get(name))
             keep = best[Action.KEEP]
             if keep is None:
                 continue

@@ -36,10 +36,10 @@ from ..compiled import compile_context, is_compiled
 from ..segments import split_call
 from .model_profile import SELECTIVE_REFUSAL, ModelProfile
 from ..tensors import infer_batch_size
-from .profiler import assemble
+from .profiler import assemble, selective_choice
 from ..tensors import tensors_in
 from ..engine.streams import StreamOps, default_ops
-from .trace import StepTracer
+from .trace import StepTracer, boundary_keys, region_times
 from ..sharded import is_sharded
 
 __all__ = ["ObservedStep"]
@@ -129,10 +129,16 @@ class ObservedStep:
         fwd = {i: max(marks.get(("fe", i), 0.0) - marks.get(("fs", i), 0.0), 0.0) for i in range(n)}
         bwd = {i: max(marks.get(("be", i), end) - marks.get(("bs", i), end), 0.0) for i in range(n)}
         outside = max(end - sum(fwd.values()) - sum(bwd.values()), 0.0)
+        order = [names.index(name) for name in trace.order]
+        regions = region_times(marks, order, end)
         measured: dict[int, tuple[Optional[float], Optional[float], int, str]] = {}
         if self.time_actions and trace.inputs:
             calls = {names[i]: call for i, call in trace.inputs.items()}
-            costs = measure_action_costs(self.model, self._modules_of(names), calls, self.ops, device=self.device)
+            save_ops = {  # Note [Which ops selective recomputation saves]: timed as the plan will run it
+                names[i]: selective_choice(trace.ops[i], set(boundary_keys(trace, order, i)), frozenset(trace.mutated))[0]
+                for i in trace.inputs if trace.ops.get(i)
+            }
+            costs = measure_action_costs(self.model, self._modules_of(names), calls, self.ops, device=self.device, save_ops=save_ops)
             for i, name in enumerate(names):
                 c = costs.get(name)
                 if c is not None:
@@ -142,7 +148,8 @@ class ObservedStep:
         step_ms = outside + sum(fwd.values()) + sum(bwd.values())
         profile = assemble(
             trace, self.model, names, batch_size=self.batch_size, device=self.device, fake=False,
-            min_offload_bytes=self.min_offload_bytes, fwd=fwd, bwd=bwd, heavy=heavy, step_ms=step_ms, measured=measured,
+            min_offload_bytes=self.min_offload_bytes, fwd={**fwd, **{k: v[0] for k, v in regions.items()}},
+            bwd={**bwd, **{k: v[1] for k, v in regions.items()}}, heavy=heavy, step_ms=step_ms, measured=measured,
         )
         log.debug("observed a step at batch %d: peak %d bytes, %.1f ms", self.batch_size, profile.peak_bytes, step_ms)
         return profile

@@ -40,7 +40,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from ..actions import Action
@@ -228,7 +228,7 @@ class AutoPlanner:
             self._guard = _Guard(step.batch)
         self._guard.start, self._guard.decision, self._guard.open = step.state, None, True
         self._guard.refused = len(self.refusals)  # recomputation refused: offloaded (Note [Refused actions])
-        return Plan(actions={name: Action.OFFLOAD if name in self.refusals else Action.RECOMPUTE_OFFLOAD for name in self.segments})
+        return Plan.lowest_memory(self.segments, self.refusals)
 
     def guard_backward_done(self, peak_bytes: int) -> None:
         """The guard step's peak up to the end of its backward (its optimizer step not yet run)."""
@@ -397,10 +397,7 @@ class AutoPlanner:
                 budget_bytes=budget, min_budget_bytes=err.min_budget_bytes + self.correction_bytes, batch_size=profile.batch_size,
             ) from None
         if effective != budget:
-            plan = Plan(
-                actions=plan.actions, predicted_peak_bytes=plan.predicted_peak_bytes, predicted_step_ms=plan.predicted_step_ms,
-                budget_bytes=budget, batch_size=plan.batch_size, rows=plan.rows,
-            )
+            plan = replace(plan, budget_bytes=budget)
         return plan
 
     def applied(self, plan: Plan, state: StateSizes) -> None:
