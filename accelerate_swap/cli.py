@@ -69,6 +69,8 @@ _OPTION_HELP = {
     "budget_bytes": "device memory budget for the planner (e.g. 12GiB)",
     "prefetch_segments": "segments prefetched ahead in backward (default: 1 on CUDA, 0 on CPU)",
     "inflight_segments": "segments whose copies to the host may still run while later segments compute (default 1)",
+    "prefetch_bytes": "bytes fetched ahead in backward instead of segments, 0: per saved tensor (default: the planner's choice)",
+    "inflight_bytes": "bytes of copies to the host in flight during the forward (default: the planner's choice)",
     "log_plan": "do not log the plan table",
     "log_stats": "do not send per-step statistics to accelerator.log",
     "um": "CUDA unified memory: off (default) | offload | all",

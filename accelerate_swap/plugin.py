@@ -180,6 +180,8 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "budget_bytes": _bytes_parser(allow_none=True, minimum=1),
     "prefetch_segments": _count_parser(allow_none=True, allowed="an integer >= 0, or none (1 on CUDA, 0 on CPU)"),
     "inflight_segments": _count_parser(allow_none=False, allowed="an integer >= 0"),
+    "prefetch_bytes": _bytes_parser(allow_none=True, minimum=0),
+    "inflight_bytes": _bytes_parser(allow_none=True, minimum=0),
     "log_plan": _parse_bool,
     "log_stats": _parse_bool,
     "um": lambda v, s: UMMode.parse(v, field=s).value,
@@ -259,6 +261,11 @@ class SwapPlugin:
     #: Segments whose copies to the host may still run while later segments compute; 0 waits
     #: for each segment's copies before the next.
     inflight_segments: int = 1
+    #: Bytes fetched ahead in backward instead of whole segments (``0``: each saved tensor when
+    #: needed); ``None``: the planner's choice under ``policy="auto"``.
+    prefetch_bytes: Optional[ByteSize] = None
+    #: Bytes of copies to the host that may still run while the forward goes on; ``None`` as above.
+    inflight_bytes: Optional[ByteSize] = None
     #: Log the plan table (``logging``, level INFO) when it is applied.
     log_plan: bool = True
     #: Send each step's statistics to ``accelerator.log`` (``swap/...`` keys) when trackers are set up.

@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_swap.core import Action, Plan, SwapRuntime, chunked_cross_entropy, profile
 from lightning_swap.core import host_allocation, mark_host
 from lightning_swap.core import ScaleConfig, ScaleResult, TrialMeasurement, search_batch_size
+from lightning_swap.core.decide.costmodel import AUTO_WINDOW
 from plan_quality import GPT  # examples/models.py: the one GPT of the repository (plan_quality puts the root on the path)
 
 MiB = 2**20
@@ -198,6 +199,10 @@ class Measurement:
     batch_size: int
     peak_bytes: int
     step_ms: Optional[float]  # None when only the metered step ran
+    #: Note [Unplanned bytes]: saved bytes the offload engine saw, and of those the bytes that
+    #: stayed on the device because no action can move them (None: nothing offloaded).
+    saved_bytes: Optional[int] = None
+    unplanned_bytes: Optional[int] = None
 
     @property
     def samples_per_s(self) -> Optional[float]:
@@ -255,13 +260,14 @@ class Bench:
 
     def measure(self, method: str, batch_size: int, *, plan: Optional[Plan] = None, repeats: int = 2) -> Measurement:
         """Peak of one metered step and the median time of ``repeats`` unmetered ones (cached)."""
-        key = (method, batch_size, tuple(plan.actions.items()) if plan is not None else None)
+        key = (method, batch_size, (tuple(plan.actions.items()), tuple(plan.outside.items()), plan.prefetch_bytes, plan.inflight_bytes) if plan is not None else None)
         cached = self._cache.get(key)
         if cached is not None and (repeats == 0 or cached.step_ms is not None):
             return cached
         x, y = self.spec.make_batch(batch_size, self.device)
         with self._applied(method, plan) as (runtime, forward_ctx):
-            peak = self._step(x, y, forward_ctx, runtime).peak_device_bytes
+            stats = self._step(x, y, forward_ctx, runtime)
+            peak = stats.peak_device_bytes
             times = []
             for _ in range(repeats):
                 self._sync()
@@ -272,16 +278,18 @@ class Bench:
         del x, y
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        result = Measurement(batch_size, peak, statistics.median(times) if times else None)
+        result = Measurement(batch_size, peak, statistics.median(times) if times else None, stats.saved_bytes, stats.unplanned_bytes)
         self._cache[key] = result
         return result
 
-    def profile(self, batch_size: int):
-        """The planner's input: one plain step at ``batch_size`` profiled, scalable in batch size."""
+    def profile(self, batch_size: int, **kwargs: Any):
+        """The planner's input: one plain step at ``batch_size`` profiled, scalable in batch size
+        (``kwargs`` go to ``profile``: ``fake``, ``assume``)."""
         x, y = self.spec.make_batch(batch_size, self.device)
         self.opt.zero_grad(set_to_none=True)
         return profile(
-            self.model, (x, y), step_fn=lambda m, b: self.spec.loss(m, b[0], b[1]), segments=list(self.segments), track=[self.opt.state]
+            self.model, (x, y), step_fn=lambda m, b: self.spec.loss(m, b[0], b[1]), segments=list(self.segments), track=[self.opt.state],
+            **kwargs,
         )
 
 
@@ -344,7 +352,7 @@ def planned_max_batch(
     """
 
     def measure(batch_size: int, plan: Plan) -> Measurement:
-        if set(plan.actions.values()) == {Action.KEEP}:
+        if set(plan.actions.values()) == {Action.KEEP} and not plan.offloads_outside:
             return bench.measure("plain", batch_size, repeats=repeats)
         return bench.measure(name, batch_size, plan=plan, repeats=repeats)
 
@@ -356,7 +364,10 @@ def planned_max_batch(
     from lightning_swap.core import BatchSearchError
 
     try:
-        result = search_batch_size(prof, budget_bytes, run_trial, config, actions=actions, base_batch_size=bench.spec.base_batch)
+        result = search_batch_size(
+            prof, budget_bytes, run_trial, config, actions=actions, base_batch_size=bench.spec.base_batch,
+            prefetch_bytes=AUTO_WINDOW, inflight_bytes=AUTO_WINDOW,  # the planner's windows, as a session's
+        )
     except BatchSearchError as err:
         return MaxBatch(name, None, f"no batch fits ({len(err.trials)} trial(s))"), None
     m = measure(result.batch_size, result.plan)

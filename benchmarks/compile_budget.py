@@ -11,7 +11,11 @@ model, in the same run:
 - right after it, another fresh process plans our ``auto`` (restricted to keep / recompute /
   selective) for the same memory: the budget is set so that our step's rise in memory matches
   the compiled step's, and runs the same number of timed steps eagerly;
-- the two alternate (compile f, ours f, compile f', ours f', ...), ``--rounds`` times.
+- then the same plan with every block compiled on its own (``block.compile()``, regional
+  compilation, which the runtime takes over: Note [Regional compilation is taken over]), at the
+  compiler's default budget: ours deciding per block and per op (Note [Who decides under
+  compile]), Inductor fusing what runs;
+- the three alternate (compile f, ours f, ours compiled f, compile f', ...), ``--rounds`` times.
 
 Memory is the rise of the process's peak resident set (``VmHWM``, reset through
 ``/proc/self/clear_refs`` after the warm-up) over its size at the start of the timed steps,
@@ -85,9 +89,12 @@ def _worker(kind: str, fraction: float, size: dict, steps: int, target_rise: int
     if kind == "compile":
         torch._functorch.config.activation_memory_budget = fraction
         net = torch.compile(model)
+    if kind == "ours_compiled":
+        for block in model.blocks:
+            block.compile()
     for _ in range(2):  # compilation, AdamW's state
         step(net)
-    if kind == "ours":
+    if kind in ("ours", "ours_compiled"):
         # Our budget for the same rise in memory: the library's bytes of plain training less the
         # difference between plain's rise and the compiled step's (the yardsticks differ by a constant).
         base = _reset_peak()
@@ -142,30 +149,33 @@ def main() -> None:
     size = SIZES[size_name]
     print(f"torch {torch.__version__}, CPU, {args.threads} thread(s), {time.strftime('%Y-%m-%d')}; GPT {size}, "
           f"AdamW, median of {steps} warm steps, memory = rise of VmHWM over the timed steps")
-    rows: dict[float, dict[str, list[dict]]] = {f: {"compile": [], "ours": []} for f in fractions}
+    kinds = ("compile", "ours", "ours_compiled")
+    rows: dict[float, dict[str, list[dict]]] = {f: {k: [] for k in kinds} for f in fractions}
     plain = _run_worker("eager", 1.0, size_name, steps, args.threads)
     for _ in range(args.rounds):
         for f in fractions:
             compiled = _run_worker("compile", f, size_name, steps, args.threads)
-            ours = _run_worker("ours", f, size_name, steps, args.threads, target_rise=compiled["rise_bytes"])
             rows[f]["compile"].append(compiled)
-            rows[f]["ours"].append(ours)
+            for kind in kinds[1:]:
+                rows[f][kind].append(_run_worker(kind, f, size_name, steps, args.threads, target_rise=compiled["rise_bytes"]))
     print(f"plain eager: {plain['step_ms']:.0f} ms, rise {plain['rise_bytes'] / MiB:.1f} MiB")
-    header = ("budget f", "compile ms", "compile MiB", "ours ms", "ours MiB", "ours / compile time", "our plan")
-    print(" | ".join(header))
+    print(" | ".join(("budget f", "compile ms", "compile MiB", "ours ms", "ours MiB", "ours / compile", "ours compiled ms",
+                      "ours compiled MiB", "ours compiled / compile", "our plan")))
     for f in fractions:
         c = rows[f]["compile"]
-        o = [r for r in rows[f]["ours"] if not r.get("infeasible")]
         c_ms = statistics.median(r["step_ms"] for r in c)
-        c_mib = statistics.median(r["rise_bytes"] for r in c) / MiB
-        if not o:
-            low = rows[f]["ours"][0]
-            print(f"{f} | {c_ms:.0f} | {c_mib:.1f} | - | - | - | infeasible: least budget {low['min_budget_bytes'] / MiB:.1f} MiB "
-                  f"(asked {low['budget_bytes'] / MiB:.1f})")
-            continue
-        o_ms = statistics.median(r["step_ms"] for r in o)
-        o_mib = statistics.median(r["rise_bytes"] for r in o) / MiB
-        print(f"{f} | {c_ms:.0f} | {c_mib:.1f} | {o_ms:.0f} | {o_mib:.1f} | {o_ms / c_ms:.2f}x | {o[0]['plan']}")
+        cells = [f"{f}", f"{c_ms:.0f}", f"{statistics.median(r['rise_bytes'] for r in c) / MiB:.1f}"]
+        plan = "-"
+        for kind in kinds[1:]:
+            o = [r for r in rows[f][kind] if not r.get("infeasible")]
+            if not o:
+                low = rows[f][kind][0]
+                cells += ["-", "-", f"infeasible (least {low['min_budget_bytes'] / MiB:.1f} MiB, asked {low['budget_bytes'] / MiB:.1f})"]
+                continue
+            o_ms = statistics.median(r["step_ms"] for r in o)
+            cells += [f"{o_ms:.0f}", f"{statistics.median(r['rise_bytes'] for r in o) / MiB:.1f}", f"{o_ms / c_ms:.2f}x"]
+            plan = o[0]["plan"]
+        print(" | ".join(cells + [plan]))
 
 
 if __name__ == "__main__":

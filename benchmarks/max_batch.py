@@ -30,7 +30,12 @@ import argparse
 import sys
 import time
 
+from lightning_swap.core import Action, InfeasibleBudgetError, simulate, solve
+from lightning_swap.core.decide.solver import least_peak_plan
+from lightning_swap.core.measure.profiler import DeviceAssumption
 
+
+from common import AUTO_WINDOW
 from common import (
     AUTO_MODES,
     BASELINES,
@@ -47,7 +52,19 @@ from common import (
     setup,
 )
 
-HEADER = ("method", "max batch", "x plain", "step ms", "samples/s", "peak MiB", "found by")
+HEADER = ("method", "max batch", "x plain", "step ms", "samples/s", "peak MiB", "unplanned", "found by")
+
+#: The GPU the prediction assumes (issue 23): an H100's fp32 training rate as achieved, its HBM, and
+#: the pinned copy rate one measured on 2026-11-22 (53-54 GB/s each way; ``shared/gpu-2026-11-22``).
+GPU = DeviceAssumption(device_type="cuda", flops_per_ms=60e9, memory_bytes_per_ms=2.5e9, d2h_bytes_per_ms=50e6, h2d_bytes_per_ms=50e6)
+
+
+def unplanned(m) -> str:
+    """Note [Unplanned bytes]: what stayed on the device because no action can move it, and its
+    share of the saved bytes the engine saw ("-": nothing offloaded, nothing counted)."""
+    if m is None or m.unplanned_bytes is None or not m.saved_bytes:
+        return "-"
+    return f"{m.unplanned_bytes / MiB:.2f} MiB ({100 * m.unplanned_bytes / m.saved_bytes:.1f}%)"
 
 
 def run_model(spec, device, args, budgets: dict) -> list:
@@ -84,11 +101,44 @@ def run_model(spec, device, args, budgets: dict) -> list:
             fmt(m.step_ms if m else None),
             fmt(m.samples_per_s if m else None, ".1f"),
             fmt(m.peak_bytes / MiB if m else None, ".1f") + (" OVER" if m and m.peak_bytes > budget else ""),
+            unplanned(m),
             r.how,
         ))
     print_table(HEADER, rows)
+    ours = results[-2].at  # auto max
+    if ours is not None:
+        gpu_prediction(bench, spec, budget, ours.batch_size)
     print(f"   ({time.perf_counter() - start:.0f} s)")
     return results
+
+
+def gpu_prediction(bench, spec, budget: int, batch: int) -> None:
+    """The cost model's samples/s on the assumed GPU (:data:`GPU`) at ``batch`` (ours' largest):
+    ours (the plan the planner makes there for the GPU), ``save_on_cpu`` (every saved tensor and
+    every parameter copied to the host as it is saved and back when unpacked, nothing overlapped)
+    and ``torch.utils.checkpoint`` on every segment. A prediction from fake-mode estimates."""
+    prof = bench.profile(spec.base_batch, fake=True, assume=GPU).at_batch(batch)
+    auto = {"prefetch_bytes": AUTO_WINDOW, "inflight_bytes": AUTO_WINDOW}
+    try:
+        plan = solve(prof, budget_bytes=budget, **auto)
+    except InfeasibleBudgetError:
+        plan = least_peak_plan(prof, **auto)
+    moved = sum(e.saved_bytes for e, _ in prof.chain) + prof.parameter_bytes
+    save_on_cpu_ms = prof.step_ms + moved / GPU.d2h_bytes_per_ms + moved / GPU.h2d_bytes_per_ms
+    checkpoint_ms = simulate(prof, {n: Action.RECOMPUTE for n in prof.names}).step_ms
+    print(f"   GPU PREDICTION (the cost model, not measured) at batch {batch}: assumed {GPU.flops_per_ms / 1e9:.0f} TFLOP/s, "
+          f"HBM {GPU.memory_bytes_per_ms / 1e9:.1f} TB/s, pinned {GPU.d2h_bytes_per_ms / 1e6:.0f} GB/s each way")
+    rows = [
+        ("ours: auto max", f"{plan.predicted_step_ms:.1f}", f"{batch / plan.predicted_step_ms * 1e3:.0f}",
+         f"{plan.summary()}; windows {fmt_bytes(plan.prefetch_bytes)} ahead, {fmt_bytes(plan.inflight_bytes)} in flight"),
+        ("save_on_cpu", f"{save_on_cpu_ms:.1f}", f"{batch / save_on_cpu_ms * 1e3:.0f}", f"{moved / MiB:.0f} MiB each way, synchronous"),
+        ("torch checkpoint", f"{checkpoint_ms:.1f}", f"{batch / checkpoint_ms * 1e3:.0f}", "every segment recomputed"),
+    ]
+    print_table(("method", "pred step ms", "pred samples/s", "how"), rows, indent="     ")
+
+
+def fmt_bytes(nbytes) -> str:
+    return "-" if nbytes is None else f"{nbytes / MiB:.1f} MiB"
 
 
 def compare_losses(found: dict) -> None:

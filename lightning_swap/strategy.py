@@ -90,6 +90,8 @@ class _SwapStrategyMixin:
         um_max_bytes: Optional[ByteSize] = None,
         inflight_segments: int = 1,
         log_plan: bool = True,
+        prefetch_bytes: Optional[ByteSize] = None,
+        inflight_bytes: Optional[ByteSize] = None,
         **strategy_kwargs: Any,
     ) -> None:
         """The swap options of both strategies, defined once (Note [One option table]: every
@@ -105,6 +107,8 @@ class _SwapStrategyMixin:
             budget_bytes=budget_bytes,
             prefetch_segments=prefetch_segments,
             inflight_segments=inflight_segments,
+            prefetch_bytes=prefetch_bytes,
+            inflight_bytes=inflight_bytes,
             log_plan=log_plan,
             um=um,
             um_max_bytes=um_max_bytes,
@@ -513,6 +517,10 @@ _SWAP_ARGS_DOC = """
             prefetch_segments: segments prefetched ahead in backward (default 1 on CUDA, 0 on CPU).
             inflight_segments: segments whose copies to the host may still run while later
                 segments compute (default 1); their device memory is released after that.
+            prefetch_bytes: bytes fetched ahead in backward instead of whole segments (``0``:
+                each saved tensor when needed); default: the planner's choice under ``"auto"``.
+            inflight_bytes: bytes of copies to the host that may still run while the forward
+                goes on (``0``: each waited for when issued); default as ``prefetch_bytes``.
             log_plan: log the plan table (on rank zero, through the progress bar when one
                 is drawing) when a plan is applied.
             log_stats: send ``swap/...`` metrics (plain floats) to the loggers every

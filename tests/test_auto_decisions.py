@@ -12,11 +12,14 @@ import pytest
 import torch
 
 from lightning_swap.core import Action, Collectives, InfeasibleBudgetError, PlanRow, SwapConfig, min_budget_bytes, solve
-from lightning_swap.core.decide.costmodel import recompute_ms
+from lightning_swap.core.decide.costmodel import copy_window_of, recompute_ms
 from lightning_swap.core.scale.auto import REVISIT_AFTER_STEPS, REVISIT_TOLERANCE, AutoPlanner, BatchKey, StepInputs, StepKind, Verdict
 from lightning_swap.core.scale.steady_state import StateSizes, state_growth
 
 from .test_solver import random_chain
+
+#: The copy windows a session's planner prices (Note [The planner chooses the copy windows]).
+WINDOWS = copy_window_of(SwapConfig())
 
 MiB = 1 << 20
 TOKENS = (((32,), torch.int64),)  # a batch of token ids: its shape past the batch dimension, its dtype
@@ -163,7 +166,7 @@ def test_observe_then_plan_then_check_then_run():
     auto = _observed(budget, profile)
     assert auto.next_step(step()) is StepKind.PLAN
     plan = auto.plan(StateSizes())
-    assert plan == solve(profile, budget_bytes=budget) and plan.predicted_peak_bytes <= budget
+    assert plan == solve(profile, budget_bytes=budget, **WINDOWS) and plan.predicted_peak_bytes <= budget
     auto.applied(plan, StateSizes())
     assert auto.check_pending
     assert auto.next_step(step()) is StepKind.PLAN  # the check: the plan's first step was measured
@@ -213,7 +216,8 @@ def test_plans_are_solved_for_the_steady_state(freed, expected):
     auto = _observed(10 * profile.peak_bytes, profile, freed=freed)
     assert auto.steady_shift(GROWN) == expected
     forward, backward = expected
-    assert auto.plan(GROWN) == solve(profile.with_state(forward_bytes=forward, backward_bytes=backward), budget_bytes=10 * profile.peak_bytes)
+    steady = profile.with_state(forward_bytes=forward, backward_bytes=backward)
+    assert auto.plan(GROWN) == solve(steady, budget_bytes=10 * profile.peak_bytes, **WINDOWS)
 
 
 def test_a_larger_batch_of_a_scalable_profile_plans_and_of_an_observed_one_guards():

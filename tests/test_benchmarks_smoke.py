@@ -44,7 +44,7 @@ def _header(out: str, first: str) -> list[str]:
 @pytest.mark.parametrize(
     ("script", "columns"),
     [
-        ("max_batch.py", ["method", "max batch", "x plain", "step ms", "samples/s", "peak MiB", "found by"]),
+        ("max_batch.py", ["method", "max batch", "x plain", "step ms", "samples/s", "peak MiB", "unplanned", "found by"]),
         ("batch_search.py", ["searcher", "batch found", "trial runs", "OOM crashes", "search wall s", "samples/s at batch", "x Lightning power"]),
     ],
 )
@@ -55,6 +55,7 @@ def test_benchmark_runs_in_smoke_mode(script, columns):
     if script == "max_batch.py":  # the GPT with the chunked loss, held to the plain-loss budget
         assert "== gpt2-small-like+chunked" in out and "plain peak of gpt2-small-like (plain loss)" in out
         assert "max batch, chunked loss" in out
+        assert "GPU PREDICTION (the cost model, not measured)" in out and "assumed" in out  # issue 23: labelled, assumptions printed
 
 
 def test_overhead_runs_in_smoke_mode_and_plots(tmp_path):
@@ -145,10 +146,11 @@ def test_compile_budget_benchmark_runs_in_smoke_mode():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     header = next(line for line in proc.stdout.splitlines() if line.startswith("budget f "))
     assert [c.strip() for c in header.split("|")] == [
-        "budget f", "compile ms", "compile MiB", "ours ms", "ours MiB", "ours / compile time", "our plan",
+        "budget f", "compile ms", "compile MiB", "ours ms", "ours MiB", "ours / compile", "ours compiled ms", "ours compiled MiB",
+        "ours compiled / compile", "our plan",
     ]
     row = next(line for line in proc.stdout.splitlines() if line.startswith("0.5 |"))
-    assert len(row.split("|")) == 7 and "plain eager:" in proc.stdout
+    assert len(row.split("|")) == 10 and "plain eager:" in proc.stdout
 
 
 @pytest.mark.skipif(os.environ.get("LSWAP_LONG") != "1", reason="2 processes, ~30 s: the long run, LSWAP_LONG=1")

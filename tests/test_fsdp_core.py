@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_swap import Action, DeviceMemoryMeter, SwapRuntime, find_segments, profile
+from lightning_swap import Action, DeviceMemoryMeter, Plan, SwapRuntime, find_segments, profile
 from lightning_swap.core.measure.model_profile import max_profile
 from lightning_swap.core.segments import resolve_modules
 from lightning_swap.core.sharded import gathered_parameters, is_sharded, world_size
@@ -102,24 +102,32 @@ def test_segments_are_named_through_fsdp1_and_checkpoint_wrappers(one_process_gr
     assert not is_sharded(gpt)
 
 
-def test_gathered_parameters_are_never_offloaded(one_process_group):
+def _offloaded_plan(names):
+    return {n: Action.OFFLOAD for n in names}
+
+
+@pytest.mark.parametrize("plan_for", [_offloaded_plan, Plan.lowest_memory], ids=["offload", "lowest-memory"])
+def test_gathered_parameters_are_never_offloaded(one_process_group, plan_for):
     """Note [What is never offloaded]: under FSDP2 the parameters autograd saves are the gathered
     copies, which FSDP frees and gathers again itself: offloading moves exactly the activations
-    the unsharded model's offload moves, and training gives the same weights."""
+    the unsharded model's offload moves, and training gives the same weights. With the regions
+    outside the segments offloaded too (the lowest-memory plan), the root unit's parameters the
+    embedding and the head save are neither offloaded nor counted as saved (Note [Regions
+    outside the segments under FSDP] in ``engine/offload.py``)."""
     x, y = MODELS["gpt"][1](4)
     results = {}
     for sharded in (False, True):
         model = sharded_gpt() if sharded else (torch.manual_seed(0), TinyGPT())[1]
-        runtime = SwapRuntime(model, {n: Action.OFFLOAD for n in find_segments(model)}, min_offload_bytes=0, device="cpu").install()
+        runtime = SwapRuntime(model, plan_for(find_segments(model)), min_offload_bytes=0, device="cpu").install()
         runtime.begin_step([x, y])
         torch.manual_seed(1)
         MODELS["gpt"][2](model(x), y).backward()
         stats = runtime.end_step()
         runtime.remove()
         grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
-        results[sharded] = (stats.offloaded_bytes, grads)
-    assert results[True][0] == results[False][0] > 0
-    assert all(torch.equal(a, b) for a, b in zip(results[True][1], results[False][1]))
+        results[sharded] = (stats.offloaded_bytes, stats.saved_bytes, stats.unplanned_bytes, grads)
+    assert results[True][:3] == results[False][:3] and results[True][0] > 0
+    assert all(torch.equal(a, b) for a, b in zip(results[True][3], results[False][3]))
 
 
 def test_a_sharded_model_is_profiled_for_real_only(one_process_group):
@@ -157,6 +165,25 @@ def test_max_profile_takes_every_largest_value():
     renamed = dataclasses.replace(b, segments=tuple(dataclasses.replace(s, name="x" + s.name) for s in b.segments))
     with pytest.raises(ValueError, match="disagree"):
         max_profile([a, renamed])
+
+
+def test_max_profile_merges_the_regions_outside_the_segments_and_the_selective_choice():
+    """Every process's regions outside the segments (Note [Regions outside the segments]) are
+    merged by name, each the largest any process measured, in their place in the chain; a region
+    one process alone planned is planned. ``SELECTIVE`` saves only the ops every process chose:
+    one plan runs everywhere, and no process then saves more than it priced."""
+    torch.manual_seed(0)
+    build, data, loss_fn = MODELS["cnn"]
+    a = profile(build(), data(4), step_fn=lambda m, b: loss_fn(m(b[0]), b[1]), scale=False, min_offload_bytes=0, device="cpu")
+    assert a.outside and any(s.selective_ops for s in a.segments)
+    b = dataclasses.replace(
+        a, outside=tuple(dataclasses.replace(r, saved_bytes=r.saved_bytes + 5) for r in a.outside[1:]), outside_after=a.outside_after[1:],
+        segments=tuple(dataclasses.replace(s, selective_ops=s.selective_ops and s.selective_ops[1:] + ("aten.x.default",)) for s in a.segments),
+    )
+    merged = max_profile([a, b])
+    assert merged.outside_names == a.outside_names and merged.outside_after == a.outside_after
+    assert [r.saved_bytes for r in merged.outside] == [a.outside[0].saved_bytes] + [r.saved_bytes + 5 for r in a.outside[1:]]
+    assert [s.selective_ops for s in merged.segments] == [s.selective_ops and s.selective_ops[1:] for s in a.segments]
 
 
 def test_selective_is_not_used_on_a_segment_holding_fsdp_units(one_process_group):

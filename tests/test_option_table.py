@@ -29,6 +29,8 @@ VALUES: dict[str, tuple[Any, str, Any, dict[str, tuple[Any, str]]]] = {
     "budget_bytes": ("1GiB", "1GiB", 1 << 30, {}),
     "prefetch_segments": (2, "2", 2, {}),
     "inflight_segments": (3, "3", 3, {}),
+    "prefetch_bytes": ("1MiB", "1MiB", 1 << 20, {}),
+    "inflight_bytes": (0, "0", 0, {}),
     "log_plan": (False, "false", False, {}),
     "um": ("offload", "offload", "offload", {}),
     "um_max_bytes": ("1MiB", "1MiB", 1 << 20, {"um": ("offload", "offload")}),

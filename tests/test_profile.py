@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from lightning_swap.core import Action, InfeasibleBudgetError, SwapRuntime, min_budget_bytes, profile, simulate, solve
+from lightning_swap.core import Action, InfeasibleBudgetError, Plan, SwapRuntime, min_budget_bytes, profile, simulate, solve
 
 from .models import _images, _tokens, cnn_bn_dropout, lm_loss, tiny_gpt
 
@@ -34,9 +34,12 @@ class Case:
     def step(self, model, batch):
         return self.loss_fn(model(batch[0]), batch[1])
 
-    def measure(self, actions) -> int:
-        """Peak device bytes of one real step under ``actions``, on the runtime's meter."""
-        runtime = SwapRuntime(self.model, dict(zip(self.profile.names, actions)), device="cpu").install()
+    def measure(self, actions, outside=None) -> int:
+        """Peak device bytes of one real step under ``actions`` (and ``outside`` for the regions
+        outside the segments), on the runtime's meter."""
+        selective = {s.name: s.selective_ops for s, a in zip(self.profile.segments, actions) if a is Action.SELECTIVE and s.selective_ops}
+        plan = Plan(actions=dict(zip(self.profile.names, actions)), outside=outside or {}, selective_ops=selective)
+        runtime = SwapRuntime(self.model, plan, device="cpu").install()
         try:
             runtime.begin_step([self.x, self.y])
             self.step(self.model, (self.x, self.y)).backward()
@@ -61,7 +64,7 @@ def test_plain_step_is_predicted_exactly(case: Case) -> None:
 def test_plan_fits_budget_and_prediction_matches_measurement(case: Case, fraction: float) -> None:
     budget = int(fraction * case.profile.peak_bytes)
     plan = solve(case.profile, budget_bytes=budget)
-    measured = case.measure(list(plan.actions.values()))
+    measured = case.measure(list(plan.actions.values()), plan.outside)
     assert measured <= budget, plan.render()
     assert abs(plan.predicted_peak_bytes - measured) <= 0.05 * measured, (plan.predicted_peak_bytes, measured, plan.render())
     if fraction >= 1.0:
@@ -93,7 +96,7 @@ def test_infeasible_budget_min_budget_fits_when_measured(case: Case) -> None:
         solve(case.profile, budget_bytes=lo - 1)
     assert info.value.min_budget_bytes == lo
     plan = solve(case.profile, budget_bytes=lo)
-    assert case.measure(list(plan.actions.values())) <= lo * 1.05
+    assert case.measure(list(plan.actions.values()), plan.outside) <= lo * 1.05
 
 
 def test_fake_profile_agrees_with_real(case: Case) -> None:

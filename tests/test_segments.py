@@ -185,6 +185,44 @@ def _plain_sgd(model, batches):
     return plain
 
 
+class _LoopedGlue(Looped):
+    """``Looped`` with code between the calls that saves a tensor for backward (``tanh``)."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(self.n):
+            h = torch.tanh(self.layers[0](h))
+        return self.out(h)
+
+
+def test_the_regions_between_a_modules_calls_are_its_calls_and_run_exactly():
+    """Note [Names of the regions outside the segments] under Note [A segment per call]: the code
+    after call ``k`` is ``<after layers.0#k>`` in a profile; offloaded by a plan that names the
+    calls, or by the lowest-memory plan that names the module alone, training equals plain
+    training and the regions' bytes are moved."""
+    from lightning_swap.core import Plan
+
+    torch.manual_seed(0)
+    model = _LoopedGlue()
+    batch = (torch.randn(64, 8), torch.randn(64, 1))
+    prof = profile(model, batch, step_fn=_step, scale=False, min_offload_bytes=0, device="cpu")
+    assert {"<after layers.0>", "<after layers.0#1>", "<after layers.0#2>", "<tail>"} <= set(prof.outside_names)
+    plain = copy.deepcopy(model)
+    _step(plain, batch).backward()
+    per_call = Plan(actions={n: Action.KEEP for n in prof.names}, outside={n: Action.OFFLOAD for n in prof.outside_names})
+    for plan in (per_call, Plan.lowest_memory(find_segments(model))):
+        twin = copy.deepcopy(model)
+        with SwapRuntime(twin, plan, device="cpu", min_offload_bytes=0) as runtime:
+            for _ in range(2):
+                twin.zero_grad()
+                runtime.begin_step(list(batch))
+                _step(twin, batch).backward()
+                stats = runtime.end_step()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(twin.parameters(), plain.parameters()))
+        assert stats.offloaded_bytes >= 3 * 64 * 32 * 4  # at least the tanh outputs between the calls
+        assert stats.unplanned_bytes == 0
+
+
 def test_call_names():
     assert [call_name("a.0", k) for k in range(3)] == ["a.0", "a.0#1", "a.0#2"]
     assert [split_call(n) for n in ("a.0", "a.0#2", "a#b")] == [("a.0", 0), ("a.0", 2), ("a#b", 0)]

@@ -20,7 +20,7 @@ from .units import ByteSize, parse_bytes
 
 __all__ = [
     "DEFAULT_MIN_OFFLOAD_BYTES", "SwapConfig", "UMMode", "check_inflight_segments", "check_min_offload_bytes",
-    "check_um_max_bytes",
+    "check_um_max_bytes", "check_window_bytes",
 ]
 
 
@@ -34,6 +34,15 @@ def check_inflight_segments(value: Any) -> int:
             f"`inflight_segments` must be an int >= 0 (segments whose copies to the host may still run "
             f"while later segments compute); got {value!r}."
         )
+    return value
+
+
+def check_window_bytes(value: Any, field: str) -> Optional[int]:
+    """A copy window in bytes (Note [Copy windows in bytes] in ``engine/offload.py``), or ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"`{field}` must be an int >= 0 (bytes) or None; got {value!r}.")
     return value
 
 
@@ -98,6 +107,14 @@ class SwapConfig:
     #: How many segments' copies to the host may still run while later segments compute
     #: (Note [Stream protocol], rule 2); 0 waits for each segment's copies before the next.
     inflight_segments: int = 1
+    #: Bytes backward fetches ahead of need (``0``: each saved tensor when it is needed, as
+    #: ``save_on_cpu`` does), instead of whole segments; e.g. ``"64MiB"``. ``None``: chosen by the
+    #: planner from the measured bandwidth under ``policy="auto"`` (unless ``prefetch_segments``
+    #: is set), else ``prefetch_segments`` (Note [Copy windows in bytes] in ``engine/offload.py``).
+    prefetch_bytes: Optional[ByteSize] = None
+    #: Bytes of copies to the host that may still run while the forward goes on (``0``: each is
+    #: waited for when issued), instead of whole segments; ``None`` as for ``prefetch_bytes``.
+    inflight_bytes: Optional[ByteSize] = None
     #: Log the plan table when a plan is applied.
     log_plan: bool = field(default=True)
     #: CUDA unified memory: ``"off"``, ``"offload"`` (offloaded activations in managed host
@@ -133,7 +150,10 @@ class SwapConfig:
                     "of module classes or qualified module names."
                 )
             object.__setattr__(self, "segments", tuple(segments))
-        for name, allow_none, minimum in (("min_offload_bytes", False, 0), ("budget_bytes", True, 1), ("um_max_bytes", True, 1)):
+        for name, allow_none, minimum in (
+            ("min_offload_bytes", False, 0), ("budget_bytes", True, 1), ("um_max_bytes", True, 1), ("prefetch_bytes", True, 0),
+            ("inflight_bytes", True, 0),
+        ):
             object.__setattr__(self, name, parse_bytes(getattr(self, name), field=name, allow_none=allow_none, minimum=minimum))
         check_inflight_segments(self.inflight_segments)
         p = self.prefetch_segments

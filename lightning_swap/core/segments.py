@@ -22,7 +22,10 @@ blocks, the children of the outermost ``nn.Sequential`` are the segments (in-pla
 left out); with none, the model is followed down through the part that holds two thirds of its
 parameters to the first module with two or more composite parts, which are the segments; with
 none of those, there are no segments and the model trains as it would without the library.
-What is left outside the segments (a stem made of leaf layers, the head, the loss) is kept.
+What is left outside the segments (a stem made of leaf layers, the head, the loss) is planned
+too, keep or offload, as regions of its own (Note [Regions outside the segments] in
+``measure/model_profile.py``); the segments' coverage (``ModelProfile.coverage``) is the part
+of a step's saved bytes that can also be recomputed.
 
 Note [A segment per call]: a module may run several times in one step (ALBERT's one layer,
 twelve times; a weight-tied or looped block). Each call is its own segment in a profile and a
@@ -53,13 +56,13 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from typing import Union
+from typing import Optional, Union
 
 from torch import nn
 
 __all__ = [
-    "CALL_SEPARATOR", "SegmentSpec", "call_name", "canonical_name", "describe_segments", "find_segments", "named_modules",
-    "resolve_modules", "split_call", "unwrap_compiled",
+    "CALL_SEPARATOR", "PREFIX_REGION", "TAIL_REGION", "SegmentSpec", "call_name", "canonical_name", "describe_segments",
+    "find_segments", "named_modules", "outside_region_names", "region_after", "resolve_modules", "split_call", "unwrap_compiled",
 ]
 
 SegmentSpec = Union[None, Sequence[Union[str, type]]]
@@ -338,3 +341,28 @@ def find_segments(model: nn.Module, segments: SegmentSpec = None) -> list[str]:
     if missing_classes:
         raise ValueError(f"`segments` names module classes the model does not contain: {missing_classes}.")
     return names
+
+
+#: Note [Names of the regions outside the segments]: the code before the first segment, after
+#: each segment (up to the next) and after the last one (the head and the loss) are named from
+#: the segments' names in execution order, so that a plan made without a profile (every region
+#: offloaded) names the regions a profile would. A module run several times is a segment per
+#: call (Note [A segment per call]): the region after call ``k`` is ``<after name#k>``; in a plan
+#: that names the module alone, every call's region is the one after the module.
+PREFIX_REGION = "<prefix>"
+TAIL_REGION = "<tail>"
+
+
+def region_after(segments: "tuple[str, ...] | list[str]", last: Optional[str]) -> str:
+    """The region that runs after segment ``last`` (``None``: before any) in a forward over
+    ``segments`` (Note [Names of the regions outside the segments])."""
+    if last is None:
+        return PREFIX_REGION
+    if segments and last == segments[-1]:
+        return TAIL_REGION
+    return f"<after {last}>"
+
+
+def outside_region_names(segments: "tuple[str, ...] | list[str]") -> tuple[str, ...]:
+    """Every region name a forward over ``segments`` can have, in execution order."""
+    return (PREFIX_REGION, *(region_after(segments, s) for s in segments))

@@ -225,7 +225,7 @@ def core(args, out: dict) -> None:
     batch): each uniform plan's peak predicted from a profile of a steady step against the one
     measured, the profiles of both ranks merged, and FSDP2's all-gathers counted under ``keep`` and ``recompute`` (per-block
     units, and two units inside each segment: Note [Recompute under FSDP gathers nothing more])."""
-    from lightning_swap import Action, SwapRuntime, find_segments, profile, simulate
+    from lightning_swap import Action, Plan, SwapRuntime, find_segments, profile, simulate
     from lightning_swap.core.measure.model_profile import max_profile
     from tests.models import MODELS, TinyGPT
     from tests.test_fsdp_core import sharded_gpt
@@ -245,7 +245,10 @@ def core(args, out: dict) -> None:
     for policy in CORE_POLICIES:
         actions = {n: Action.parse(policy) for n in find_segments(model)}
         result["predicted"][policy] = simulate(prof, actions).peak_bytes
-        with SwapRuntime(model, actions, min_offload_bytes=0, device="cpu") as runtime:
+        # SELECTIVE saves the ops the profile chose and priced (Note [Which ops selective
+        # recomputation saves]), as a plan the planner makes carries them.
+        chosen = {s.name: s.selective_ops for s in prof.segments if s.selective_ops is not None and actions[s.name] is Action.SELECTIVE}
+        with SwapRuntime(model, Plan(actions=actions, selective_ops=chosen), min_offload_bytes=0, device="cpu") as runtime:
             runtime.begin_step([batch, optimizer.state])
             step(model, batch).backward()
             result["measured"][policy] = runtime.end_step().peak_device_bytes

@@ -49,6 +49,29 @@ runtime settings, which the plan must be made for (the runtime's defaults when n
 
 Measured on CPU (a 6-layer GPT and a 7-segment MLP chain, plans mixing every action, ``k`` in
 0..3): the predicted peak equals the measured one to within 3%, never under it.
+
+Note [Copy windows in bytes, priced]: with ``prefetch_bytes`` / ``inflight_bytes`` (Note [Copy
+windows in bytes] in ``engine/offload.py``) the windows are bytes, each independent of the other:
+
+- in flight ``W``: an element's forward window holds its own sources only up to ``W`` (the rest
+  retire as it runs: its forward is priced as one whose copies are done when issued, plus
+  ``min(W, bytes in flight)``). Time: the device-to-host queue drains at its bandwidth during
+  each forward; when it holds more than ``W`` the compute waits for the excess; with ``W = 0``
+  every copy is waited for when issued, all of it exposed; the backward's start waits for the rest.
+- prefetched ``W > 0``: when an element's backward starts, the elements before it are fetched
+  in order while the bytes fetched and not yet needed stay within ``W`` (one element at least);
+  its backward window holds what is fetched ahead, the rest of its own bytes first (at most
+  ``W``, or the largest storage), on top of its own as they come back storage by storage, each
+  held to its last unpack (the profiler's on-demand estimate): conservative, since the window
+  cannot be placed within the element's backward (measured on CPU: up to one storage over).
+- prefetched ``W = 0``: every element's bytes come back per saved tensor when needed (the
+  profiler's per-tensor estimate, Note [Offloaded backward fetches on demand] in ``trace.py``),
+  all of the copy time exposed.
+
+On CPU copies are done when issued: nothing is in flight whatever ``W``, and a prefetch only
+raises the peak; the planner uses ``0`` for both there (:func:`window_candidates`). The start of
+the backward is still priced as waiting for the copies in flight (as with windows in segments),
+though the engine now uses their sources in place (Note [Used in place]): conservative in time.
 """
 
 from __future__ import annotations
@@ -58,12 +81,16 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..actions import Action
-from ..config import check_inflight_segments
+from ..config import check_inflight_segments, check_window_bytes
 from ..segments import split_call
 from .plan import PlanRow
 from ..measure.model_profile import ModelProfile, SegmentProfile
 
-__all__ = ["Prediction", "SegmentCosts", "backward_need", "copy_window", "copy_window_of", "on_demand", "segment_costs", "simulate"]
+__all__ = [
+    "AUTO_WINDOW", "OUTSIDE_ACTIONS", "Prediction", "SegmentCosts", "Window", "backward_need", "chain_actions", "copy_window", "copy_window_of",
+    "elements", "on_demand", "outside_mask", "referenced_outputs", "resolve_windows", "segment_costs", "simulate", "simulate_chain",
+    "window_candidates",
+]
 
 
 def held_in(s: SegmentProfile, a: Action) -> bool:
@@ -165,12 +192,17 @@ def boundary_kept(prev: Optional[SegmentProfile], p: Optional[Action], s: Segmen
     return total
 
 
-def backward_own(prev: Optional[SegmentProfile], p: Optional[Action], s: SegmentProfile, a: Action, *, on_demand: bool) -> int:
+def backward_own(
+    prev: Optional[SegmentProfile], p: Optional[Action], s: SegmentProfile, a: Action, *, on_demand: bool, per_tensor: bool = False,
+    free_output: bool = False,
+) -> int:
     """Bytes of segment ``s`` alive during its backward, beyond ``kept``.
 
     ``on_demand``: offloaded tensors come back one op at a time (no prefetch, as on CPU), so an
     offloaded segment's backward peak is the profiler's estimate for that
-    (Note [Offloaded backward fetches on demand] in :mod:`.trace`), not all of it at once.
+    (Note [Offloaded backward fetches on demand] in :mod:`.trace`), not all of it at once;
+    ``per_tensor``: and each only while an op reads it (a prefetch window of 0 bytes), its output
+    too where ``free_output`` (the next element does not hold it).
     """
     own = s.internal_saved_bytes + (s.heavy_unsaved_bytes if a is Action.SELECTIVE else 0)
     if s.input_saved or a.recomputes or boundary_held(prev, p, s, a):
@@ -179,6 +211,14 @@ def backward_own(prev: Optional[SegmentProfile], p: Optional[Action], s: Segment
         own += s.output_bytes
     if on_demand and a is Action.OFFLOAD:
         own -= max(0, s.backward_peak_bytes - s.offload_backward_peak_bytes)
+        free_input = s.input_saved and not boundary_held(prev, p, s, a)  # it comes back on demand too
+        if per_tensor:
+            extra = (s.tensor_both_saving_bytes if free_input else s.tensor_output_saving_bytes) if free_output else (
+                s.tensor_input_saving_bytes if free_input else 0
+            )
+            own -= s.tensor_saving_bytes + extra
+        elif free_input:
+            own -= s.offload_input_saving_bytes
     elif fetches_held_input(prev, p, s, a):
         own += s.input_bytes
     return own
@@ -205,13 +245,16 @@ def fetches_held_input(prev: Optional[SegmentProfile], p: Optional[Action], s: S
     return s.input_from_previous and prev is not None and p is not None and held_out(prev, p)
 
 
-def backward_need(base: int, prev: Optional[SegmentProfile], p: Optional[Action], s: SegmentProfile, a: Action, *, on_demand: bool) -> int:
+def backward_need(
+    base: int, prev: Optional[SegmentProfile], p: Optional[Action], s: SegmentProfile, a: Action, *, on_demand: bool, per_tensor: bool = False,
+    free_output: bool = False,
+) -> int:
     """Bytes of segment ``s``'s backward window beyond what earlier segments keep: its own bytes
     on top of the plan-independent ``base``; for a recomputed segment also the recomputation's
     forward, whose transient working set (cuDNN / cuBLAS workspaces included) runs before the
     backward's: the window's base without the backward's working bytes, plus the segment's
     input and its forward's working bytes."""
-    need = base + backward_own(prev, p, s, a, on_demand=on_demand)
+    need = base + backward_own(prev, p, s, a, on_demand=on_demand, per_tensor=per_tensor, free_output=free_output)
     if a.recomputes:
         need = max(need, base - s.backward_working_bytes + s.input_bytes + s.forward_working_bytes)
     return need
@@ -228,8 +271,41 @@ class SegmentCosts:
     base_ms: float  # the plain step
 
 
+def elements(profile: ModelProfile) -> tuple[SegmentProfile, ...]:
+    """What a plan acts on, in execution order: the segments and the regions outside them
+    (Note [Regions outside the segments] in ``measure/model_profile.py``)."""
+    return tuple(e for e, _ in profile.chain)
+
+
+def outside_mask(profile: ModelProfile) -> tuple[bool, ...]:
+    return tuple(o for _, o in profile.chain)
+
+
+#: What a region outside the segments may be given: it is no module, so nothing recomputes it.
+OUTSIDE_ACTIONS = (Action.KEEP, Action.OFFLOAD)
+
+
+def chain_actions(
+    profile: ModelProfile, actions: Mapping[str, Action] | Sequence[Action], outside: Optional[Mapping[str, Action]] = None
+) -> list[Action]:
+    """One action per element of :func:`elements`: the segments' from ``actions``, the regions'
+    from ``outside`` (by name; a region not named is kept)."""
+    seg_acts = iter(_as_list(profile, actions))
+    outside = outside or {}
+    out = []
+    for e, is_outside in profile.chain:
+        if not is_outside:
+            out.append(next(seg_acts))
+            continue
+        a = outside.get(e.name, Action.KEEP)
+        if a not in OUTSIDE_ACTIONS:
+            raise ValueError(f"`outside[{e.name!r}]` must be one of {[x.value for x in OUTSIDE_ACTIONS]}; got {a!r}.")
+        out.append(a)
+    return out
+
+
 def segment_costs(profile: ModelProfile) -> SegmentCosts:
-    segs = profile.segments
+    segs = elements(profile)
     fwd, bwd = [], []
     kept = 0
     prev: Optional[SegmentProfile] = None
@@ -244,7 +320,9 @@ def segment_costs(profile: ModelProfile) -> SegmentCosts:
         backward_base_bytes=tuple(bwd),
         tail_base_bytes=profile.tail_peak_bytes - kept,
         fixed_peak_bytes=max(
-            profile.prefix_forward_peak_bytes, profile.prefix_backward_peak_bytes, profile.static_bytes, profile.optimizer_peak_bytes
+            0 if profile.has_prefix_region() else profile.prefix_forward_peak_bytes,
+            0 if profile.has_prefix_region() else profile.prefix_backward_peak_bytes,
+            profile.static_bytes, profile.optimizer_peak_bytes,
         ),
         base_ms=profile.step_ms,
     )
@@ -288,11 +366,85 @@ def copy_window(prefetch_segments: Optional[int], inflight_segments: int, *, ove
     return prefetch_segments, inflight_segments if overlap else 0
 
 
+#: ``prefetch_bytes="auto"`` for ``solve`` and its kin: the planner chooses the byte windows
+#: (:func:`window_candidates`), and the plan records the ones it was priced with.
+AUTO_WINDOW = "auto"
+
+
+@dataclass(frozen=True)
+class Window:
+    """The copy windows one plan is priced for (Notes [Copy windows] and [Copy windows in bytes,
+    priced]): in segments, or, where set, in bytes."""
+
+    prefetch_segments: int
+    inflight_segments: int
+    prefetch_bytes: Optional[int] = None
+    inflight_bytes: Optional[int] = None
+
+    def keywords(self) -> dict[str, Any]:
+        return {
+            "prefetch_segments": self.prefetch_segments, "inflight_segments": self.inflight_segments,
+            "prefetch_bytes": self.prefetch_bytes, "inflight_bytes": self.inflight_bytes,
+        }
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else 0.0
+
+
+def window_candidates(profile: ModelProfile) -> list[tuple[int, int]]:
+    """Note [The planner chooses the copy windows]: ``(prefetch_bytes, inflight_bytes)`` pairs a
+    plan may be priced with. On CPU nothing overlaps, so ``(0, 0)``: copies waited for as issued,
+    fetches per saved tensor (the least memory, at no cost in time there). On CUDA also windows
+    sized from the measured bandwidths: what each copy engine moves during the median element's
+    forward (in flight) and backward (prefetch), and four times that; the solver keeps the
+    fastest plan that fits over all of them."""
+    if not profile.copies_overlap:
+        return [(0, 0)]
+    segs = [e for e in elements(profile) if e.offload_bytes]
+    h2d = int(profile.h2d_bytes_per_ms * _median([e.backward_ms for e in segs]))
+    d2h = int(profile.d2h_bytes_per_ms * _median([e.forward_ms for e in segs]))
+    out = [(0, 0)]
+    for k in (1, 4):
+        if (k * h2d, k * d2h) not in out and (h2d or d2h):
+            out.append((k * h2d, k * d2h))
+    return out
+
+
+def resolve_windows(
+    profile: ModelProfile, prefetch_segments: Optional[int], inflight_segments: int, prefetch_bytes: Any, inflight_bytes: Any
+) -> list[Window]:
+    """The windows to price: one, as given, or the planner's candidates where ``prefetch_bytes``
+    or ``inflight_bytes`` is :data:`AUTO_WINDOW` (the other, if given, kept)."""
+    prefetch, inflight = copy_window(prefetch_segments, inflight_segments, overlap=profile.copies_overlap)
+    auto = (prefetch_bytes == AUTO_WINDOW, inflight_bytes == AUTO_WINDOW)
+    if not any(auto):
+        return [Window(prefetch, inflight, check_window_bytes(prefetch_bytes, "prefetch_bytes"), check_window_bytes(inflight_bytes, "inflight_bytes"))]
+    fixed_p = None if auto[0] else check_window_bytes(prefetch_bytes, "prefetch_bytes")
+    fixed_i = None if auto[1] else check_window_bytes(inflight_bytes, "inflight_bytes")
+    out = []
+    for p_bytes, i_bytes in window_candidates(profile):
+        w = Window(prefetch, inflight, p_bytes if auto[0] else fixed_p, i_bytes if auto[1] else fixed_i)
+        if w not in out:
+            out.append(w)
+    return out
+
+
 def copy_window_of(config: Any) -> dict[str, Any]:
     """The keywords of :func:`simulate` / ``solve`` / ``min_budget_bytes`` that a
     :class:`~lightning_swap.core.config.SwapConfig` sets (Note [Copy windows]): pass
-    ``**copy_window_of(config)`` where a plan is made for a session's runtime."""
-    return {"prefetch_segments": config.prefetch_segments, "inflight_segments": config.inflight_segments}
+    ``**copy_window_of(config)`` where a plan is made for a session's runtime. The byte windows
+    are the planner's to choose (:data:`AUTO_WINDOW`) unless the config sets them, or sets
+    ``prefetch_segments`` (then the windows are in segments, as before byte windows existed)."""
+    auto = AUTO_WINDOW if config.prefetch_segments is None else None
+    prefetch_bytes = getattr(config, "prefetch_bytes", None)
+    inflight_bytes = getattr(config, "inflight_bytes", None)
+    return {
+        "prefetch_segments": config.prefetch_segments, "inflight_segments": config.inflight_segments,
+        "prefetch_bytes": prefetch_bytes if prefetch_bytes is not None else auto,
+        "inflight_bytes": inflight_bytes if inflight_bytes is not None else auto,
+    }
 
 
 def on_demand(i: int, n: int, prefetch: int, *, overlap: bool) -> bool:
@@ -318,6 +470,9 @@ class _Walk:
     prefetch: int
     inflight: int
     overlap: bool
+    #: Note [Copy windows in bytes, priced]: when set, these replace ``prefetch`` / ``inflight``.
+    prefetch_bytes: Optional[int] = None
+    inflight_bytes: Optional[int] = None
     clock: float = 0.0
     kept_before: list[int] = field(default_factory=list)
     kept_rows: list[int] = field(default_factory=list)
@@ -336,17 +491,75 @@ def _wait_d2h(walk: _Walk, pending: dict[int, float], upto: int) -> None:
         del pending[j]
 
 
+def referenced_outputs(segs: Sequence[SegmentProfile], mask: Sequence[bool]) -> list[list[int]]:
+    """Note [A region's output stays referenced in forward]: the code outside the segments hands
+    its output to a call that runs the segments after it (``self.blocks(self.stem(x))``), and
+    that call's arguments hold it until it returns, whatever the plan does with the saved
+    copies. So an outside element ``i``'s output, when the segment after it takes it as input,
+    is alive in the forward windows of the elements after that segment, up to the next region
+    outside the segments (where such a call has returned, or a loop rebound it; assumed). Per
+    window ``j``: the ``i`` whose output is alive there so."""
+    refs: list[list[int]] = [[] for _ in segs]
+    for i, outside in enumerate(mask):
+        if not outside or i + 1 >= len(segs) or mask[i + 1] or not segs[i + 1].input_from_previous:
+            continue
+        j = i + 2
+        while j < len(segs) and not mask[j]:
+            refs[j].append(i)
+            j += 1
+    return refs
+
+
+def _forward_bytes(walk: _Walk, profile: ModelProfile) -> tuple[list[int], int]:
+    """Forward under an in-flight window in bytes (Note [Copy windows in bytes, priced])."""
+    segs, acts, copies, costs = walk.segs, walk.acts, walk.copies, walk.costs
+    limit, bw = walk.inflight_bytes or 0, profile.d2h_bytes_per_ms
+    refs = referenced_outputs(segs, outside_mask(profile))
+    queue, kept, last, peaks = 0.0, 0, 0, []
+    for i, (s, a) in enumerate(zip(segs, acts)):
+        prev, p = (segs[i - 1], acts[i - 1]) if i else (None, None)
+        in_flight = min(limit, int(queue) + copies[i]) if walk.overlap else 0
+        referenced = sum(segs[r + 1].input_bytes for r in refs[i] if not boundary_held(segs[r], acts[r], segs[r + 1], acts[r + 1]))
+        peaks.append(costs.forward_base_bytes[i] + kept + forward_own(s, a, overlap=False) + in_flight + referenced)
+        walk.clock += s.forward_ms
+        if copies[i]:
+            last = i
+        if not walk.overlap or limit == 0:  # waited for as issued: all exposed
+            wait = copies[i] / bw
+        else:
+            queue = max(0.0, queue + copies[i] - bw * s.forward_ms)
+            wait = max(0.0, queue - limit) / bw
+            queue = min(queue, float(limit))
+        walk.added[i] += wait
+        walk.clock += wait
+        walk.kept_before.append(kept)
+        walk.kept_rows.append(internal_kept(s, a) + boundary_kept(prev, p, s, a))
+        kept += walk.kept_rows[-1]
+    n = len(segs)
+    tail_peak = costs.tail_base_bytes + kept + (min(limit, int(queue)) if walk.overlap else 0)
+    walk.clock += profile.tail_ms
+    wait = max(0.0, queue / bw - profile.tail_ms)  # the backward's start waits for the rest
+    walk.added[last if n else 0] += wait
+    walk.clock += wait
+    return peaks, tail_peak
+
+
 def _forward(walk: _Walk, profile: ModelProfile) -> tuple[list[int], int]:
     """Forward, with the device-to-host engine: the window peaks and the tail's."""
+    if walk.inflight_bytes is not None:
+        return _forward_bytes(walk, profile)
     segs, acts, copies, costs = walk.segs, walk.acts, walk.copies, walk.costs
     pending: dict[int, float] = {}  # segment -> when its copy to the host is done
     d2h_free = 0.0
     kept = 0
     peaks = []
+    refs = referenced_outputs(segs, outside_mask(profile))
     for i, (s, a) in enumerate(zip(segs, acts)):
         prev, p = (segs[i - 1], acts[i - 1]) if i else (None, None)
         in_flight = _window(copies, i - walk.inflight, i)
-        peaks.append(costs.forward_base_bytes[i] + kept + forward_own(s, a, overlap=walk.overlap) + in_flight)
+        # Note [A region's output stays referenced in forward]: not held by the plan, it is still there.
+        referenced = sum(segs[r + 1].input_bytes for r in refs[i] if not boundary_held(segs[r], acts[r], segs[r + 1], acts[r + 1]))
+        peaks.append(costs.forward_base_bytes[i] + kept + forward_own(s, a, overlap=walk.overlap) + in_flight + referenced)
         walk.clock += s.forward_ms
         if copies[i] and walk.overlap:
             d2h_free = max(walk.clock, d2h_free) + copies[i] / profile.d2h_bytes_per_ms
@@ -365,8 +578,55 @@ def _forward(walk: _Walk, profile: ModelProfile) -> tuple[list[int], int]:
     return peaks, tail_peak
 
 
+def _backward_bytes(walk: _Walk, profile: ModelProfile) -> list[int]:
+    """Backward under a prefetch window in bytes (Note [Copy windows in bytes, priced])."""
+    segs, acts, copies, costs = walk.segs, walk.acts, walk.copies, walk.costs
+    limit, bw = walk.prefetch_bytes or 0, profile.h2d_bytes_per_ms
+    fetched: dict[int, float] = {}  # element -> when its bytes are on the device
+    ahead: list[int] = []  # elements fetched and not yet needed, newest last
+    h2d_free, peaks, n = 0.0, [], len(segs)
+    for i in range(n - 1, -1, -1):
+        s, a = segs[i], acts[i]
+        prev, p = (segs[i - 1], acts[i - 1]) if i else (None, None)
+        if copies[i]:
+            if limit == 0 or not walk.overlap:
+                wait = copies[i] / bw
+            else:
+                if i not in fetched:  # nothing fetched it ahead: now
+                    h2d_free = max(walk.clock, h2d_free) + copies[i] / bw
+                    fetched[i] = h2d_free
+                wait = max(0.0, fetched[i] - walk.clock)
+            walk.added[i] += wait
+            walk.clock += wait
+        if i in ahead:
+            ahead.remove(i)
+        j = min(ahead, default=i) - 1
+        while limit and j >= 0 and (not ahead or sum(copies[k] for k in ahead) + copies[j] <= limit):
+            if copies[j]:
+                h2d_free = max(walk.clock, h2d_free) + copies[j] / bw
+                fetched[j] = h2d_free
+                ahead.append(j)
+            j -= 1
+        # The engine fetches ahead storage by storage, the rest of this element's first: within
+        # the window, or one storage above it.
+        largest = max((segs[k].largest_offload_bytes for k in range(i + 1) if copies[k]), default=0)
+        held_ahead = min(max(limit, largest), sum(copies[: i + 1])) if limit else 0
+        # Per tensor, the output is there only while read, unless the next element holds it (known
+        # here, not to the solver's state, which bounds it as held).
+        free_output = i + 1 < n and segs[i + 1].input_from_previous and not boundary_held(s, a, segs[i + 1], acts[i + 1])
+        need = backward_need(
+            costs.backward_base_bytes[i], prev, p, s, a, on_demand=True, per_tensor=limit == 0, free_output=free_output and limit == 0
+        )
+        peaks.append(walk.kept_before[i] + need + held_ahead)
+        walk.clock += s.backward_ms + recompute_ms(s, a)
+    peaks.reverse()
+    return peaks
+
+
 def _backward(walk: _Walk, profile: ModelProfile) -> list[int]:
     """Backward, last segment first, with the host-to-device engine: the window peaks."""
+    if walk.prefetch_bytes is not None:
+        return _backward_bytes(walk, profile)
     segs, acts, copies, costs = walk.segs, walk.acts, walk.copies, walk.costs
     n = len(segs)
     fetched: dict[int, float] = {}  # segment -> when its fetch is done
@@ -402,19 +662,45 @@ def simulate(
     actions: Mapping[str, Action] | Sequence[Action],
     costs: Optional[SegmentCosts] = None,
     *,
+    outside: Optional[Mapping[str, Action]] = None,
     prefetch_segments: Optional[int] = None,
     inflight_segments: int = 1,
+    prefetch_bytes: Optional[int] = None,
+    inflight_bytes: Optional[int] = None,
 ) -> Prediction:
     """Walk the step's timeline under ``actions`` (Notes [Memory model], [Time model] and [Copy
-    windows]); ``prefetch_segments`` / ``inflight_segments`` as given to the runtime."""
-    acts = _as_list(profile, actions)
+    windows]) for the segments and ``outside`` for the regions outside them (by name; a region
+    not named is kept); ``prefetch_segments`` / ``inflight_segments`` as given to the runtime,
+    or ``prefetch_bytes`` / ``inflight_bytes`` where given (Note [Copy windows in bytes, priced]).
+    The prediction's windows and rows are per element of :func:`elements`."""
+    return simulate_chain(
+        profile, chain_actions(profile, actions, outside), costs, prefetch_segments=prefetch_segments, inflight_segments=inflight_segments,
+        prefetch_bytes=prefetch_bytes, inflight_bytes=inflight_bytes,
+    )
+
+
+def simulate_chain(
+    profile: ModelProfile,
+    acts: Sequence[Action],
+    costs: Optional[SegmentCosts] = None,
+    *,
+    prefetch_segments: Optional[int] = None,
+    inflight_segments: int = 1,
+    prefetch_bytes: Optional[int] = None,
+    inflight_bytes: Optional[int] = None,
+) -> Prediction:
+    """:func:`simulate` with one action per element of :func:`elements` (``acts``)."""
+    acts = list(acts)
     costs = costs or segment_costs(profile)
-    segs = profile.segments
+    segs = elements(profile)
+    if len(acts) != len(segs):
+        raise ValueError(f"`acts` has {len(acts)} entries for {len(segs)} elements.")
     prefetch, inflight = copy_window(prefetch_segments, inflight_segments, overlap=profile.copies_overlap)
     copies = [copied_bytes(s, a) for s, a in zip(segs, acts)]
     walk = _Walk(
         segs=segs, acts=acts, costs=costs, copies=copies, added=[recompute_ms(s, a) for s, a in zip(segs, acts)],
         prefetch=prefetch, inflight=inflight, overlap=profile.copies_overlap,
+        prefetch_bytes=check_window_bytes(prefetch_bytes, "prefetch_bytes"), inflight_bytes=check_window_bytes(inflight_bytes, "inflight_bytes"),
     )
     fwd_peaks, tail_peak = _forward(walk, profile)
     bwd_peaks = _backward(walk, profile)

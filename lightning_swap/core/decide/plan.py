@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Optional
 
 from ..actions import Action
+from ..segments import outside_region_names
 
 __all__ = ["Plan", "PlanRow", "format_bytes"]
+
 
 
 def format_bytes(nbytes: Optional[int]) -> str:
@@ -52,15 +54,55 @@ class Plan:
     rows: tuple[PlanRow, ...] = field(default=())
     #: ``rows`` were measured in the plan's first step (Note [Measured rows]), not predicted.
     measured: bool = False
+    #: The regions outside the segments (Note [Regions outside the segments] in
+    #: ``measure/model_profile.py``), by name (:func:`outside_region_names`), kept or offloaded;
+    #: a region not named is kept.
+    outside: Mapping[str, Action] = field(default_factory=dict)
+    #: The copy windows in bytes the plan was priced for (Note [Copy windows in bytes, priced] in
+    #: ``costmodel.py``), which the runtime then uses unless told otherwise; ``None``: in segments.
+    prefetch_bytes: Optional[int] = None
+    inflight_bytes: Optional[int] = None
+    #: For ``SELECTIVE`` segments, the ops whose outputs are saved, decided from the profile's
+    #: measured forward (Note [Which ops selective recomputation saves] in
+    #: ``measure/profiler.py``); a segment not named saves the compute-heavy ops.
+    selective_ops: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", MappingProxyType(dict(self.actions)))
+        outside = dict(self.outside)
+        for name, action in outside.items():
+            if action not in (Action.KEEP, Action.OFFLOAD):
+                raise ValueError(f"`outside[{name!r}]` must be Action.KEEP or Action.OFFLOAD (a region is not a module); got {action!r}.")
+        object.__setattr__(self, "outside", MappingProxyType(outside))
+        object.__setattr__(self, "selective_ops", MappingProxyType({k: tuple(v) for k, v in self.selective_ops.items()}))
 
     def __reduce__(self):
         # A mapping proxy does not pickle; plans cross processes (broadcast under DDP).
         state = {f.name: getattr(self, f.name) for f in fields(self)}
         state["actions"] = dict(self.actions)
+        state["outside"] = dict(self.outside)
+        state["selective_ops"] = dict(self.selective_ops)
         return (_rebuild_plan, (state,))
+
+    @classmethod
+    def lowest_memory(
+        cls, segments: "tuple[str, ...] | list[str]", refused: "Container[str]" = (), *, action: Action = Action.RECOMPUTE_OFFLOAD,
+    ) -> "Plan":
+        """The plan that leaves the least on the device without a profile: every segment
+        ``action`` (``RECOMPUTE_OFFLOAD``; ``auto``'s guard gives ``OFFLOAD`` where offloaded bytes
+        come back per op, on CPU: ``guard_action`` in ``scale/auto.py``), ``OFFLOAD`` for one in
+        ``refused``, whose recomputation is refused (Note [Refused actions] in
+        ``measure/model_profile.py``), every region outside them offloaded (Note [Names of the
+        regions outside the segments] in ``segments.py``), copies waited for when issued and
+        fetched per saved tensor (Note [Copy windows in bytes] in ``engine/offload.py``)."""
+        return cls(
+            actions={name: Action.OFFLOAD if name in refused else action for name in segments},
+            outside={name: Action.OFFLOAD for name in outside_region_names(segments)}, prefetch_bytes=0, inflight_bytes=0,
+        )
+
+    @property
+    def offloads_outside(self) -> bool:
+        return any(a is Action.OFFLOAD for a in self.outside.values())
 
     @property
     def segments(self) -> tuple[str, ...]:
@@ -72,7 +114,11 @@ class Plan:
         return {a: c.get(a, 0) for a in Action}
 
     def summary(self) -> str:
-        return " ".join(f"{a.value}={n}" for a, n in self.counts().items() if n)
+        """``keep=12 offload=4``, and ``outside offload=2`` when regions outside the segments
+        are offloaded."""
+        text = " ".join(f"{a.value}={n}" for a, n in self.counts().items() if n)
+        moved = sum(a is Action.OFFLOAD for a in self.outside.values())
+        return f"{text} outside offload={moved}" if moved else text
 
     def render(self) -> str:
         """The plan as a text table: segment, action, and — predicted by the planner, or measured
@@ -87,7 +133,7 @@ class Plan:
             ]
         else:
             header = ("segment", "action")
-            body = [(name, action.value) for name, action in self.actions.items()]
+            body = [(name, action.value) for name, action in {**self.actions, **self.outside}.items()]
         widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h) for i, h in enumerate(header)]
         lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
         lines.append("  ".join("-" * w for w in widths))
@@ -105,6 +151,8 @@ class Plan:
             tail.append(f"predicted step {self.predicted_step_ms:.1f} ms")
         if self.batch_size is not None:
             tail.append(f"batch {self.batch_size}")
+        if self.prefetch_bytes is not None or self.inflight_bytes is not None:
+            tail.append(f"copy windows {format_bytes(self.prefetch_bytes)} ahead, {format_bytes(self.inflight_bytes)} in flight")
         if tail:
             lines.append(", ".join(tail))
         return "\n".join(lines)

@@ -38,14 +38,14 @@ import numpy as np
 
 from ..actions import Action
 from .costmodel import (
-    SegmentCosts, backward_need, boundary_kept, copied_bytes, copy_window, forward_own, internal_kept, on_demand, recompute_ms,
-    Prediction, segment_costs, simulate,
+    SegmentCosts, Window, backward_need, boundary_kept, copied_bytes, elements, forward_own, internal_kept, on_demand,
+    outside_mask, recompute_ms, Prediction, referenced_outputs, resolve_windows, segment_costs, simulate_chain,
 )
 from ..errors import InfeasibleBudgetError
 from .plan import Plan
 from ..measure.model_profile import ModelProfile, SegmentProfile
 
-__all__ = ["brute_force", "min_budget_bytes", "solve"]
+__all__ = ["brute_force", "least_peak_plan", "min_budget_bytes", "solve"]
 
 log = logging.getLogger(__name__)
 
@@ -69,40 +69,67 @@ def _allowed(actions: Optional[Iterable[Action]]) -> tuple[Action, ...]:
     return tuple(dict.fromkeys(out))
 
 
+#: A window need that no budget meets: an action an element may not take (Note [What each
+#: element may take]).
+_FORBIDDEN = 1 << 60
+
+
 def _runs(profile: ModelProfile, plan: Iterable[Action]) -> bool:
-    """No segment gets an action it refused (Note [Refused actions] in model_profile.py)."""
-    return all(a not in s.refused for s, a in zip(profile.segments, plan))
+    """No segment gets an action it refused (Note [Refused actions] in model_profile.py);
+    ``plan``: one action per element of the chain (a region outside the segments refuses none)."""
+    return all(a not in e.refused for e, a in zip(elements(profile), plan))
+
+
+def _element_actions(acts: tuple[Action, ...], is_outside: bool) -> tuple[Action, ...]:
+    """Note [What each element may take]: a segment takes any allowed action; a region outside the
+    segments (no module: nothing to recompute) is kept, or offloaded where the allowed actions
+    offload at all."""
+    if not is_outside:
+        return acts
+    return (Action.KEEP,) + ((Action.OFFLOAD,) if any(a.offloads for a in acts) else ())
 
 
 class _Transitions:
-    """Per-transition numbers of the cost model, precomputed for the DP (Note [Deep copy windows])."""
+    """Per-transition numbers of the cost model, precomputed for the DP (Note [Deep copy windows]).
 
-    def __init__(self, profile: ModelProfile, costs: SegmentCosts, acts: tuple[Action, ...], window: tuple[int, int]) -> None:
-        segs = profile.segments
+    The chain is every element of :func:`~.costmodel.elements`; ``acts`` are the actions the DP
+    indexes, the allowed ones and ``KEEP`` where only a region may take it."""
+
+    def __init__(self, profile: ModelProfile, costs: SegmentCosts, allowed: tuple[Action, ...], window: Window) -> None:
+        segs = elements(profile)
+        self.outside = outside_mask(profile)
         self.n = n = len(segs)
+        self.allowed = allowed
+        acts = allowed if Action.KEEP in allowed or not any(self.outside) else allowed + (Action.KEEP,)
         self.acts = acts
+        #: [i][a]: may element ``i`` take ``acts[a]``? Not an action it refused (Note [Refused
+        #: actions] in model_profile.py).
+        self.may = [[a in _element_actions(allowed, o) and a not in e.refused for a in acts] for e, o in zip(segs, self.outside)]
         k = len(acts)
         self.overlap = profile.copies_overlap
-        self.prefetch, self.inflight = window
-        #: Note [Refused actions] in model_profile.py: what each segment may run.
-        self.allowed = [[a not in s.refused for a in acts] for s in segs]
+        self.window = window
+        self.prefetch, self.inflight = window.prefetch_segments, window.inflight_segments
+        self.prefetch_bytes, self.inflight_bytes = window.prefetch_bytes, window.inflight_bytes
         self.copies = [[copied_bytes(s, a) for a in acts] for s in segs]
-        #: The most any allowed action copies, per segment: the bound for segments the state forgot.
-        self.most = [max(row) for row in self.copies]
+        #: The most any allowed action copies, per element: the bound for elements the state forgot.
+        self.most = [max((c for c, ok in zip(row, may) if ok), default=0) for row, may in zip(self.copies, self.may)]
         # [i, p, a]: p == k is "no previous segment" (i == 0).
         self.fwd_need = np.zeros((n, k + 1, k), dtype=np.int64)
         self.bwd_need = np.zeros((n, k + 1, k), dtype=np.int64)
         self.add_kept = np.zeros((n, k + 1, k), dtype=np.int64)
         self.add_ms = np.zeros((n, k + 1, k), dtype=np.float64)
+        self.segs = segs
+        # Note [A region's output stays referenced in forward]: bounded as if never held by the
+        # plan (the state does not know the boundary's actions); simulate is exact.
+        refs = referenced_outputs(segs, self.outside)
+        self.referenced = [sum(segs[r + 1].input_bytes for r in rs) for rs in refs]
         for i, s in enumerate(segs):
             prev = segs[i - 1] if i else None
             for pi in range(k + 1):
                 p = acts[pi] if pi < k else None
                 if (i == 0) == (p is None):
                     self._fill(profile, costs, i, prev, pi, p)
-        self.tail_need = np.array(
-            [costs.tail_base_bytes + (self._window(n, k, ai, self.inflight) if n else 0) for ai in range(k)], dtype=np.int64
-        )
+        self.tail_need = np.array([costs.tail_base_bytes + (self._in_flight(n, k, ai) if n else 0) for ai in range(k)], dtype=np.int64)
 
     def _window(self, i: int, pi: int, last: int, depth: int) -> int:
         """Bytes copied by segments ``i-depth .. i-1``: segment ``i-1`` under the action the
@@ -112,26 +139,56 @@ class _Transitions:
         known = self.copies[i - 1][last if i == self.n else pi]
         return known + sum(self.most[max(i - depth, 0):i - 1])
 
+    def _in_flight(self, i: int, pi: int, last: int, own: int = 0) -> int:
+        """What is in flight in element ``i``'s forward window (past the end: the turnaround),
+        bounded (Notes [Deep copy windows] and [Copy windows in bytes, priced])."""
+        if self.inflight_bytes is None:
+            return self._window(i, pi, last, self.inflight)
+        if not self.overlap:
+            return 0
+        return min(self.inflight_bytes, self._window(i, pi, last, i) + own)
+
+    def _prefetched(self, i: int, pi: int, own: int) -> int:
+        if self.prefetch_bytes is None:
+            return self._window(i, pi, pi, self.prefetch)
+        if not self.prefetch_bytes:
+            return 0
+        # Note [Copy windows in bytes, priced]: the rest of this element's bytes and those before
+        # it, within the window or one storage above it.
+        largest = max((s.largest_offload_bytes for s in self.segs[: i + 1]), default=0)
+        return min(max(self.prefetch_bytes, largest), own + self._window(i, pi, pi, i))
+
     def _fill(self, profile: ModelProfile, costs: SegmentCosts, i: int, prev: Optional[SegmentProfile], pi: int, p: Optional[Action]) -> None:
-        segs, n = profile.segments, self.n
+        segs, n = self.segs, self.n
         s = segs[i]
-        in_flight = self._window(i, pi, pi, self.inflight)
-        prefetched = self._window(i, pi, pi, self.prefetch)
-        demand = on_demand(i, n, self.prefetch, overlap=self.overlap)
+        if self.prefetch_bytes is None:
+            demand, per_tensor = on_demand(i, n, self.prefetch, overlap=self.overlap), False
+        else:  # Note [Copy windows in bytes, priced]: fetched per entry, what is ahead on top
+            demand, per_tensor = True, self.prefetch_bytes == 0
+        own_overlap = self.overlap and self.inflight_bytes is None  # a byte window retires the rest
         for ai, a in enumerate(self.acts):
-            self.fwd_need[i, pi, ai] = costs.forward_base_bytes[i] + forward_own(s, a, overlap=self.overlap) + in_flight
-            self.bwd_need[i, pi, ai] = backward_need(costs.backward_base_bytes[i], prev, p, s, a, on_demand=demand) + prefetched
+            if not self.may[i][ai]:
+                self.fwd_need[i, pi, ai] = _FORBIDDEN
+                continue
+            in_flight = self._in_flight(i, pi, pi, self.copies[i][ai])
+            self.fwd_need[i, pi, ai] = costs.forward_base_bytes[i] + forward_own(s, a, overlap=own_overlap) + in_flight + self.referenced[i]
+            need = backward_need(costs.backward_base_bytes[i], prev, p, s, a, on_demand=demand, per_tensor=per_tensor)
+            self.bwd_need[i, pi, ai] = need + self._prefetched(i, pi, self.copies[i][ai])
             self.add_kept[i, pi, ai] = internal_kept(s, a) + boundary_kept(prev, p, s, a)
             self.add_ms[i, pi, ai] = self._ms(profile, i, pi, p, ai, a)
 
     def _ms(self, profile: ModelProfile, i: int, pi: int, p: Optional[Action], ai: int, a: Action) -> float:
         """The time segment ``i`` adds (exact for one segment in flight and one prefetched;
         otherwise an estimate: the plan's numbers come from ``simulate``)."""
-        segs, n, s = profile.segments, self.n, profile.segments[i]
+        segs, n, s = self.segs, self.n, self.segs[i]
         ms = recompute_ms(s, a)
         vol = self.copies[i][ai]
-        if not self.overlap:
+        if not self.overlap or (self.prefetch_bytes == 0 and self.inflight_bytes == 0):
             return ms + vol / profile.d2h_bytes_per_ms + vol / profile.h2d_bytes_per_ms
+        if self.prefetch_bytes is not None or self.inflight_bytes is not None:  # an estimate: simulate prices it
+            hidden = s.forward_ms if self.inflight_bytes else 0.0
+            ms += max(0.0, vol / profile.d2h_bytes_per_ms - hidden)
+            return ms + max(0.0, vol / profile.h2d_bytes_per_ms - (s.backward_ms if self.prefetch_bytes else 0.0))
         hidden = sum(t.forward_ms for t in segs[i + 1:i + 1 + self.inflight])
         if i + self.inflight >= n and self.inflight:
             hidden += profile.tail_ms
@@ -145,6 +202,10 @@ class _Transitions:
     @property
     def exact(self) -> bool:
         """Does the state (previous action) see every segment the windows reach?"""
+        if self.prefetch_bytes is not None or self.inflight_bytes is not None:
+            # Note [Copy windows in bytes, priced]: exact only where nothing is held ahead or in
+            # flight (a window of 0, or copies done when issued).
+            return not self.overlap or (not self.prefetch_bytes and not self.inflight_bytes)
         return self.prefetch <= 1 and self.inflight <= 1
 
 
@@ -170,7 +231,8 @@ def _dp(chain: _Transitions, budget: Optional[int], fixed_peak: int, *, minimise
     k = len(chain.acts)
     n = chain.n
     limit = np.iinfo(np.int64).max if budget is None else budget
-    width = (budget if budget is not None else max(int(chain.fwd_need.max(initial=1)), 1) * 4) / max_states
+    allowed_need = chain.fwd_need[chain.fwd_need < _FORBIDDEN]
+    width = (budget if budget is not None else max(int(allowed_need.max(initial=1)), 1) * 4) / max_states
     # One front per previous action: kept bytes, score, and back-pointers.
     fronts: dict[int, tuple[np.ndarray, np.ndarray]] = {k: (np.zeros(1, np.int64), np.array([float(fixed_peak) if minimise_peak else 0.0]))}
     history: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []
@@ -178,7 +240,7 @@ def _dp(chain: _Transitions, budget: Optional[int], fixed_peak: int, *, minimise
         new: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
         for pi, (kept, score) in fronts.items():
             for ai in range(k):
-                if not chain.allowed[i][ai]:
+                if not chain.may[i][ai]:
                     continue
                 need = kept + np.maximum(chain.fwd_need[i, pi, ai], chain.bwd_need[i, pi, ai])
                 ok = need <= limit
@@ -216,22 +278,32 @@ def _dp(chain: _Transitions, budget: Optional[int], fixed_peak: int, *, minimise
     return picks[::-1], score
 
 
+def _uniform_plans(chain: _Transitions) -> list[list[Action]]:
+    """Note [Never slower than a uniform plan]: every segment given one allowed action, the
+    regions outside kept, and (where they may) offloaded."""
+    plans = []
+    for action in chain.allowed:
+        for region in (Action.KEEP, Action.OFFLOAD):
+            plan = [region if o else action for o in chain.outside]
+            if all(a in chain.acts and chain.may[i][chain.acts.index(a)] for i, a in enumerate(plan)) and plan not in plans:
+                plans.append(plan)
+    return plans
+
+
 def _min_peak_plan(profile: ModelProfile, costs: SegmentCosts, chain: _Transitions, max_states: int) -> tuple[list[Action], Prediction]:
-    """The plan of least predicted peak: the DP's, or where the DP only bounds the copy windows
-    (Note [Deep copy windows]) the least of it and the uniform plans, as simulated."""
-    acts, window = chain.acts, (chain.prefetch, chain.inflight)
+    """The plan of least predicted peak (one action per element): the DP's, or where the DP only
+    bounds the copy windows (Note [Deep copy windows]) the least of it and the uniform plans, as
+    simulated."""
+    acts, window = chain.acts, chain.window.keywords()
     result = _dp(chain, None, costs.fixed_peak_bytes, minimise_peak=True, max_states=max_states)
     if result is None:  # without a budget every plan is allowed, unless a segment refused them all
-        stuck = [f"{s.name} ({s.refusal})" for s, ok in zip(profile.segments, chain.allowed) if not any(ok)]
+        stuck = [f"{e.name} ({e.refusal})" for e, ok in zip(chain.segs, chain.may) if not any(ok)]
         raise ValueError(f"`actions` {[a.value for a in acts]}: no allowed action runs on segment(s) {stuck}.")
     picks = [acts[a] for a in result[0]]
-    best = (picks, simulate(profile, picks, costs, prefetch_segments=window[0], inflight_segments=window[1]))
+    best = (picks, simulate_chain(profile, picks, costs, **window))
     if not chain.exact:
-        for action in acts:
-            uniform = [action] * chain.n
-            if not _runs(profile, uniform):
-                continue
-            candidate = simulate(profile, uniform, costs, prefetch_segments=window[0], inflight_segments=window[1])
+        for uniform in _uniform_plans(chain):
+            candidate = simulate_chain(profile, uniform, costs, **window)
             if candidate.peak_bytes < best[1].peak_bytes:
                 best = (uniform, candidate)
     return best
@@ -244,15 +316,67 @@ def min_budget_bytes(
     max_states: int = DEFAULT_MAX_STATES,
     prefetch_segments: Optional[int] = None,
     inflight_segments: int = 1,
+    prefetch_bytes: Optional[int | str] = None,
+    inflight_bytes: Optional[int | str] = None,
 ) -> int:
     """The smallest predicted peak of any plan: the least budget ``solve`` can meet.
-    ``prefetch_segments`` / ``inflight_segments``: as the runtime will run (Note [Copy windows])."""
+    ``prefetch_segments`` / ``inflight_segments``, or ``prefetch_bytes`` / ``inflight_bytes``:
+    as the runtime will run (Notes [Copy windows] and [Copy windows in bytes, priced];
+    ``"auto"``: the least over the planner's windows)."""
+    return least_peak_plan(
+        profile, actions=actions, max_states=max_states, prefetch_segments=prefetch_segments, inflight_segments=inflight_segments,
+        prefetch_bytes=prefetch_bytes, inflight_bytes=inflight_bytes,
+    ).predicted_peak_bytes
+
+
+def least_peak_plan(
+    profile: ModelProfile,
+    *,
+    batch_size: Optional[int] = None,
+    actions: Optional[Iterable[Action]] = None,
+    max_states: int = DEFAULT_MAX_STATES,
+    prefetch_segments: Optional[int] = None,
+    inflight_segments: int = 1,
+    prefetch_bytes: Optional[int | str] = None,
+    inflight_bytes: Optional[int | str] = None,
+) -> Plan:
+    """The lowest-memory plan: the least predicted peak any plan of ``actions`` reaches under the
+    windows (the least over them, where the planner chooses), the faster on a tie of windows."""
+    if batch_size is not None:
+        profile = profile.at_batch(_check_int(batch_size, "batch_size"))
     acts = _allowed(actions)
     costs = segment_costs(profile)
-    if not profile.segments:
-        return costs.fixed_peak_bytes
-    window = copy_window(prefetch_segments, inflight_segments, overlap=profile.copies_overlap)
-    return _min_peak_plan(profile, costs, _Transitions(profile, costs, acts, window), max_states)[1].peak_bytes
+    max_states = _check_int(max_states, "max_states")
+    best: Optional[Plan] = None
+    for window in resolve_windows(profile, prefetch_segments, inflight_segments, prefetch_bytes, inflight_bytes):
+        if not elements(profile):
+            plan = _as_plan(profile, [], simulate_chain(profile, [], costs, **window.keywords()), None, window)
+        else:
+            picks, prediction = _min_peak_plan(profile, costs, _Transitions(profile, costs, acts, window), max_states)
+            plan = _as_plan(profile, picks, prediction, None, window)
+        if best is None or (plan.predicted_peak_bytes, plan.predicted_step_ms) < (best.predicted_peak_bytes, best.predicted_step_ms):
+            best = plan
+    assert best is not None
+    return best
+
+
+def _as_plan(profile: ModelProfile, picks: list[Action], prediction: Prediction, budget_bytes: Optional[int], window: Window) -> Plan:
+    """The plan of one action per element (:func:`~.costmodel.elements`), priced under ``window``."""
+    chain = profile.chain
+    return Plan(
+        actions={e.name: a for (e, o), a in zip(chain, picks) if not o},
+        outside={e.name: a for (e, o), a in zip(chain, picks) if o},
+        predicted_peak_bytes=prediction.peak_bytes,
+        predicted_step_ms=prediction.step_ms,
+        budget_bytes=budget_bytes,
+        batch_size=profile.batch_size,
+        rows=prediction.rows,
+        prefetch_bytes=window.prefetch_bytes,
+        inflight_bytes=window.inflight_bytes,
+        selective_ops={
+            e.name: e.selective_ops for (e, o), a in zip(chain, picks) if a is Action.SELECTIVE and e.selective_ops is not None
+        },
+    )
 
 
 def _fastest_fitting(
@@ -260,28 +384,28 @@ def _fastest_fitting(
 ) -> Optional[tuple[list[Action], Prediction]]:
     """The DP's plan, or a uniform one that is faster (Note [Never slower than a uniform plan]),
     or where the DP is not exact and found none, the least-peak plan if it fits; all simulated."""
-    window = {"prefetch_segments": chain.prefetch, "inflight_segments": chain.inflight}
+    window = chain.window.keywords()
     best: Optional[tuple[list[Action], Prediction]] = None
     if costs.fixed_peak_bytes > budget_bytes:
         return None
-    if not profile.segments:
-        return [], simulate(profile, [], costs, **window)
+    if not chain.n:
+        return [], simulate_chain(profile, [], costs, **window)
     result = _dp(chain, budget_bytes, costs.fixed_peak_bytes, minimise_peak=False, max_states=max_states)
     if result is not None:
         picks = [chain.acts[a] for a in result[0]]
-        best = (picks, simulate(profile, picks, costs, **window))
+        best = (picks, simulate_chain(profile, picks, costs, **window))
     # Note [Never slower than a uniform plan]: the plans a user writes by hand (every segment
     # kept, checkpointed, selective, offloaded...) are candidates too. The DP is exact below
     # ``max_states`` and they are in its search space, but thinning may lose one; comparing
     # costs n simulations and makes "auto is at least as fast as the fastest uniform plan that
     # fits", in prediction, a guarantee rather than a property of the search.
-    candidates = [[action] * chain.n for action in chain.acts]
+    candidates = _uniform_plans(chain)
     if best is None and not chain.exact:
         candidates.append(_min_peak_plan(profile, costs, chain, max_states)[0])
     for plan in candidates:
         if (best is not None and plan == best[0]) or not _runs(profile, plan):
             continue
-        candidate = simulate(profile, plan, costs, **window)
+        candidate = simulate_chain(profile, plan, costs, **window)
         if candidate.peak_bytes <= budget_bytes and (best is None or candidate.step_ms < best[1].step_ms - 1e-9):
             best = (plan, candidate)
     return best
@@ -296,14 +420,19 @@ def solve(
     max_states: int = DEFAULT_MAX_STATES,
     prefetch_segments: Optional[int] = None,
     inflight_segments: int = 1,
+    prefetch_bytes: Optional[int | str] = None,
+    inflight_bytes: Optional[int | str] = None,
 ) -> Plan:
     """The plan with the least predicted step time whose predicted peak fits ``budget_bytes``.
 
     ``batch_size`` (default: the profile's) rescales the profile (Note [Batch scaling]);
-    ``actions`` restricts the actions considered; ``prefetch_segments`` / ``inflight_segments``
-    are the runtime's settings the plan will run under (Note [Copy windows]; ``None``: the
-    runtime's default for the device). Raises :class:`InfeasibleBudgetError`, with the least
-    budget any plan fits, when none fits.
+    ``actions`` restricts the actions considered for the segments (the regions outside them are
+    kept or offloaded: Note [What each element may take]); ``prefetch_segments`` /
+    ``inflight_segments`` are the runtime's settings the plan will run under (Note [Copy
+    windows]; ``None``: the runtime's default for the device), replaced by ``prefetch_bytes`` /
+    ``inflight_bytes`` where given (Note [Copy windows in bytes, priced]; ``"auto"``: the planner
+    chooses, Note [The planner chooses the copy windows], and the plan records them). Raises
+    :class:`InfeasibleBudgetError`, with the least budget any plan fits, when none fits.
     """
     budget_bytes = _check_int(budget_bytes, "budget_bytes")
     if batch_size is not None:
@@ -311,25 +440,23 @@ def solve(
         profile = profile.at_batch(batch_size)
     max_states = _check_int(max_states, "max_states")
     acts = _allowed(actions)
-    window = copy_window(prefetch_segments, inflight_segments, overlap=profile.copies_overlap)
     costs = segment_costs(profile)
-    chain = _Transitions(profile, costs, acts, window)
-    found = _fastest_fitting(profile, costs, chain, budget_bytes, max_states)
-    if found is None:
-        least = min_budget_bytes(profile, actions=acts, max_states=max_states, prefetch_segments=window[0], inflight_segments=window[1])
+    windows = resolve_windows(profile, prefetch_segments, inflight_segments, prefetch_bytes, inflight_bytes)
+    best: Optional[tuple[list[Action], Prediction, Window]] = None
+    for window in windows:
+        found = _fastest_fitting(profile, costs, _Transitions(profile, costs, acts, window), budget_bytes, max_states)
+        if found is not None and (best is None or found[1].step_ms < best[1].step_ms - 1e-9):
+            best = (*found, window)
+    if best is None:
+        least = min(
+            least_peak_plan(profile, actions=acts, max_states=max_states, **w.keywords()).predicted_peak_bytes for w in windows
+        )
         raise InfeasibleBudgetError(budget_bytes=budget_bytes, min_budget_bytes=least, batch_size=profile.batch_size)
-    picks, prediction = found
+    picks, prediction, window = best
     if prediction.peak_bytes > budget_bytes:  # the DP and the simulator disagree: a bug
         raise AssertionError(f"planner chose a plan predicted at {prediction.peak_bytes} bytes over the budget {budget_bytes}")
-    plan = Plan(
-        actions=dict(zip(profile.names, picks)),
-        predicted_peak_bytes=prediction.peak_bytes,
-        predicted_step_ms=prediction.step_ms,
-        budget_bytes=budget_bytes,
-        batch_size=profile.batch_size,
-        rows=prediction.rows,
-    )
-    log.debug("solved %d segments for %d bytes: %s", len(picks), budget_bytes, plan.summary())
+    plan = _as_plan(profile, picks, prediction, budget_bytes, window)
+    log.debug("solved %d elements for %d bytes: %s", len(picks), budget_bytes, plan.summary())
     return plan
 
 
@@ -340,15 +467,21 @@ def brute_force(
     actions: Optional[Iterable[Action]] = None,
     prefetch_segments: Optional[int] = None,
     inflight_segments: int = 1,
+    prefetch_bytes: Optional[int | str] = None,
+    inflight_bytes: Optional[int | str] = None,
 ) -> Optional[tuple[tuple[Action, ...], float, int]]:
-    """Reference for tests: every plan simulated; the fastest that fits (actions, ms, peak), or None."""
+    """Reference for tests: every plan simulated (the regions outside the segments kept or
+    offloaded too, under every window ``solve`` would price); the fastest that fits (the
+    segments' actions, ms, peak), or None."""
     acts = _allowed(actions)
     costs = segment_costs(profile)
+    mask = outside_mask(profile)
     best = None
-    for combo in itertools.product(acts, repeat=len(profile.segments)):
-        if not _runs(profile, combo):
-            continue
-        pred = simulate(profile, combo, costs, prefetch_segments=prefetch_segments, inflight_segments=inflight_segments)
-        if pred.peak_bytes <= budget_bytes and (best is None or pred.step_ms < best[1] - 1e-9):
-            best = (combo, pred.step_ms, pred.peak_bytes)
+    for window in resolve_windows(profile, prefetch_segments, inflight_segments, prefetch_bytes, inflight_bytes):
+        for combo in itertools.product(*(_element_actions(acts, o) for o in mask)):
+            if not _runs(profile, combo):
+                continue
+            pred = simulate_chain(profile, combo, costs, **window.keywords())
+            if pred.peak_bytes <= budget_bytes and (best is None or pred.step_ms < best[1] - 1e-9):
+                best = (tuple(a for a, o in zip(combo, mask) if not o), pred.step_ms, pred.peak_bytes)
     return best

@@ -36,6 +36,25 @@ prefetched fetches them on demand. Nothing is fetched that no unpack will consum
 backward: a prefetch is only ever issued for an entry that has not been fetched yet, so the
 extra device memory of prefetching is bounded by the ``k`` segments' offloaded bytes.
 
+Note [Copy windows in bytes]: with ``prefetch_bytes`` / ``inflight_bytes`` given (issue 23),
+what is fetched ahead and what is in flight are bounded in bytes instead of in segments, so a
+large segment does not pin its whole size twice:
+
+- ``inflight_bytes = W``: after each copy to the host, the oldest sources are retired (the
+  compute stream waits on their copies, rule 2 of Note [Stream protocol]) until at most ``W``
+  bytes of sources remain in flight; ``0`` waits for each copy right after it is issued;
+- ``prefetch_bytes = W > 0``: in backward, entries are fetched ahead in the reverse of the order
+  they were offloaded in (the order backward mostly needs them in), whenever an unpack makes
+  room, while the bytes fetched and not yet unpacked stay within ``W`` (one entry at least,
+  however large); each entry at most once per step. A fetched entry is held until its last unpack (Note [One storage, one
+  copy]).
+- ``prefetch_bytes = 0``: fetch on demand at the granularity of one saved tensor, as
+  ``save_on_cpu`` does: an unpack fetches the bytes it needs, and the device copy is not held
+  for the storage's later unpacks — it lives as long as the op that unpacked it holds it (a later
+  unpack while it is alive reuses it: ``landed``). A storage several ops saved may come back more
+  than once: ``fetched_bytes`` may exceed ``offloaded_bytes``; the device holds only what the
+  running op reads.
+
 Note [Used in place]: an offloaded storage may still be on the device when backward needs it
 — its copy was still in flight when backward started (the last ``inflight_segments``
 segments), or something else holds it (the batch, a kept segment's saved tensor, the user).
@@ -66,6 +85,34 @@ per step refers to a graph strongly.
 
 Note [Saved metadata]: dtype, size, stride and storage offset are those of the saved view;
 the lazy conjugate and negative bits are not in the bytes, so they are kept and put back.
+
+Note [Regions outside the segments are hooked for the whole step]: the stem, the code between
+segments and the head with its loss are no modules the runtime can wrap (issue 23: they held
+most of what stayed on the device under the lowest-memory plan). When a plan offloads any of
+them, the runtime enters :meth:`OffloadEngine.outside_hooks` for the whole step (``begin_step``
+to ``end_step``), below every segment's own hooks: inside a segment's forward it sees only what
+the segment's action leaves to it (a kept segment's saved tensors, the inputs a checkpoint
+saves), which it keeps; outside, it offloads for the regions the plan offloads, by the region's
+name, which the runtime resolves from the last segment that ran (``region`` is ``None`` to
+keep). During a backward (a reentrant checkpoint recomputing, a double backward) nothing is
+offloaded. A forward after a backward in the same step (accumulation) starts with the prefix
+again; two forwards before one backward (micro-batches summed into one loss) run the second's
+prefix under the tail's action (the runtime cannot tell them apart until a segment runs).
+A module run several times (Note [A segment per call] in ``segments.py``) ends a region at each
+call: the region after call ``k`` is named after the call's segment when the plan names calls.
+
+Note [Regions outside the segments under FSDP]: the code outside the blocks runs with the root
+unit's parameters gathered (the embedding's, the head's); the head's matmul saves a view of its
+gathered weight, which is no activation and is freed or kept by FSDP itself. Before an offloaded
+region saves its first tensor after a segment (or at the step's start), the runtime names every
+parameter the model holds now to :meth:`OffloadEngine.segment_parameters`, as a segment names
+its own unit's, so none is offloaded and none is counted as saved (Note [What is never offloaded]).
+
+Note [Unplanned bytes]: a region whose action offloads still leaves some of its saved tensors
+on the device — those Note [What is never offloaded] lists that would not be alive anyway
+(small, subclasses, other layouts and devices). They are what no plan can move; the engine
+counts them per step against every storage it saw saved (``OffloadCounters.saved_bytes``), and
+the runtime reports both (``StepStats.unplanned_bytes`` / ``saved_bytes``).
 """
 
 from __future__ import annotations
@@ -80,6 +127,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from ..compiled import dynamo_disable
 from .host_pool import HostPool, SlabHostPool
 from .meter import host_allocation
 from .streams import CopyStreams, StreamOps, Timing, default_ops
@@ -100,8 +148,15 @@ class OffloadCounters:
     prefetched_bytes: int = 0
     #: Host-measured copy time on CPU (synchronous copies); on CUDA see ``CopyStreams.exposed``.
     copy_ms: float = 0.0
-    #: Bytes offloaded, by segment index.
+    #: Bytes offloaded, by segment index, and by region outside the segments (its name).
     by_segment: dict = field(default_factory=dict)
+    by_region: dict = field(default_factory=dict)
+    #: Note [Unplanned bytes]: saved storages the engine saw this step (each once, parameters,
+    #: buffers and the batch excluded), and of those, the bytes that stayed on the device although
+    #: their region's action moves its saved tensors: under ``min_offload_bytes``, tensor
+    #: subclasses, other layouts or devices.
+    saved_bytes: int = 0
+    unplanned_bytes: int = 0
 
 
 class _Entry:
@@ -109,7 +164,7 @@ class _Entry:
 
     __slots__ = (
         "__weakref__", "segment", "nbytes", "buffer", "host", "source", "version", "pool",
-        "d2h_event", "h2d_event", "fetch", "device", "landed", "packs", "pending", "round",
+        "d2h_event", "h2d_event", "fetch", "device", "landed", "packs", "pending", "round", "ahead",
     )
 
     def __init__(self, segment: int, nbytes: int, buffer: torch.Tensor, pool: HostPool) -> None:
@@ -133,6 +188,8 @@ class _Entry:
         self.pending = 0
         #: Counts the times every saved tensor referring to the entry has been unpacked.
         self.round = 0
+        #: Fetched ahead under a byte window and not unpacked yet (Note [Copy windows in bytes]).
+        self.ahead = False
 
     def __del__(self) -> None:
         try:
@@ -251,12 +308,16 @@ class OffloadEngine:
         inflight_segments: int = 1,
         pool: Optional[HostPool] = None,
         ops: Optional[StreamOps] = None,
+        prefetch_bytes: Optional[int] = None,
+        inflight_bytes: Optional[int] = None,
     ) -> None:
         self.device = device
         self.min_offload_bytes = min_offload_bytes
-        self.prefetch_segments = prefetch_segments
+        #: Note [Copy windows in bytes]: a byte window replaces the segment count when given.
+        self.prefetch_bytes = prefetch_bytes
+        self.prefetch_segments = prefetch_segments if prefetch_bytes is None else 0
         ops = ops if ops is not None else default_ops(device)
-        self.copies = CopyStreams(device, ops, inflight_segments=inflight_segments)
+        self.copies = CopyStreams(device, ops, inflight_segments=inflight_segments, inflight_limit_bytes=inflight_bytes)
         # Pinned slabs by default (Note [Pinned slabs]); managed buffers under unified memory.
         self.pool = pool if pool is not None else SlabHostPool(pin_memory=device.type == "cuda")
         self._lock = threading.RLock()
@@ -270,6 +331,14 @@ class OffloadEngine:
         self._fetches: dict[int, tuple[torch.Tensor, Any]] = {}
         self._fetch_ids = itertools.count()
         self.counters = OffloadCounters()
+        #: Storages counted in ``saved_bytes`` this step (Note [Unplanned bytes]), by id, weakly
+        #: (an offloaded storage dies at once on CPU, and its id is reused).
+        self._seen: dict[int, weakref.ref] = {}
+        #: Entries in the order they were offloaded, and the next one a byte window fetches
+        #: (Note [Copy windows in bytes]); bytes fetched ahead and not unpacked yet.
+        self._order: list[weakref.ref] = []
+        self._cursor = -1
+        self._ahead_bytes = 0
 
     # -- step ---------------------------------------------------------------------------
     def begin_step(self, skip: Iterable[torch.Tensor]) -> None:
@@ -280,6 +349,9 @@ class OffloadEngine:
         self._by_run.clear()
         self._backward = False
         self.counters = OffloadCounters()
+        self._seen.clear()
+        self._order.clear()
+        self._cursor, self._ahead_bytes = -1, 0
 
     def end_step(self) -> tuple[OffloadCounters, Timing]:
         """The step's counters and the time the compute stream stood waiting for copies (read
@@ -302,6 +374,8 @@ class OffloadEngine:
                 entry.landed = None
         self._by_storage.clear()
         self._by_run.clear()
+        self._order.clear()
+        self._cursor, self._ahead_bytes = -1, 0
         self._backward = False
         self.copies.exposed = Timing(self.copies.ops)
         self.pool.end_step()
@@ -344,6 +418,41 @@ class OffloadEngine:
 
         return pack
 
+    def outside_hooks(self, region: Callable[[], Optional[str]]) -> torch.autograd.graph.saved_tensors_hooks:
+        """Note [Regions outside the segments are hooked for the whole step]: ``region()`` names
+        the offloaded region running now, or is ``None`` to keep."""
+
+        # Note [Whole-step hooks are not traced]: the hooks are active while Dynamo traces the
+        # model's own frames (the regions outside the segments run there, compiled with the
+        # model); traced, the pack hook's ``set_`` (Note [Saved version check]) broke the graph
+        # and made the hook look as if it modified its input. So they always run eagerly.
+        @dynamo_disable
+        def pack(t: torch.Tensor) -> Any:
+            name = region() if torch._C._current_graph_task_id() == -1 else None
+            if name is None:
+                self._count_saved(t)
+                return _Kept(t)
+            return self._pack(None, t, region=name)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, dynamo_disable(self._unpack))
+
+    def _count_saved(self, t: torch.Tensor) -> Optional[torch.UntypedStorage]:
+        """Note [Unplanned bytes]: counts ``t``'s storage once per step; returns it (``None`` for
+        a tensor without a plain storage, or one alive before the step)."""
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device != self.device:
+            return None  # a parameter is alive anyway, as in _should_offload
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self._skip_ptrs or storage.data_ptr() in self._gathered_ptrs:
+            return None  # alive anyway: a parameter FSDP gathered is no saved activation either
+        if not self._was_seen(storage):
+            self._seen[id(storage)] = weakref.ref(storage)
+            self.counters.saved_bytes += storage.nbytes()
+        return storage
+
+    def _was_seen(self, storage: torch.UntypedStorage) -> bool:
+        ref = self._seen.get(id(storage))
+        return ref is not None and ref() is storage
+
     def _should_offload(self, t: torch.Tensor) -> bool:
         # Any parameter, the model's or not, is alive anyway: one not in ``skip`` was swapped
         # in during the step (FSDP's gathered unsharded parameters) or belongs to another model.
@@ -356,8 +465,13 @@ class OffloadEngine:
             return False
         return storage.data_ptr() not in self._skip_ptrs and storage.data_ptr() not in self._gathered_ptrs
 
-    def _pack(self, segment: int, t: torch.Tensor) -> Any:
+    def _pack(self, segment: Optional[int], t: torch.Tensor, *, region: Optional[str] = None) -> Any:
+        plain = type(t) is torch.Tensor and t.layout == torch.strided
+        first = plain and not self._was_seen(t.untyped_storage())
+        storage = self._count_saved(t)
         if not self._should_offload(t):
+            if storage is not None and first:  # Note [Unplanned bytes]: it stays, against the plan
+                self.counters.unplanned_bytes += storage.nbytes()
             return _Kept(t)
         storage = t.untyped_storage()
         key = id(storage)
@@ -367,15 +481,18 @@ class OffloadEngine:
             self.counters.deduplicated_tensors += 1
             return _Packed(entry, t)
         entry = self._copy_out(segment, storage, t._version)
+        if region is not None:
+            self.counters.by_region[region] = self.counters.by_region.get(region, 0) + entry.nbytes
         self._by_storage[key] = weakref.ref(entry)
         self._by_run.setdefault(self.copies.ordinal, []).append(weakref.ref(entry))
+        self._order.append(weakref.ref(entry))
         return _Packed(entry, t)
 
-    def _copy_out(self, segment: int, storage: torch.UntypedStorage, version: int) -> _Entry:
+    def _copy_out(self, segment: Optional[int], storage: torch.UntypedStorage, version: int) -> _Entry:
         nbytes = storage.nbytes()
         with self._lock:
             buffer, reuse_events = self.pool.acquire(nbytes)
-        entry = _Entry(segment, nbytes, buffer, self.pool)
+        entry = _Entry(segment if segment is not None else -1, nbytes, buffer, self.pool)
         entry.source = weakref.ref(storage)
         entry.version = version
         pool = self.pool
@@ -391,7 +508,8 @@ class OffloadEngine:
             self.counters.copy_ms += (time.perf_counter() - start) * 1e3
         self.counters.offloaded_bytes += nbytes
         self.counters.offloaded_tensors += 1
-        self.counters.by_segment[segment] = self.counters.by_segment.get(segment, 0) + nbytes
+        if segment is not None:  # a region outside the segments: counted by the caller
+            self.counters.by_segment[segment] = self.counters.by_segment.get(segment, 0) + nbytes
         return entry
 
     def _fetch(self, entry: _Entry) -> tuple[torch.Tensor, Any]:
@@ -415,6 +533,7 @@ class OffloadEngine:
     def _start_backward(self) -> None:
         if not self._backward:
             self._backward = True
+            self._cursor = len(self._order) - 1
             # Note [Used in place]: the sources still in flight are handed to their entries
             # (not dropped and fetched straight back); the compute stream still waits on their
             # copies before they can ever be freed (rule 2).
@@ -433,20 +552,41 @@ class OffloadEngine:
         self.counters.reused_bytes += entry.nbytes
         return entry.device
 
+    def _prefetch_entry(self, entry: _Entry) -> int:
+        """Fetch ``entry`` ahead of need; the bytes it newly brought (0: not needed, or alive)."""
+        if entry.fetch is not None or entry.device is not None:
+            return 0
+        if entry.landed is not None and entry.landed() is not None:
+            return 0
+        storage = entry.source() if entry.source is not None else None
+        if storage is not None:  # still on the device: held from now, not fetched
+            self._use_in_place(entry, storage)
+            return 0
+        entry.fetch = next(self._fetch_ids)
+        self._fetches[entry.fetch] = self._fetch(entry)
+        self.counters.prefetched_bytes += entry.nbytes
+        return entry.nbytes
+
     def _prefetch_run(self, run: int) -> None:
         for ref in self._by_run.get(run, ()):
             entry = ref()
-            if entry is None or entry.fetch is not None or entry.device is not None:
-                continue
-            if entry.landed is not None and entry.landed() is not None:
-                continue
-            storage = entry.source() if entry.source is not None else None
-            if storage is not None:  # still on the device: held from now, not fetched
-                self._use_in_place(entry, storage)
-                continue
-            entry.fetch = next(self._fetch_ids)
-            self._fetches[entry.fetch] = self._fetch(entry)
-            self.counters.prefetched_bytes += entry.nbytes
+            if entry is not None:
+                self._prefetch_entry(entry)
+
+    def _prefetch_window(self) -> None:
+        """Note [Copy windows in bytes]: fetch ahead, newest offloaded first, while the bytes
+        fetched and not unpacked stay under ``prefetch_bytes`` (one entry at least)."""
+        limit = self.prefetch_bytes or 0
+        while limit > 0 and self._cursor >= 0:
+            entry = self._order[self._cursor]()
+            if entry is not None and self._ahead_bytes and self._ahead_bytes + entry.nbytes > limit:
+                return  # no room: it waits for the next unpack
+            self._cursor -= 1
+            if entry is None or entry.round > 0 or entry.pending < entry.packs:
+                continue  # gone, or unpacked already: backward is past it
+            if self._prefetch_entry(entry):
+                entry.ahead = True
+                self._ahead_bytes += entry.nbytes
 
     @property
     def run(self) -> int:
@@ -491,13 +631,20 @@ class OffloadEngine:
         with self._lock:
             self._start_backward()
             dst = self._device_bytes(entry)
+            if entry.ahead:  # Note [Copy windows in bytes]: it leaves the window
+                entry.ahead = False
+                self._ahead_bytes -= entry.nbytes
             if packed.round != entry.round:  # a second unpack of one saved tensor counts once
                 packed.round = entry.round
                 entry.pending -= 1
-            if entry.pending <= 0 and entry.device is not None:
-                # Note [One storage, one copy]: every saved view has been handed out.
+            if entry.device is not None and (entry.pending <= 0 or self.prefetch_bytes == 0):
+                # Note [One storage, one copy]: every saved view has been handed out; or, fetched
+                # per saved tensor (Note [Copy windows in bytes]), not held for the others.
                 entry.landed = weakref.ref(entry.device.untyped_storage())
                 entry.device = None
+            if entry.pending <= 0:
                 entry.pending = entry.packs  # a second backward unpacks each once more
                 entry.round += 1
+            if self.prefetch_bytes:
+                self._prefetch_window()
         return packed.rebuild(dst)

@@ -27,7 +27,8 @@ Note [Checkpointed segments must not modify their input]: the recomputation reru
 segment on its saved input; if the forward changed that input in place (DenseNet's stem
 ``relu0`` made a segment of its own, a block whose first op is ``relu_`` on its argument), the
 rerun would see the changed values. A segment's first checkpointed call (per wrapper) therefore
-runs under :class:`_InPlaceWatch`, a dispatch mode that looks at every op writing into a tensor:
+runs under :class:`_InPlaceWatch` (eagerly, compiled or not, and so does its recomputation: a
+compiled graph saves other tensors than the eager ops, which checkpoint refuses), a dispatch mode that looks at every op writing into a tensor:
 when one is about to write into the storage of an input checkpoint saved, the input is copied
 first and the recomputation reruns on the copy, so the step is exact. The segment is then
 reported (``on_refuse``: ``auto`` plans no recomputation for it) and warned about once, naming the
@@ -87,7 +88,7 @@ from ..actions import Action
 from ..errors import InputMutatedError
 from .streams import StreamOps, Timing
 
-__all__ = ["RecomputeTimer", "checkpointed", "compute_heavy_ops"]
+__all__ = ["RecomputeTimer", "checkpointed", "compute_heavy_ops", "written_args"]
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,27 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     if op in compute_heavy_ops():
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _measured_policy(save_ops: frozenset) -> Callable[..., Any]:
+    """Note [Who decides under compile]: the plan's op-level choice (Note [Which ops selective
+    recomputation saves] in ``measure/profiler.py``) saves the outputs of ``save_ops`` and
+    recomputes every other op. Both are ``MUST_``: the plan priced exactly these bytes and
+    milliseconds, and the min-cut partitioner of ``torch.compile`` (and its
+    ``activation_memory_budget``) may overrule ``PREFER_`` tags. A compiled segment's
+    ``SELECTIVE`` caches nothing at all (Note [Selective under compile]: it recomputes the whole
+    segment and is refused, so ``auto`` never plans it there): the plan decides inside the eager
+    segments it recomputes, the partitioner inside the compiled segments the plan keeps. An
+    ``out=`` overload is never saved, whatever its name (Note [Selective never replays a
+    mutated tensor]), and what a later op wrote into is dropped from the cache as for the
+    compute-heavy rule (:class:`_DropMutated`)."""
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(op) in save_ops and not op._schema.is_mutable:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.MUST_RECOMPUTE
+
+    return policy
 
 
 class RecomputeTimer:
@@ -288,11 +310,14 @@ def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective_contexts() -> tuple[Any, Any]:
-    """The two contexts of ``SELECTIVE`` (Note [Selective never replays a mutated tensor])."""
+def _selective_contexts(save_ops: Optional[frozenset] = None) -> tuple[Any, Any]:
+    """The two contexts of ``SELECTIVE`` (Note [Selective never replays a mutated tensor]),
+    saving the ops ``save_ops`` names (the plan's: Note [Who decides under compile]), else the
+    compute-heavy ones."""
     if not _cache_is_checkable():  # pragma: no cover - a torch without the internals read here
         return create_selective_checkpoint_contexts(_recompute_everything)
-    fwd, rec = create_selective_checkpoint_contexts(_selective_policy)
+    policy = _selective_policy if save_ops is None else _measured_policy(frozenset(save_ops))
+    fwd, rec = create_selective_checkpoint_contexts(policy)
     if hasattr(fwd, "respect_saved_tensors_hooks"):
         # checkpoint sets it only on a bare caching mode, and ours comes in a chain: the hooks
         # around a segment hold its inputs, not what SELECTIVE caches (_checkpoint_options).
@@ -310,7 +335,7 @@ def _checkpoint_options() -> dict:
     return {"respect_saved_tensors_hooks": False} if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {}
 
 
-def _written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors an op writes into (its schema's mutable arguments)."""
     schema = getattr(func, "_schema", None)
     if schema is None or not schema.is_mutable:
@@ -366,7 +391,7 @@ class _InPlaceWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for t in _written_args(func, args, kwargs):
+        for t in written_args(func, args, kwargs):
             written = t.layout == torch.strided and t.untyped_storage().nbytes() > 0
             held = self._held.get(t.untyped_storage().data_ptr()) if written else None
             if held is not None and not held.written and held.tensor is not None:
@@ -451,18 +476,21 @@ class _InputGuard:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def watched(self, forward: Callable[..., Any], held: list[_Held]) -> Callable[..., Any]:
-        """``forward`` under :class:`_InPlaceWatch` on its first call (not in the recomputation)."""
+        """``forward`` under :class:`_InPlaceWatch` on its first call, run eagerly (a dispatch mode
+        and compiled code); its recomputation eagerly too, unwatched: a compiled graph may save
+        other tensors than the eager ops did, which checkpoint refuses."""
         if self.verdict is not None:
             return forward
 
         def first(*args: Any, **kwargs: Any) -> Any:
-            if torch._C._current_graph_task_id() != -1:
-                return forward(*args, **kwargs)  # the recomputation
             from ..compiled import force_eager
 
+            recomputing = torch._C._current_graph_task_id() != -1
             watch = _InPlaceWatch(held, self.module)
-            stance = force_eager()  # a dispatch mode and compiled code: run this call eagerly
+            stance = force_eager()
             try:
+                if recomputing:
+                    return forward(*args, **kwargs)
                 with watch.tracking_modules(), watch:
                     out = forward(*args, **kwargs)
             finally:
@@ -505,6 +533,7 @@ def checkpointed(
     *,
     compiled: bool = False,
     on_refuse: Optional[Callable[[str, str], None]] = None,
+    save_ops: Optional[frozenset] = None,
 ) -> Callable[..., Any]:
     """``forward`` wrapped so the segment is recomputed in backward.
 
@@ -513,7 +542,9 @@ def checkpointed(
     inner hooks drop everything else. ``compiled``: the forward runs compiled code (Note
     [Selective under compile]). ``on_refuse(name, reason)`` hears of an action this segment
     cannot run as asked (Notes [Checkpointed segments must not modify their input] and
-    [Selective under compile]).
+    [Selective under compile]). ``save_ops`` (``SELECTIVE``): the ops whose outputs are saved,
+    by name, as the plan chose them (Note [Who decides under compile]); ``None``: the
+    compute-heavy ops.
     """
     if action is Action.SELECTIVE and create_selective_checkpoint_contexts is None:
         raise RuntimeError("Action.SELECTIVE needs torch.utils.checkpoint.create_selective_checkpoint_contexts (torch >= 2.4).")
@@ -526,7 +557,7 @@ def checkpointed(
             on_refuse(name, "selective: compiled, recomputes everything (Note [Selective under compile])")
 
     def context_fn():
-        fwd, rec = _selective_contexts() if selective else (contextlib.nullcontext(), contextlib.nullcontext())
+        fwd, rec = _selective_contexts(save_ops) if selective else (contextlib.nullcontext(), contextlib.nullcontext())
         # Entered lazily: checkpoint enters the first now and the second only in backward.
         return (
             _Chain(_Named(name, "forward"), fwd, guard.watch_forward),

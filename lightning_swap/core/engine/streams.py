@@ -237,10 +237,13 @@ class CopyStreams:
     ``exposed`` accumulates the time the compute stream stood waiting for a copy.
     """
 
-    def __init__(self, device: torch.device, ops: StreamOps, *, inflight_segments: int = 1) -> None:
+    def __init__(self, device: torch.device, ops: StreamOps, *, inflight_segments: int = 1, inflight_limit_bytes: Optional[int] = None) -> None:
         self.device = device
         self.ops = ops
         self.inflight_segments = inflight_segments
+        #: Note [Copy windows in bytes] (engine/offload.py): when given, what is in flight is
+        #: bounded in bytes after every copy instead of in segments when one ends.
+        self.inflight_limit_bytes = inflight_limit_bytes
         self.asynchronous = ops.asynchronous
         self.d2h = ops.new_stream() if ops.asynchronous else None
         self.h2d = ops.new_stream() if ops.asynchronous else None
@@ -262,8 +265,10 @@ class CopyStreams:
     def segment_ended(self) -> None:
         """A segment's forward ended: the sources of all but the last ``inflight_segments``
         segments retire (rule 2), so that the forward of the next one overlaps their copies and
-        no more than that many segments' copies are ever in flight, the tail's included."""
-        self.retire(before=self._ordinal - self.inflight_segments + 1)
+        no more than that many segments' copies are ever in flight, the tail's included. Under
+        a byte window, :meth:`to_host` bounds it instead."""
+        if self.inflight_limit_bytes is None:
+            self.retire(before=self._ordinal - self.inflight_segments + 1)
 
     def to_host(self, src: torch.Tensor, host: torch.Tensor, *, after: tuple = (), then: Optional[Callable[[Any], None]] = None) -> Any:
         """Queue ``host.copy_(src)``; returns its event. ``after``: events of earlier copies that
@@ -282,11 +287,29 @@ class CopyStreams:
         # rule 2: freeing the source waits for the copy only, not for what ``then`` queues
         # (Note [Two events] in :meth:`to_device`).
         self._stash.append((self._ordinal, src, copied))
-        if then is None:
-            return copied
-        with ops.use(self.d2h):
-            then(self.d2h)
-        return ops.record(self.d2h)
+        if then is not None:
+            with ops.use(self.d2h):
+                then(self.d2h)
+            done = ops.record(self.d2h)
+        else:
+            done = copied
+        if self.inflight_limit_bytes is not None:
+            self.retire_bytes(self.inflight_limit_bytes)
+        return done
+
+    def retire_bytes(self, limit_bytes: int) -> None:
+        """The oldest stashed sources retire (rule 2) until at most ``limit_bytes`` of sources
+        remain in flight (Note [Copy windows in bytes] in engine/offload.py)."""
+        total = sum(src.numel() for _, src, _ in self._stash)
+        cut, last = 0, None
+        while cut < len(self._stash) and total > limit_bytes:
+            total -= self._stash[cut][1].numel()
+            last = self._stash[cut][2]
+            cut += 1
+        if last is not None:
+            # One stream's events complete in order: waiting on the newest covers the rest.
+            self._wait_compute(last)
+            self._stash = self._stash[cut:]
 
     def retire(self, before: Optional[int] = None) -> None:
         """The compute stream waits on the copies of stashed sources (all, or those of forward

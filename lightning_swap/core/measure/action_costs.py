@@ -176,19 +176,24 @@ def _worst(refusals: list[str]) -> str:
     return (broad or refusals or [""])[0]
 
 
-def _refusals(name: str, module: nn.Module, call: CapturedCall, ops: StreamOps, warm: bool) -> tuple[Optional[tuple[float, float]], list[str]]:
-    """``SELECTIVE`` run once through the runtime's own wrapper: (its (forward ms, backward ms),
-    ``None`` where it failed; the refusals heard). Note [Refused actions] in ``model_profile.py``:
-    a write into the segment's input is heard by the wrapper (every recomputing action refused);
-    where selective fails, ``RECOMPUTE`` is run once too, to tell a failure of selective alone
-    from one of every recomputing action (their only run: recomputation is priced, not timed)."""
+def _refusals(
+    name: str, module: nn.Module, call: CapturedCall, ops: StreamOps, warm: bool, save_ops: Optional[tuple[str, ...]] = None,
+) -> tuple[Optional[tuple[float, float]], list[str]]:
+    """``SELECTIVE`` run once through the runtime's own wrapper, saving ``save_ops`` as the plan
+    will run it (Note [Which ops selective recomputation saves] in ``profiler.py``): (its
+    (forward ms, backward ms), ``None`` where it failed; the refusals heard). Note [Refused
+    actions] in ``model_profile.py``: a write into the segment's input is heard by the wrapper
+    (every recomputing action refused); where selective fails, ``RECOMPUTE`` is run once too, to
+    tell a failure of selective alone from one of every recomputing action (their only run:
+    recomputation is priced, not timed)."""
     timer, refusals, failed = RecomputeTimer(ops), [], []
 
     def refuse(segment: str, why: str) -> None:
         refusals.append(why)
 
     def wrapped(action: Action) -> Any:
-        return checkpointed(module, module.forward, action, timer, name=name, on_refuse=refuse)
+        chosen = save_ops if action is Action.SELECTIVE else None
+        return checkpointed(module, module.forward, action, timer, name=name, on_refuse=refuse, save_ops=chosen)
 
     selective = _timed(module, wrapped(Action.SELECTIVE), call, ops, 1, warm, failed)
     if selective is None and failed:
@@ -201,15 +206,16 @@ def _refusals(name: str, module: nn.Module, call: CapturedCall, ops: StreamOps, 
 
 def _segment_costs(
     name: str, module: nn.Module, call: CapturedCall, ops: StreamOps, device: torch.device, *, repeats: int, warm: bool,
-    alone: bool, min_offload_bytes: int,
+    alone: bool, min_offload_bytes: int, save_ops: Optional[tuple[str, ...]] = None,
 ) -> Optional[ActionCosts]:
     """One segment's :class:`ActionCosts` (Note [Planning costs a few steps] in ``observe.py``):
-    kept, the median of ``repeats`` runs; ``SELECTIVE`` once, after them (and what it refused:
-    :func:`_refusals`); ``RECOMPUTE`` priced from the kept forward (Note [An action is never free])."""
+    kept, the median of ``repeats`` runs; ``SELECTIVE`` once, after them, saving ``save_ops``
+    (and what it refused: :func:`_refusals`); ``RECOMPUTE`` priced from the kept forward (Note
+    [An action is never free])."""
     keep = _timed(module, module.forward, call, ops, repeats, warm)
     if keep is None:
         return None
-    selective, refusals = _refusals(name, module, call, ops, warm)
+    selective, refusals = _refusals(name, module, call, ops, warm, save_ops)
     try:
         working = measure_released_working(module, call, device)
     except Exception as exc:  # noqa: BLE001
@@ -242,11 +248,13 @@ def measure_action_costs(
     repeats: int = 3,
     alone: Collection[str] = (),
     min_offload_bytes: int = 1,
+    save_ops: Optional[dict[str, tuple[str, ...]]] = None,
 ) -> dict[str, ActionCosts]:
     """Time every segment in ``calls`` kept (the median of ``repeats`` runs) and selectively
-    recomputed, and trace the segments named in ``alone`` on their own (Note [A segment measured
-    alone]). Note [Timing a segment leaves no trace]. A segment whose kept run fails, or whose
-    trace was asked for and failed, is left out."""
+    recomputed (saving ``save_ops[name]`` where given: Note [Which ops selective recomputation
+    saves] in ``profiler.py``), and trace the segments named in ``alone`` on their own (Note [A
+    segment measured alone]). Note [Timing a segment leaves no trace]. A segment whose kept run
+    fails, or whose trace was asked for and failed, is left out."""
     out: dict[str, ActionCosts] = {}
     measured: dict[tuple, Optional[ActionCosts]] = {}  # by what the costs depend on
     warm = is_compiled(model)  # a compiled segment's first call under an action compiles a graph
@@ -259,11 +267,12 @@ def measure_action_costs(
             # Note [Planning costs a few steps]: identical blocks (a transformer's) cost the same;
             # one of each is run.
             module = modules[name]  # a call's segment (``name#1``) is its module's: Note [A segment per call]
-            key = (type(module), repr(module), _shapes(module), call.signature(), name in alone)
+            chosen = (save_ops or {}).get(name)
+            key = (type(module), repr(module), _shapes(module), call.signature(), name in alone, chosen)
             if key not in measured:
                 measured[key] = _segment_costs(
                     name, module, call, ops, device, repeats=repeats, warm=warm, alone=name in alone,
-                    min_offload_bytes=min_offload_bytes,
+                    min_offload_bytes=min_offload_bytes, save_ops=chosen,
                 )
             if measured[key] is not None:
                 out[name] = measured[key]

@@ -4,6 +4,18 @@ step, one :class:`SegmentProfile` per segment.
 The planner (``decide/``) reads profiles and nothing else of ``measure/``. Note [Batch scaling]
 and Note [Steady-state shift] describe how a profile is moved to another batch size or state.
 
+Note [Regions outside the segments]: a model's step also saves tensors outside its repeated
+blocks — the stem, the code between blocks, the head and the loss — and under the lowest-memory
+plan these were most of what stayed on the device (issue 23: ResNet-50's stem, 5.3 MiB of the
+11.7 MiB left above parameters and gradients at batch 34; GPT's logits saved by the loss). Each
+such region that saves something is profiled as a segment is (``outside``, a
+:class:`SegmentProfile` with its own forward and backward windows: Note [Windows outside the
+segments] in ``trace.py``) and placed in the chain between the segments (:attr:`ModelProfile.chain`);
+the planner gives it an action as it gives a segment one, ``KEEP`` or ``OFFLOAD`` (it is no
+module: nothing recomputes it), and the runtime offloads it through hooks held over the whole
+step (Note [Regions outside the segments are hooked for the whole step] in ``engine/offload.py``).
+A region that saves nothing is not planned: its windows are folded into its neighbours'.
+
 Note [Refused actions]: ``auto`` never plans an action for a segment that has not run as planned
 there. Each segment's recomputing actions are tried on it after the observed step (``.costs``:
 one that raises is refused), and the runtime reports what it found in real steps (a segment
@@ -44,9 +56,11 @@ class SegmentProfile:
     saved_bytes: int  # all storages saved for backward, parameters excluded
     internal_saved_bytes: int  # ... other than the input and output
     internal_small_bytes: int  # ... of those, under min_offload_bytes (never offloaded)
-    heavy_bytes: int  # outputs of compute-heavy ops, other than the input and output
+    heavy_bytes: int  # outputs of the ops SELECTIVE saves (selective_ops), other than the input and output
     heavy_unsaved_bytes: int  # ... of those, not saved for backward when kept
     offload_bytes: int  # what OFFLOAD copies to the host
+    #: ... of which the largest single storage (what a byte window fetches ahead at least)
+    largest_offload_bytes: int = 0
     gradient_bytes: int  # parameter gradients allocated during this segment's backward
     forward_working_bytes: int  # forward peak above the bytes alive when it starts
     backward_working_bytes: int  # backward peak above the bytes alive when it starts
@@ -54,6 +68,17 @@ class SegmentProfile:
     backward_peak_bytes: int  # peak bytes alive during the backward (all segments kept)
     #: the same, estimated for this segment offloaded and fetched on demand (no prefetch)
     offload_backward_peak_bytes: int
+    #: ... and how much lower that is when nothing else holds the segment's input, so that it
+    #: too comes back on demand (Note [Offloaded backward fetches on demand] in ``trace.py``)
+    offload_input_saving_bytes: int = 0
+    #: ... and, fetched per saved tensor (a prefetch window of 0 bytes: Note [Copy windows in
+    #: bytes] in ``engine/offload.py``), how much lower than ``offload_backward_peak_bytes`` with
+    #: the input and output held by neighbours, and how much lower than that again with the input,
+    #: the output, or both fetched per tensor too
+    tensor_saving_bytes: int = 0
+    tensor_input_saving_bytes: int = 0
+    tensor_output_saving_bytes: int = 0
+    tensor_both_saving_bytes: int = 0
     #: the forward's peak above its start with its saved tensors not held for backward
     #: (recomputed, or offloaded by synchronous copies), measured by running the segment so
     #: (:mod:`.costs`); -1: not measured (Note [A forward that does not keep] in ``costmodel.py``)
@@ -70,6 +95,10 @@ class SegmentProfile:
     #: segment under them (:mod:`.costs`); ``None``: estimated from the forward's time.
     recompute_ms: Optional[float] = None
     selective_ms: Optional[float] = None
+    #: The ops whose outputs ``SELECTIVE`` saves, decided from this segment's measured forward
+    #: (Note [Which ops selective recomputation saves] in ``profiler.py``); ``None``: the fixed
+    #: rule (compute-heavy ops: ``engine/recompute.py``), which ``heavy_*`` then describe.
+    selective_ops: Optional[tuple[str, ...]] = None
     #: Under FSDP: bytes of the parameters gathered while this segment computes (its unit's, on
     #: this rank), freed again after its forward and gathered anew for its backward; part of
     #: every window's measured base whatever the plan (Note [Sharded state is local] in
@@ -137,9 +166,16 @@ class ModelProfile:
     #: Peak bytes of the optimizer step (after the backward), when the profiled step included
     #: it (a real step observed by the adapters): foreach AdamW's parameter-sized temporaries.
     optimizer_peak_bytes: int = 0
-    #: The tail's two parts as measured, where the meter tells them apart (CPU): the level as it
-    #: opens and its peak after that (``tail_peak_bytes`` is the larger); -1: not apart (Note
-    #: [The tail opens holding the last input] in ``trace.py``; used by ``decide/under_plan.py``).
+    #: Note [Regions outside the segments]: the code before the first segment, between two
+    #: segments and after the last (head and loss) that saves tensors for backward, each profiled
+    #: as a segment is, in its own windows; ``outside_after[j]`` is the index in ``segments`` of
+    #: the segment ``outside[j]`` runs after (-1: before the first).
+    outside: tuple[SegmentProfile, ...] = ()
+    outside_after: tuple[int, ...] = ()
+    #: The window after the last segment's forward (the tail: head and loss, planned or not) in
+    #: two parts, where the meter tells them apart (CPU): the level as it opens and its peak after
+    #: that; -1: not apart (Note [The tail opens holding the last input] in ``trace.py``; used by
+    #: ``decide/under_plan.py``).
     tail_start_bytes: int = -1
     tail_rest_bytes: int = -1
     #: Processes the model is sharded over (FSDP); every byte above is this process's own
@@ -180,6 +216,33 @@ class ModelProfile:
         return dataclasses.replace(self, segments=tuple(segments), reference=reference)
 
     @property
+    def chain(self) -> tuple[tuple[SegmentProfile, bool], ...]:
+        """Segments and outside regions in execution order, each with whether it is an outside
+        region (Note [Regions outside the segments])."""
+        before: dict[int, list[SegmentProfile]] = {}
+        for region, after in zip(self.outside, self.outside_after):
+            before.setdefault(after, []).append(region)
+        out = [(r, True) for r in before.get(-1, ())]
+        for i, s in enumerate(self.segments):
+            out.append((s, False))
+            out.extend((r, True) for r in before.get(i, ()))
+        return tuple(out)
+
+    @property
+    def outside_names(self) -> tuple[str, ...]:
+        return tuple(r.name for r in self.outside)
+
+    def has_prefix_region(self) -> bool:
+        """Whether the part before the first segment is planned (a region of ``outside``):
+        then its windows are the region's, not fixed."""
+        return -1 in self.outside_after
+
+    def has_tail_region(self) -> bool:
+        """Whether the head and loss are planned: then ``tail_peak_bytes`` is only the moment the
+        loss's backward begins (Note [Windows outside the segments] in ``trace.py``)."""
+        return bool(self.segments) and len(self.segments) - 1 in self.outside_after
+
+    @property
     def copies_overlap(self) -> bool:
         """Copies run on their own engines (CUDA); on CPU they are synchronous memcpys."""
         return self.device_type == "cuda"
@@ -198,16 +261,20 @@ class ModelProfile:
         f, b = int(forward_bytes), int(backward_bytes)
         if f == 0 and b == 0:
             return self
-        segments = tuple(
-            dataclasses.replace(
-                seg, forward_peak_bytes=seg.forward_peak_bytes + f, backward_peak_bytes=seg.backward_peak_bytes + b,
-                offload_backward_peak_bytes=seg.offload_backward_peak_bytes + b,
+
+        def shifted(elements: tuple[SegmentProfile, ...]) -> tuple[SegmentProfile, ...]:
+            return tuple(
+                dataclasses.replace(
+                    seg, forward_peak_bytes=seg.forward_peak_bytes + f, backward_peak_bytes=seg.backward_peak_bytes + b,
+                    offload_backward_peak_bytes=seg.offload_backward_peak_bytes + b,
+                )
+                for seg in elements
             )
-            for seg in self.segments
-        )
+
         reference = self.reference.with_state(forward_bytes=f, backward_bytes=b) if self.reference is not None else None
         return dataclasses.replace(
-            self, segments=segments, static_bytes=self.static_bytes + f, prefix_forward_peak_bytes=self.prefix_forward_peak_bytes + f,
+            self, segments=shifted(self.segments), outside=shifted(self.outside), static_bytes=self.static_bytes + f,
+            prefix_forward_peak_bytes=self.prefix_forward_peak_bytes + f,
             prefix_backward_peak_bytes=self.prefix_backward_peak_bytes + b, tail_peak_bytes=self.tail_peak_bytes + max(f, b),
             peak_bytes=self.peak_bytes + max(f, b), reference=reference,
         )
@@ -216,17 +283,20 @@ class ModelProfile:
         """This profile with its times multiplied by measured factors (Note [Re-plan from the
         steady state] in ``scale/auto.py``): every forward, backward and the plain step by
         ``compute``, the measured costs of recomputation by ``recompute``, and the copy
-        bandwidths divided by ``copy``."""
-        segments = tuple(
-            dataclasses.replace(
-                s, **{f: getattr(s, f) * compute for f in _SCALED_MS_FIELDS},
-                **{f: getattr(s, f) * recompute for f in _MEASURED_MS_FIELDS if getattr(s, f) is not None},
+        bandwidths divided by ``copy``; the regions outside the segments as the segments."""
+
+        def timed(elements: tuple[SegmentProfile, ...]) -> tuple[SegmentProfile, ...]:
+            return tuple(
+                dataclasses.replace(
+                    s, **{f: getattr(s, f) * compute for f in _SCALED_MS_FIELDS},
+                    **{f: getattr(s, f) * recompute for f in _MEASURED_MS_FIELDS if getattr(s, f) is not None},
+                )
+                for s in elements
             )
-            for s in self.segments
-        )
+
         reference = self.reference.with_times(compute, recompute, copy) if self.reference is not None else None
         return dataclasses.replace(
-            self, segments=segments, prefix_ms=self.prefix_ms * compute, tail_ms=self.tail_ms * compute,
+            self, segments=timed(self.segments), outside=timed(self.outside), prefix_ms=self.prefix_ms * compute, tail_ms=self.tail_ms * compute,
             step_ms=self.step_ms * compute, d2h_bytes_per_ms=self.d2h_bytes_per_ms / copy,
             h2d_bytes_per_ms=self.h2d_bytes_per_ms / copy, reference=reference,
         )
@@ -243,30 +313,43 @@ class ModelProfile:
                 "`batch_size`: this profile was measured at one batch size only "
                 f"({self.batch_size}); profile with scale=True to predict other batch sizes."
             )
-        b0, b1 = self.batch_size, ref.batch_size
+        ratio = batch_size / self.batch_size
+        # Note [Batch scaling]: the line through this profile and its reference, or beyond the
+        # reference, through it and the reference's own (a farther point), where there is one.
+        lo = self
+        far = ref.reference
+        if far is not None and batch_size > ref.batch_size and far.batch_size > ref.batch_size:
+            lo, ref = ref, far
+        b0, b1 = lo.batch_size, ref.batch_size
 
         def line(v0: float, v1: float) -> int:
             return max(0, round(v0 + (v0 - v1) / (b0 - b1) * (batch_size - b0)))
 
-        ratio = batch_size / b0
-        segments = []
-        for s, r in zip(self.segments, ref.segments):
-            changes: dict[str, Any] = {f: line(getattr(s, f), getattr(r, f)) for f in _SCALED_INT_FIELDS}
+        def scaled(s: SegmentProfile, r: Optional[SegmentProfile]) -> SegmentProfile:
+            # A region the other batch did not have: not scaled.
+            low = next((e for e in (*lo.segments, *lo.outside) if e.name == s.name), s) if lo is not self else s
+            r = r if r is not None else low
+            changes: dict[str, Any] = {f: line(getattr(low, f), getattr(r, f)) for f in _SCALED_INT_FIELDS}
             changes.update({f: getattr(s, f) * ratio for f in _SCALED_MS_FIELDS})
             changes.update({f: getattr(s, f) * ratio for f in _MEASURED_MS_FIELDS if getattr(s, f) is not None})
             if s.released_forward_working_bytes >= 0:  # a working set grows with the batch
                 changes["released_forward_working_bytes"] = round(s.released_forward_working_bytes * ratio)
-            segments.append(dataclasses.replace(s, **changes))
+            return dataclasses.replace(s, **changes)
+
+        segments = [scaled(s, r) for s, r in zip(self.segments, ref.segments)]
+        theirs = {r.name: r for r in ref.outside}
+        outside = tuple(scaled(s, theirs.get(s.name)) for s in self.outside)
         top = {
-            f: line(getattr(self, f), getattr(ref, f))
+            f: line(getattr(lo, f), getattr(ref, f))
             for f in ("static_bytes", "prefix_forward_peak_bytes", "prefix_backward_peak_bytes", "tail_peak_bytes", "peak_bytes")
         }
         for f in ("total_saved_bytes", "segment_saved_bytes"):
-            if getattr(self, f) >= 0 and getattr(ref, f) >= 0:
-                top[f] = line(getattr(self, f), getattr(ref, f))
+            if getattr(lo, f) >= 0 and getattr(ref, f) >= 0:
+                top[f] = line(getattr(lo, f), getattr(ref, f))
         return dataclasses.replace(
             self,
             segments=tuple(segments),
+            outside=outside,
             batch_size=batch_size,
             prefix_ms=self.prefix_ms * ratio,
             tail_ms=self.tail_ms * ratio,
@@ -305,15 +388,43 @@ def max_profile(profiles: "list[ModelProfile]") -> "ModelProfile":
         return first
     if any(len(p.segments) != len(first.segments) for p in profiles):
         raise ValueError(f"`profiles` have different numbers of segments: {[len(p.segments) for p in profiles]}.")
-    segments = tuple(
-        SegmentProfile(**{
-            f.name: next((s.refusal for s in column if s.refusal), "") if f.name == "refusal"
-            else _largest([getattr(s, f.name) for s in column])
-            for f in dataclasses.fields(SegmentProfile)
-        })
-        for column in zip(*(p.segments for p in profiles))
-    )
+    segments = tuple(_max_segment(column) for column in zip(*(p.segments for p in profiles)))
+    outside, outside_after = _max_outside(profiles)
     refs = [p.reference for p in profiles]
-    top = {f.name: _largest([getattr(p, f.name) for p in profiles]) for f in dataclasses.fields(ModelProfile) if f.name not in ("segments", "reference")}
+    skip = ("segments", "reference", "outside", "outside_after")
+    top = {f.name: _largest([getattr(p, f.name) for p in profiles]) for f in dataclasses.fields(ModelProfile) if f.name not in skip}
     reference = max_profile(refs) if all(r is not None for r in refs) else None
-    return ModelProfile(segments=segments, reference=reference, **top)
+    return ModelProfile(segments=segments, reference=reference, outside=outside, outside_after=outside_after, **top)
+
+
+def _max_segment(column: "tuple[SegmentProfile, ...]") -> SegmentProfile:
+    """One segment (or region outside the segments) as several processes measured it (Note
+    [Observe every rank]): the largest of each field; the first refusal given; the ops
+    ``SELECTIVE`` saves, those every process chose (one plan runs on all of them: an op one
+    process found not worth its bytes is recomputed everywhere, so no process saves more than
+    its own ``heavy_bytes`` priced)."""
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(SegmentProfile):
+        values = [getattr(s, f.name) for s in column]
+        if f.name == "refusal":
+            fields[f.name] = next((v for v in values if v), "")
+        elif f.name == "selective_ops":
+            chosen = [v for v in values if v is not None]
+            fields[f.name] = tuple(op for op in chosen[0] if all(op in v for v in chosen[1:])) if chosen else None
+        else:
+            fields[f.name] = _largest(values)
+    return SegmentProfile(**fields)
+
+
+def _max_outside(profiles: "list[ModelProfile]") -> "tuple[tuple[SegmentProfile, ...], tuple[int, ...]]":
+    """The regions outside the segments (Note [Regions outside the segments]) of several
+    processes' profiles, matched by name: each the largest any process measured; a region only
+    some processes planned (it saved something there only) is planned, as they measured it."""
+    columns: dict[str, list[SegmentProfile]] = {}
+    after: dict[str, int] = {}
+    for p in profiles:
+        for region, position in zip(p.outside, p.outside_after):
+            columns.setdefault(region.name, []).append(region)
+            after.setdefault(region.name, position)
+    names = sorted(columns, key=lambda name: after[name])  # stable: the first process's order within a gap
+    return tuple(_max_segment(tuple(columns[n])) for n in names), tuple(after[n] for n in names)

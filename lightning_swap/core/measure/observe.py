@@ -61,8 +61,8 @@ from ..sharded import is_sharded
 from ..tensors import infer_batch_size, tensors_in
 from .action_costs import ActionCosts, measure_action_costs
 from .model_profile import SELECTIVE_REFUSAL, ModelProfile
-from .profiler import assemble
-from .trace import StepTrace, StepTracer
+from .profiler import _offload_savings, assemble, selective_choice
+from .trace import StepTrace, StepTracer, boundary_keys, region_times
 
 __all__ = ["ObservedStep"]
 
@@ -114,6 +114,10 @@ class ObservedStep:
             model, self.names, device=device, static=static, params=params, fake=False,
             min_offload_bytes=min_offload_bytes, ops=self.ops, capture_inputs=self.time_actions,
         )
+        #: Under a plan, the regions outside the segments are measured as kept where the meter
+        #: can hold them (CPU: Note [Regions held as kept] in ``trace.py``).
+        self.regions_held = self.under is not None and not self.tracer.meter.is_cuda
+        self.tracer.rec.hold_regions = self.regions_held
         self.open = False
         self.backward_over = False
         self.trace: Optional[StepTrace] = None
@@ -167,6 +171,22 @@ class ObservedStep:
             return f"{SELECTIVE_REFUSAL} compiled, it would recompute everything (Note [Selective under compile])"
         return ""
 
+    def _measured_costs(self, trace: StepTrace, names: list[str], order: list[int]) -> dict[str, ActionCosts]:
+        """The segments' costs: given, or measured now (each segment measured alone where the plan
+        does not keep it); selective timed saving the ops the step's own forward chose, as the
+        plan will run it (Note [Which ops selective recomputation saves] in ``profiler.py``)."""
+        if self.costs is None and self.time_actions and trace.inputs:
+            calls = {names[i]: call for i, call in trace.inputs.items()}
+            save_ops = {
+                names[i]: selective_choice(trace.ops[i], set(boundary_keys(trace, order, i)), frozenset(trace.mutated))[0]
+                for i in trace.inputs if trace.ops.get(i)
+            }
+            self.costs = measure_action_costs(
+                self.model, self._modules_of(names), calls, self.ops, device=self.device, alone=self.acting,
+                min_offload_bytes=self.min_offload_bytes, save_ops=save_ops,
+            )
+        return self.costs or {}
+
     def finish(self) -> Optional[ModelProfile]:
         """Close the trace, time each segment's actions (unless ``costs`` were given), and build
         the profile; ``None`` when a segment the plan does not keep could not be measured alone."""
@@ -181,13 +201,9 @@ class ObservedStep:
         # Outside the segments: the rest of the step, its optimizer step included ("stop"), as a
         # step's measured time (StepStats.step_ms) covers it.
         outside = max(marks.get("stop", end) - sum(fwd.values()) - sum(bwd.values()), 0.0)
-        if self.costs is None and self.time_actions and trace.inputs:
-            calls = {names[i]: call for i, call in trace.inputs.items()}
-            self.costs = measure_action_costs(
-                self.model, self._modules_of(names), calls, self.ops, device=self.device, alone=self.acting,
-                min_offload_bytes=self.min_offload_bytes,
-            )
-        costs = self.costs or {}
+        order = [names.index(name) for name in trace.order]
+        regions = region_times(marks, order, end)
+        costs = self._measured_costs(trace, names, order)
         if any(costs.get(name) is None or costs[name].alone is None for name in self.acting):
             log.debug("observed a step under a plan, but not every segment it does not keep was measured alone")
             return None
@@ -203,7 +219,8 @@ class ObservedStep:
         step_ms = outside + sum(fwd.values()) + sum(bwd.values())
         profile = assemble(
             trace, self.model, names, batch_size=self.batch_size, device=self.device, fake=False,
-            min_offload_bytes=self.min_offload_bytes, fwd=fwd, bwd=bwd, heavy=heavy, step_ms=step_ms, measured=measured,
+            min_offload_bytes=self.min_offload_bytes, fwd={**fwd, **{k: v[0] for k, v in regions.items()}},
+            bwd={**bwd, **{k: v[1] for k, v in regions.items()}}, heavy=heavy, step_ms=step_ms, measured=measured,
         )
         profile = _with_alone_working(profile, trace, names, alone)
         log.debug("observed a step at batch %d: peak %d bytes, %.1f ms", self.batch_size, profile.peak_bytes, step_ms)
@@ -212,9 +229,9 @@ class ObservedStep:
 
 def _splice_alone(trace: StepTrace, alone: dict[int, StepTrace]) -> None:
     """Note [A segment measured alone]: what each segment measured alone saves (and its heavy
-    ops' outputs) becomes its region's in the step's trace: its input and output storages are
-    the step's, the rest new keys (negative: the step's are positive). An input alive before
-    the step (the batch) is not saved by it, as the step's own trace would have it."""
+    ops' outputs, its ops) becomes the segment's in the step's trace: its input and output
+    storages are the step's, the rest new keys (negative: the step's are positive). An input
+    alive before the step (the batch) is not saved by it, as the step's own trace would have it."""
     fresh = itertools.count(-1, -1)
     for i, own in alone.items():  # (one trace may stand for several identical segments: not changed)
         static = own.input_key[0][0] if i in trace.static_inputs and 0 in own.input_key else None
@@ -231,13 +248,17 @@ def _splice_alone(trace: StepTrace, alone: dict[int, StepTrace]) -> None:
 
         trace.saved[i] = {key(k): b for k, b in own.saved.get(0, {}).items() if k != static}
         trace.heavy[i] = {key(k): b for k, b in own.heavy.get(0, {}).items() if k != static}
+        # Its ops and their outputs in the same keys: what selective would save is chosen from them
+        # (Note [Which ops selective recomputation saves] in ``profiler.py``).
+        trace.ops[i] = {op: [ms, {key(k): b for k, b in made.items()}] for op, (ms, made) in own.ops.get(0, {}).items()}
+        trace.mutated.update(mapping[k] for k in own.mutated if k in mapping)
 
 
 def _with_alone_working(profile: ModelProfile, trace: StepTrace, names: list[str], alone: dict[str, StepTrace]) -> ModelProfile:
     """Note [A step measured under a plan] in ``decide/under_plan.py``: for each segment measured
     alone, its working bytes above its windows' starts (its rise when kept), and its windows'
-    peaks as ``start under the plan + that rise``; the on-demand offload estimate stays the same
-    distance below the backward's peak as alone."""
+    peaks as ``start under the plan + that rise``; the on-demand and per-tensor offload estimates
+    stay the same distances below the backward's peak as alone."""
     segments = list(profile.segments)
     for pos, s in enumerate(segments):
         own = alone.get(s.name)
@@ -245,11 +266,13 @@ def _with_alone_working(profile: ModelProfile, trace: StepTrace, names: list[str
             continue
         i = names.index(s.name)
         fwd, bwd = own.window_peak.get(("fwd", 0), 0), own.window_peak.get(("bwd", 0), 0)
-        rise_f, rise_b = max(0, fwd - own.fwd_start_bytes.get(0, fwd)), max(0, bwd - own.bwd_start_bytes.get(0, bwd))
-        start_f = trace.fwd_start_bytes.get(i, s.forward_peak_bytes - s.forward_working_bytes)
-        start_b = trace.bwd_start_bytes.get(i, s.backward_peak_bytes - s.backward_working_bytes)
+        rise_f = max(0, fwd - own.window_start.get(("fwd", 0), fwd))
+        rise_b = max(0, bwd - own.window_start.get(("bwd", 0), bwd))
+        start_f = trace.window_start.get(("fwd", i), s.forward_peak_bytes - s.forward_working_bytes)
+        start_b = trace.window_start.get(("bwd", i), s.backward_peak_bytes - s.backward_working_bytes)
         segments[pos] = dataclasses.replace(
             s, forward_working_bytes=rise_f, backward_working_bytes=rise_b, forward_peak_bytes=start_f + rise_f,
             backward_peak_bytes=start_b + rise_b, offload_backward_peak_bytes=start_b + rise_b + min(0, own.offload_bwd_peak.get(0, bwd) - bwd),
+            **_offload_savings(own, 0, bwd),  # the per-tensor estimates, as savings below it
         )
     return dataclasses.replace(profile, segments=tuple(segments))

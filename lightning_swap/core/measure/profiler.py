@@ -10,10 +10,15 @@ times are a roofline guess per op (FLOPs of matmul/convolution at a measured mat
 bytes touched at a measured copy rate; backward taken as twice the forward). They rank plans
 sensibly but are not measurements; a real profile times one plain step per segment.
 
-Note [Batch scaling]: every byte count is taken as ``a + b * batch_size``. The profile is
-measured at the given batch and, in fake mode (cheap), at twice that batch; the two points fix
-``a`` and ``b`` per field (:meth:`ModelProfile.at_batch`). Times are taken as proportional to
-the batch size.
+Note [Batch scaling]: every byte count is taken as piecewise linear in the batch size. The
+profile is measured at the given batch and, in fake mode (cheap), at twice and at eight times
+that batch; between two of these points a field is on the line through them, beyond the last
+on the line through the last two (:meth:`ModelProfile.at_batch`). One line through the first
+two is not enough: a window's peak is the largest of several moments, some fixed (parameter
+gradients arriving) and some growing with the batch (activations), so it is convex in the
+batch and bends where the growing one takes over. DenseNet-121's third dense block at 32 px
+had its backward window at 89.4 / 104.3 MiB at batch 8 / 16, whose line gives 159.8 MiB at
+batch 46, measured 176.1 (issue 23). Times are taken as proportional to the batch size.
 
 The profile leaves the model as it found it: buffers (BatchNorm statistics), gradients and
 the RNG state are restored.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 import time
 from collections.abc import Iterable
 from typing import Any, Callable, Optional
@@ -33,14 +39,14 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..engine.meter import host_allocation, mark_host
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
-from ..segments import SegmentSpec, find_segments, resolve_modules
+from ..segments import PREFIX_REGION, SegmentSpec, find_segments, region_after, resolve_modules
 from ..sharded import is_sharded, like_shard, world_size
 from ..tensors import infer_batch_size, local_tensor, loss_of, storage_bytes
 from .model_profile import _SCALED_INT_FIELDS, _SCALED_MS_FIELDS, ModelProfile, SegmentProfile, refused_actions
-from .trace import StepTrace, run_timing, run_trace
+from .trace import PREFIX, StepTrace, run_timing, run_trace
 from .action_costs import measure_released_working
 
-__all__ = ["ModelProfile", "SegmentProfile", "measure_bandwidth", "profile"]
+__all__ = ["DeviceAssumption", "ModelProfile", "SegmentProfile", "measure_bandwidth", "profile"]
 
 log = logging.getLogger(__name__)
 
@@ -121,29 +127,137 @@ def _resize(batch: Any, old: int, new: int) -> Any:
     return tree_map(grow, batch)
 
 
-def _segment_from_trace(trace: StepTrace, i: int, names: list[str], order: list[int], *, fwd_ms: float, bwd_ms: float, heavy_ms: float, min_offload_bytes: int) -> SegmentProfile:
-    pos = order.index(i)
-    prev = order[pos - 1] if pos > 0 else None
-    nxt = order[pos + 1] if pos + 1 < len(order) else None
-    saved = trace.saved.get(i, {})
-    heavy = trace.heavy.get(i, {})
-    in_key, in_bytes = trace.input_key.get(i, (None, 0))
-    out_key, out_bytes = trace.output_key.get(i, (None, 0))
+@dataclass(frozen=True)
+class _Element:
+    """One element of the chain as the trace saw it: a segment (``key`` its index) or a region
+    outside the segments (``PREFIX``, ``("after", i)``), its windows and its boundaries."""
+
+    key: Any
+    name: str
+    fwd_windows: tuple
+    bwd_windows: tuple
+    inp: tuple  # (storage key, bytes) of its input
+    out: tuple
+
+
+def _chain_elements(trace: StepTrace, names: list[str], order: list[int]) -> list[_Element]:
+    """Note [Regions outside the segments]: the segments and, between them, the regions that
+    saved something for backward; a region that saved nothing has its windows folded into its
+    neighbours' (the segment before it in forward, the one after it in backward), as before
+    regions were planned, and the prefix's and tail's into the profile's fixed windows."""
+
+    def size(pair: Any) -> tuple:
+        return pair if pair is not None else (None, 0)
+
+    elements: list[_Element] = []
+    tail_ok = trace.turnaround_bytes >= 0
+    prefix = trace.saved.get(PREFIX)
+    if prefix and order:
+        elements.append(_Element(PREFIX, PREFIX_REGION, ("prefix_fwd",), ("prefix_bwd",), (None, 0), size(trace.input_key.get(order[0]))))
+    for pos, i in enumerate(order):
+        nxt = order[pos + 1] if pos + 1 < len(order) else None
+        own = _Element(i, names[i], (("fwd", i),), (("bwd", i),), size(trace.input_key.get(i)), size(trace.output_key.get(i)))
+        after = ("after", i)
+        planned = bool(trace.saved.get(after)) and (nxt is not None or tail_ok)
+        if not planned and nxt is not None:  # folded: forward into this segment, backward into the next
+            own = dataclasses.replace(own, fwd_windows=own.fwd_windows + (after,))
+        elements.append(own)
+        if planned:
+            out = size(trace.input_key.get(nxt)) if nxt is not None else (None, 0)
+            name = region_after([names[j] for j in order], names[i])
+            elements.append(_Element(after, name, (after,), (("after_bwd", i),), size(trace.output_key.get(i)), out))
+    planned_keys = {e.key for e in elements}
+    for pos, i in enumerate(order[1:], start=1):  # a folded region's backward: into the next segment's window
+        before = ("after", order[pos - 1])
+        if before not in planned_keys:
+            e = next(e for e in elements if e.key == i)
+            elements[elements.index(e)] = dataclasses.replace(e, bwd_windows=e.bwd_windows + (("after_bwd", order[pos - 1]),))
+    return elements
+
+
+def _window_peak(trace: StepTrace, windows: tuple) -> tuple[int, int]:
+    """The peak over ``windows`` (consecutive in time) and the bytes alive when the first began."""
+    peak = max((trace.window_peak.get(w, 0) for w in windows), default=0)
+    start = trace.window_start.get(windows[0], peak)
+    # A window after a segment's forward counts only the levels after its opening (Note [The
+    # tail opens holding the last input] in ``trace.py``): the opening is part of it too.
+    return max(peak, start), start
+
+
+def _offload_savings(trace: StepTrace, key: Any, bwd_peak: int) -> dict[str, int]:
+    """Note [Offloaded backward fetches on demand] in ``trace.py``: the estimates of an
+    offloaded element's backward peak, as savings below the first (the storages held from their
+    first unpack to their last, the boundaries kept)."""
+    held = min(bwd_peak, trace.offload_bwd_peak.get(key, bwd_peak))
+
+    def below(estimates: dict) -> int:
+        return max(0, held - min(bwd_peak, estimates.get(key, bwd_peak)))
+
+    tensor = below(trace.tensor_bwd_peak)
+    return dict(
+        offload_input_saving_bytes=below(trace.offload_bwd_peak_in), tensor_saving_bytes=tensor,
+        tensor_input_saving_bytes=max(0, below(trace.tensor_bwd_peak_in) - tensor),
+        tensor_output_saving_bytes=max(0, below(trace.tensor_bwd_peak_out) - tensor),
+        tensor_both_saving_bytes=max(0, below(trace.tensor_bwd_peak_both) - tensor),
+    )
+
+
+def selective_choice(ops: dict[str, list], boundary: set, mutated: frozenset = frozenset()) -> tuple[tuple[str, ...], dict[int, int], float]:
+    """Note [Which ops selective recomputation saves]: ``SELECTIVE`` checkpoints a segment but
+    saves the outputs of some of its ops, so that recomputing it costs less; which ops is decided
+    from the segment's own measured forward (``ops``: per op, its milliseconds and the storages
+    its outputs made; a fake profile's are estimates), as the min-cut partitioner of
+    ``torch.compile`` decides from its cost estimates, and not by a fixed list of op kinds.
+    Each op's outputs inside the segment (its boundaries are kept or recomputed with it anyway)
+    cost their bytes kept and save its milliseconds of recomputation; an op is saved when it saves
+    at least the segment's average milliseconds per byte (the greedy knapsack's better half: what
+    is kept buys more recomputation than average, the rest is cheap per byte, as norms and
+    activations are). Decided per op kind within a segment (every call of one overload alike).
+    An op whose output something later changes in place (``mutated``: a ReLU after a norm) is
+    never saved: selective checkpointing refuses a saved tensor that changed.
+    Returns the ops saved (sorted), the storages their outputs made, and their share of the
+    forward's time."""
+    total_ms = sum(ms for ms, _ in ops.values())
+    candidates = {}
+    for op, (ms, outputs) in ops.items():
+        nbytes = sum(b for k, b in outputs.items() if k not in boundary)
+        if nbytes > 0 and not mutated & outputs.keys():
+            candidates[op] = (ms, nbytes)
+    if not candidates:
+        return (), {}, 0.0
+    density = sum(ms for ms, _ in candidates.values()) / sum(b for _, b in candidates.values())
+    chosen = tuple(sorted(op for op, (ms, nbytes) in candidates.items() if ms >= density * nbytes))
+    heavy = {k: b for op in chosen for k, b in ops[op][1].items()}
+    return chosen, heavy, (sum(ops[op][0] for op in chosen) / total_ms if total_ms > 0 else 0.0)
+
+
+def _element_profile(
+    trace: StepTrace, e: _Element, prev: Optional[_Element], nxt: Optional[_Element], *, fwd_ms: float, bwd_ms: float, heavy_ms: float,
+    min_offload_bytes: int,
+) -> SegmentProfile:
+    saved = trace.saved.get(e.key, {})
+    heavy = trace.heavy.get(e.key, {}) if isinstance(e.key, int) and e.key >= 0 else {}
+    (in_key, in_bytes), (out_key, out_bytes) = e.inp, e.out
     if out_key == in_key:  # the segment returned (a view of) its input: no new storage
         out_bytes = 0
     boundary = {in_key, out_key}
+    save_ops = None
+    if isinstance(e.key, int) and e.key >= 0 and trace.ops.get(e.key):  # Note [Which ops selective recomputation saves]
+        save_ops, heavy, share = selective_choice(trace.ops[e.key], boundary, frozenset(trace.mutated))
+        heavy_ms = fwd_ms * share
     internal = {k: b for k, b in saved.items() if k not in boundary}
     heavy_internal = {k: b for k, b in heavy.items() if k not in boundary}
-    input_from_previous = prev is not None and trace.output_key.get(prev, (None,))[0] == in_key
-    output_to_next = nxt is not None and trace.input_key.get(nxt, (None,))[0] == out_key
+    input_from_previous = prev is not None and in_key is not None and prev.out[0] == in_key
+    output_to_next = nxt is not None and out_key is not None and nxt.inp[0] == out_key
 
     def held_elsewhere(key: Any, mine: set) -> bool:
         return key is not None and any(key in s for region, s in trace.saved.items() if region not in mine)
 
-    fwd_peak = trace.window_peak.get(("fwd", i), 0)
-    bwd_peak = trace.window_peak.get(("bwd", i), 0)
+    fwd_peak, fwd_start = _window_peak(trace, e.fwd_windows)
+    bwd_peak, bwd_start = _window_peak(trace, e.bwd_windows)
+    small = max(min_offload_bytes, 1)
     return SegmentProfile(
-        name=names[i],
+        name=e.name,
         forward_ms=fwd_ms,
         backward_ms=bwd_ms,
         heavy_forward_ms=min(heavy_ms, fwd_ms),
@@ -151,25 +265,28 @@ def _segment_from_trace(trace: StepTrace, i: int, names: list[str], order: list[
         output_bytes=out_bytes,
         saved_bytes=sum(saved.values()),
         internal_saved_bytes=sum(internal.values()),
-        internal_small_bytes=sum(b for b in internal.values() if b < max(min_offload_bytes, 1)),
+        internal_small_bytes=sum(b for b in internal.values() if b < small),
         heavy_bytes=sum(heavy_internal.values()),
         heavy_unsaved_bytes=sum(b for k, b in heavy_internal.items() if k not in saved),
-        offload_bytes=sum(b for b in saved.values() if b >= max(min_offload_bytes, 1)),
-        gradient_bytes=trace.grad_bytes.get(i, 0),
-        forward_working_bytes=max(0, fwd_peak - trace.fwd_start_bytes.get(i, fwd_peak)),
-        backward_working_bytes=max(0, bwd_peak - trace.bwd_start_bytes.get(i, bwd_peak)),
+        offload_bytes=sum(b for b in saved.values() if b >= small),
+        largest_offload_bytes=max((b for b in saved.values() if b >= small), default=0),
+        gradient_bytes=trace.grad_bytes.get(e.key, 0) if isinstance(e.key, int) and e.key >= 0 else 0,
+        forward_working_bytes=max(0, fwd_peak - fwd_start),
+        backward_working_bytes=max(0, bwd_peak - bwd_start),
         forward_peak_bytes=fwd_peak,
         backward_peak_bytes=bwd_peak,
-        offload_backward_peak_bytes=min(bwd_peak, trace.offload_bwd_peak.get(i, bwd_peak)),
+        offload_backward_peak_bytes=min(bwd_peak, trace.offload_bwd_peak.get(e.key, bwd_peak)),
+        **_offload_savings(trace, e.key, bwd_peak),
+        selective_ops=save_ops,
         input_saved=in_key in saved,
-        input_small=in_bytes < max(min_offload_bytes, 1),
+        input_small=in_bytes < small,
         input_from_previous=input_from_previous,
-        input_held_elsewhere=held_elsewhere(in_key, {i, prev} if input_from_previous else {i}),
+        input_held_elsewhere=held_elsewhere(in_key, {e.key, prev.key} if input_from_previous else {e.key}),
         output_saved=out_key is not None and out_key in saved and out_bytes > 0,
-        output_small=out_bytes < max(min_offload_bytes, 1),
+        output_small=out_bytes < small,
         output_heavy=out_key is not None and out_key in heavy and out_bytes > 0,
-        output_held_elsewhere=out_bytes > 0 and held_elsewhere(out_key, {i, nxt} if output_to_next else {i}),
-        gathered_parameter_bytes=trace.gathered_bytes.get(i, 0),
+        output_held_elsewhere=out_bytes > 0 and held_elsewhere(out_key, {e.key, nxt.key} if output_to_next else {e.key}),
+        gathered_parameter_bytes=trace.gathered_bytes.get(e.key, 0),
     )
 
 
@@ -246,7 +363,9 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
         trace = _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_offload_bytes)
         names = trace.names  # one per call of a module run several times (Note [A segment per call])
         if not fake:
-            fwd, bwd, step_ms = run_timing(model, names, lambda: loss_of(step_fn(model, batch)), device)
+            fwd, bwd, step_ms, regions = run_timing(model, names, lambda: loss_of(step_fn(model, batch)), device)
+            fwd = {**fwd, **{k: v[0] for k, v in regions.items()}}
+            bwd = {**bwd, **{k: v[1] for k, v in regions.items()}}
             modules = resolve_modules(model, names)  # canonical names, compiled or not
             # Note [A forward that does not keep]; never a sharded segment alone: Note [Observe every rank].
             for i, call in trace.inputs.items() if not is_sharded(model) else ():
@@ -255,14 +374,39 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
     n = len(names)
     if fake:
         fwd = {i: trace.est_all_ms.get(i, 0.0) for i in range(n)}
-        bwd = {i: 2 * fwd[i] for i in range(n)}
         outside = sum(v for k, v in trace.est_all_ms.items() if not isinstance(k, int) or k < 0)
         step_ms = 3 * (sum(fwd.values()) + outside)
+        fwd.update({k: v for k, v in trace.est_all_ms.items() if not isinstance(k, int) or k < 0})
+        bwd = {k: 2 * v for k, v in fwd.items()}
         heavy = {i: trace.est_heavy_ms.get(i, 0.0) for i in range(n)}
     else:
         heavy = {i: fwd[i] * trace.heavy_op_ms.get(i, 0.0) / max(trace.all_op_ms.get(i, 0.0), 1e-9) for i in range(n)}
     return assemble(trace, model, names, batch_size=batch_size, device=device, fake=fake, min_offload_bytes=min_offload_bytes,
                     fwd=fwd, bwd=bwd, heavy=heavy, step_ms=step_ms, measured=measured)
+
+
+def _chain_profiles(
+    trace: StepTrace, elements: list[_Element], *, fwd: dict[Any, float], bwd: dict[Any, float], heavy: dict[int, float],
+    min_offload_bytes: int, measured: dict[int, tuple[Optional[float], Optional[float], int, str]],
+) -> list[tuple[_Element, SegmentProfile]]:
+    """Each element of the chain with its profile (Note [Regions outside the segments]); a
+    segment's with what :mod:`.costs` timed and refused (Note [Refused actions])."""
+    profiles = []
+    for pos, e in enumerate(elements):
+        prev = elements[pos - 1] if pos else None
+        nxt = elements[pos + 1] if pos + 1 < len(elements) else None
+        p = _element_profile(
+            trace, e, prev, nxt, fwd_ms=fwd.get(e.key, 0.0), bwd_ms=bwd.get(e.key, 0.0), heavy_ms=heavy.get(e.key, 0.0),
+            min_offload_bytes=min_offload_bytes,
+        )
+        if isinstance(e.key, int) and e.key >= 0:
+            m = measured.get(e.key, (None, None, -1, ""))
+            p = dataclasses.replace(
+                p, recompute_ms=m[0], selective_ms=m[1], released_forward_working_bytes=m[2],
+                refused=refused_actions(m[3]) if m[3] else (), refusal=m[3],
+            )
+        profiles.append((e, p))
+    return profiles
 
 
 def _saved_bytes(trace: StepTrace, regions: Callable[[Any], bool]) -> int:
@@ -272,28 +416,37 @@ def _saved_bytes(trace: StepTrace, regions: Callable[[Any], bool]) -> int:
 
 def assemble(
     trace: StepTrace, model: nn.Module, names: list[str], *, batch_size: int, device: torch.device, fake: bool, min_offload_bytes: int,
-    fwd: dict[int, float], bwd: dict[int, float], heavy: dict[int, float], step_ms: float,
+    fwd: dict[Any, float], bwd: dict[Any, float], heavy: dict[int, float], step_ms: float,
     measured: Optional[dict[int, tuple[Optional[float], Optional[float], int, str]]] = None,
 ) -> ModelProfile:
-    """A :class:`ModelProfile` from a step's trace and its times (``measured``: per segment
-    index the recompute and selective costs, the released forward's working bytes and what
-    was refused, timed and measured by :mod:`.costs`)."""
-    measured = measured or {}
+    """A :class:`ModelProfile` from a step's trace and its times (``fwd`` / ``bwd``: per segment
+    index, and per region outside the segments, ``PREFIX`` or ``("after", i)``, where known;
+    ``measured``: per segment index the recompute and selective costs, the released forward's
+    working bytes and what was refused, timed and measured by :mod:`.costs`)."""
     order = [names.index(name) for name in trace.order]
-    none = (None, None, -1, "")
-    segments = tuple(
-        dataclasses.replace(
-            _segment_from_trace(trace, i, names, order, fwd_ms=fwd[i], bwd_ms=bwd[i], heavy_ms=heavy[i], min_offload_bytes=min_offload_bytes),
-            recompute_ms=measured.get(i, none)[0], selective_ms=measured.get(i, none)[1],
-            released_forward_working_bytes=measured.get(i, none)[2],
-            refused=refused_actions(measured.get(i, none)[3]) if measured.get(i, none)[3] else (),
-            refusal=measured.get(i, none)[3],
-        )
-        for i in order
-    )
-    seg_ms = sum(fwd.values()) + sum(bwd.values())
-    outside_ms = max(step_ms - seg_ms, 0.0)
+    elements = _chain_elements(trace, names, order)
+    profiles = _chain_profiles(trace, elements, fwd=fwd, bwd=bwd, heavy=heavy, min_offload_bytes=min_offload_bytes, measured=measured or {})
+    segments = tuple(p for e, p in profiles if isinstance(e.key, int) and e.key >= 0)
+    outside, outside_after, seen = [], [], -1
+    for e, p in profiles:
+        if isinstance(e.key, int) and e.key >= 0:
+            seen += 1
+        else:
+            outside.append(p)
+            outside_after.append(seen)
+    # What no element's forward or backward accounts for (launches, the optimizer), half each side.
+    elements_ms = sum(p.forward_ms + p.backward_ms for _, p in profiles)
+    outside_ms = max(step_ms - elements_ms, 0.0)
     d2h, h2d = measure_bandwidth(device)
+    last = ("after", order[-1]) if order else None
+    planned_tail = any(e.key == last for e in elements)
+    tail_windows = ("after", "after_bwd")
+    tail_rest = max([trace.window_peak.get("tail", 0)] + [trace.window_peak.get((w, order[-1]), 0) for w in tail_windows if order])
+    tail_peak = trace.turnaround_bytes if planned_tail else max(tail_rest, trace.window_start.get(last, 0))
+    # Note [The tail opens holding the last input] in ``trace.py``: the opening level apart (CPU);
+    # planned, the rest is its region's forward window's.
+    tail_start = trace.window_start.get(last, -1) if last is not None and device.type != "cuda" else -1
+    tail_rest = -1 if tail_start < 0 else trace.window_peak.get(last, 0) if planned_tail else tail_rest
     return ModelProfile(
         segments=segments,
         batch_size=batch_size,
@@ -305,9 +458,9 @@ def assemble(
         gradient_bytes=sum(trace.grad_bytes.values()),
         prefix_forward_peak_bytes=trace.window_peak.get("prefix_fwd", 0),
         prefix_backward_peak_bytes=trace.window_peak.get("prefix_bwd", 0),
-        tail_peak_bytes=max(trace.window_peak.get("tail", 0), trace.tail_start_bytes),
-        tail_start_bytes=trace.tail_start_bytes if trace.tail_start_bytes >= 0 and device.type != "cuda" else -1,
-        tail_rest_bytes=trace.window_peak.get("tail", 0) if trace.tail_start_bytes >= 0 and device.type != "cuda" else -1,
+        tail_peak_bytes=tail_peak,
+        tail_start_bytes=tail_start,
+        tail_rest_bytes=tail_rest,
         peak_bytes=trace.peak_bytes,
         prefix_ms=outside_ms / 2,
         tail_ms=outside_ms / 2,
@@ -315,6 +468,8 @@ def assemble(
         d2h_bytes_per_ms=d2h,
         h2d_bytes_per_ms=h2d,
         optimizer_peak_bytes=trace.window_peak.get("optimizer", 0),
+        outside=tuple(outside),
+        outside_after=tuple(outside_after),
         world_size=world_size(model),
         total_saved_bytes=_saved_bytes(trace, lambda region: True),
         segment_saved_bytes=_saved_bytes(trace, lambda region: isinstance(region, int) and region >= 0),
@@ -333,6 +488,7 @@ def profile(
     scale: bool = True,
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     device: Optional[torch.device | str] = None,
+    assume: Optional["DeviceAssumption"] = None,
 ) -> ModelProfile:
     """Measure one training step of ``model`` on ``batch`` with every segment kept.
 
@@ -341,9 +497,10 @@ def profile(
     model does not own (optimizer state), counted as the runtime's ``begin_step(track=)`` does.
     ``fake=True`` measures memory without arithmetic (Note [Fake-mode times are estimates]);
     ``scale=True`` also fake-measures twice the batch so :meth:`ModelProfile.at_batch` works.
-    ``min_offload_bytes`` must match the runtime's. A sharded (FSDP) model is profiled for
-    real only, on every process at once (each runs the same collectives): Note [Observe every
-    rank] in ``observe.py``.
+    ``min_offload_bytes`` must match the runtime's. ``assume`` (with ``fake=True``): the times
+    estimated for another device's rates (:class:`DeviceAssumption`), a prediction for a device
+    that is not here. A sharded (FSDP) model is profiled for real only, on every process at once
+    (each runs the same collectives): Note [Observe every rank] in ``observe.py``.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"`model` must be an nn.Module; got {type(model).__name__}.")
@@ -361,6 +518,10 @@ def profile(
     step_fn = step_fn or _default_step
     track = [t for t in tree_leaves(list(track)) if isinstance(t, torch.Tensor)]
     rates = _compute_rates(device) if fake or scale else (1.0, 1.0)
+    if assume is not None:
+        if not fake:
+            raise ValueError("`assume` estimates another device's times: it needs fake=True.")
+        rates = (assume.flops_per_ms, assume.memory_bytes_per_ms)
     start = time.perf_counter()
 
     def build(b: Any, size: int, fake_mode: bool) -> ModelProfile:
@@ -368,19 +529,52 @@ def profile(
 
     result = _try_fake(lambda: build(batch, batch_size, True), lambda: build(batch, batch_size, False)) if fake else build(batch, batch_size, False)
     if scale:
-        big = 2 * batch_size
-        bigger = _resize(batch, batch_size, big)
-        fake_big = None if is_sharded(model) else _try_fake(lambda: build(bigger, big, True), lambda: None)
-        if fake_big is None:  # Note [Fake mode is an optimisation]
-            ref = build(bigger, big, False)
-        elif result.fake:
-            ref = fake_big
-        else:  # Note [Batch scaling]: the slope from fake points, anchored at the real one
-            fake_here = _try_fake(lambda: build(batch, batch_size, True), lambda: None)
-            ref = _anchor(result, fake_big, fake_here=fake_here) if fake_here is not None else build(bigger, big, False)
-        result = dataclasses.replace(result, reference=ref)
+        result = dataclasses.replace(result, reference=_references(result, batch, batch_size, build, sharded=is_sharded(model)))
+    if assume is not None:
+        result = assume.applied(result)
     log.debug("profiled %d segments at batch %d in %.2f s (fake=%s)", len(names), batch_size, time.perf_counter() - start, fake)
     return result
+
+
+@dataclass(frozen=True)
+class DeviceAssumption:
+    """The rates of a device that is not here, for a fake profile's time estimates (Note
+    [Fake-mode times are estimates]): a prediction, never a measurement."""
+
+    device_type: str
+    flops_per_ms: float
+    memory_bytes_per_ms: float
+    d2h_bytes_per_ms: float
+    h2d_bytes_per_ms: float
+
+    def applied(self, profile: ModelProfile) -> ModelProfile:
+        reference = self.applied(profile.reference) if profile.reference is not None else None
+        return dataclasses.replace(
+            profile, device_type=self.device_type, d2h_bytes_per_ms=self.d2h_bytes_per_ms, h2d_bytes_per_ms=self.h2d_bytes_per_ms,
+            reference=reference,
+        )
+
+
+def _references(
+    result: ModelProfile, batch: Any, batch_size: int, build: Callable[[Any, int, bool], ModelProfile], *, sharded: bool = False,
+) -> ModelProfile:
+    """The profile at twice the batch, itself referring to the profile at eight times it, where
+    fake mode can measure them (Note [Batch scaling]); fake slopes are anchored at a real
+    profile; without fake mode (or ``sharded``: never fake), one real point at twice the batch."""
+    big = 2 * batch_size
+    bigger = _resize(batch, batch_size, big)
+    fake_big = None if sharded else _try_fake(lambda: build(bigger, big, True), lambda: None)
+    if fake_big is None:  # Note [Fake mode is an optimisation]
+        return build(bigger, big, False)
+    far = 8 * batch_size
+    fake_far = _try_fake(lambda: build(_resize(batch, batch_size, far), far, True), lambda: None)
+    if result.fake:
+        return dataclasses.replace(fake_big, reference=fake_far)
+    fake_here = _try_fake(lambda: build(batch, batch_size, True), lambda: None)
+    if fake_here is None:
+        return build(bigger, big, False)
+    ref_far = _anchor(result, fake_far, fake_here=fake_here) if fake_far is not None else None
+    return dataclasses.replace(_anchor(result, fake_big, fake_here=fake_here), reference=ref_far)
 
 
 def _check_fake(model: nn.Module, fake: bool) -> None:
@@ -421,12 +615,18 @@ def _anchor(real: ModelProfile, fake_big: ModelProfile, *, fake_here: ModelProfi
     def moved(r: Any, big: Any, here: Any, names: Iterable[str]) -> dict[str, int]:
         return {f: max(0, getattr(r, f) + getattr(big, f) - getattr(here, f)) for f in names}
 
-    segments = tuple(
-        dataclasses.replace(r, **moved(r, b, h, _SCALED_INT_FIELDS), **{f: getattr(r, f) * 2 for f in _SCALED_MS_FIELDS})
-        for r, b, h in zip(real.segments, fake_big.segments, fake_here.segments)
-    )
+    k = fake_big.batch_size / real.batch_size
+
+    def element(r: SegmentProfile, b: Optional[SegmentProfile], h: Optional[SegmentProfile]) -> SegmentProfile:
+        if b is None or h is None:  # a region the fake steps did not have: not moved
+            b = h = r
+        return dataclasses.replace(r, **moved(r, b, h, _SCALED_INT_FIELDS), **{f: getattr(r, f) * k for f in _SCALED_MS_FIELDS})
+
+    segments = tuple(element(r, b, h) for r, b, h in zip(real.segments, fake_big.segments, fake_here.segments))
+    big, here = {e.name: e for e in fake_big.outside}, {e.name: e for e in fake_here.outside}
+    outside = tuple(element(r, big.get(r.name), here.get(r.name)) for r in real.outside)
     top = ("static_bytes", "prefix_forward_peak_bytes", "prefix_backward_peak_bytes", "tail_peak_bytes", "peak_bytes")
     return dataclasses.replace(
-        real, segments=segments, batch_size=fake_big.batch_size, prefix_ms=real.prefix_ms * 2, tail_ms=real.tail_ms * 2,
-        step_ms=real.step_ms * 2, reference=None, **moved(real, fake_big, fake_here, top),
+        real, segments=segments, outside=outside, batch_size=fake_big.batch_size, prefix_ms=real.prefix_ms * k, tail_ms=real.tail_ms * k,
+        step_ms=real.step_ms * k, reference=None, **moved(real, fake_big, fake_here, top),
     )

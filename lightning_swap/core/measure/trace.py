@@ -15,10 +15,31 @@ The step runs with every segment kept (plain training). Around it:
 Note [Backward windows from tensor hooks]: a segment's backward starts when the gradient of
 its output is ready and ends when the gradient of its input is; both are plain tensor hooks.
 Module full-backward hooks would wrap the segment's inputs and outputs in ``BackwardHookFunction``
-views, which breaks in-place ops on them (ResNet's ``relu_`` after the residual add). The time
-between one segment's end and the next one's start (accumulating parameter gradients) belongs
-to the earlier segment's window; a segment whose input does not require grad has no end event
-and its window runs to the end of the step.
+views, which breaks in-place ops on them (ResNet's ``relu_`` after the residual add). A
+segment whose input does not require grad has no end event and its window runs to the end of
+the step.
+
+Note [Windows outside the segments]: the code between segments is a region of its own (issue
+23: every saved byte is plannable), with a forward and a backward window: the prefix (before
+the first segment: ``"prefix_fwd"`` / ``"prefix_bwd"``), after each segment ``i`` the code up
+to the next segment (``("after", i)``, from the end of ``i``'s forward to the next one's
+start, and ``("after_bwd", i)``, from the end of the next segment's backward to the start of
+``i``'s), and after the last segment the head and loss, whose forward window ends at
+``backward_begins`` (the bytes alive then are ``turnaround_bytes``) and whose backward window
+runs to the start of the last segment's backward. What each region saves is recorded under its
+key (``PREFIX``, ``("after", i)``), as the segments' under their index.
+
+Note [Regions held as kept]: a step observed under a plan (``auto``'s guard step: Note [A step
+measured under a plan] in ``decide/under_plan.py``) runs with the regions outside the segments
+offloaded by the runtime's whole-step saved-tensor hooks. The tracer's pack hook goes over them
+and calls them (only the innermost pair of hooks runs), so it still records what each region
+saves, and the runtime still offloads it. A region cannot run alone as a segment can (it is no
+module), so on CPU the tracer's meter counts each storage a region saved as alive until that
+region's backward begins (``DeviceMemoryMeter.hold``), as keeping it would: every window is
+measured as if the regions were kept, while the step itself (and the runtime's meter, which
+measures the guard's peak) offloads them. From the region's backward on they are let go: its
+backward window is measured as the plan ran it, fetched back per saved tensor. On CUDA the
+allocator's counts cannot be held: the windows are the plan's.
 """
 
 from __future__ import annotations
@@ -35,12 +56,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..engine.meter import DeviceMemoryMeter
-from ..engine.recompute import compute_heavy_ops
+from ..engine.recompute import compute_heavy_ops, written_args
 from ..segments import call_name, resolve_modules, split_call
 from ..sharded import gathered_bytes, gathered_parameters, is_sharded
 from ..tensors import local_tensor
 
-__all__ = ["CapturedCall", "StepTrace", "StepTracer", "run_trace", "run_timing"]
+__all__ = ["CapturedCall", "PREFIX", "StepTrace", "StepTracer", "boundary_keys", "region_times", "run_trace", "run_timing"]
 
 PREFIX = -1  # region before the first segment
 
@@ -87,22 +108,33 @@ class StepTrace:
 
     order: list[str] = field(default_factory=list)
     window_peak: dict[Any, int] = field(default_factory=dict)
-    fwd_start_bytes: dict[int, int] = field(default_factory=dict)
-    bwd_start_bytes: dict[int, int] = field(default_factory=dict)
+    #: Bytes alive when each window started (Note [Windows outside the segments]).
+    window_start: dict[Any, int] = field(default_factory=dict)
+    #: Bytes alive when the loss's backward began (``backward_begins``); -1: not called.
+    turnaround_bytes: int = -1
     saved: dict[Any, dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
     heavy: dict[Any, dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
     input_key: dict[int, tuple[int, int]] = field(default_factory=dict)
     output_key: dict[int, tuple[int, int]] = field(default_factory=dict)
     grad_bytes: dict[Any, int] = field(default_factory=lambda: defaultdict(int))
-    offload_bwd_peak: dict[int, int] = field(default_factory=dict)
+    offload_bwd_peak: dict[Any, int] = field(default_factory=dict)
+    offload_bwd_peak_in: dict[Any, int] = field(default_factory=dict)
+    tensor_bwd_peak: dict[Any, int] = field(default_factory=dict)
+    tensor_bwd_peak_in: dict[Any, int] = field(default_factory=dict)
+    tensor_bwd_peak_out: dict[Any, int] = field(default_factory=dict)
+    tensor_bwd_peak_both: dict[Any, int] = field(default_factory=dict)
     heavy_op_ms: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    #: Per segment, per op (``str`` of its overload): the forward milliseconds (estimated in fake
+    #: mode) and the storages its outputs made, by key.
+    ops: dict[int, dict[str, list]] = field(default_factory=lambda: defaultdict(dict))
+    #: The storages an op of the forward wrote in place (any region's: a later segment's or the
+    #: glue's write changes what an earlier segment would have saved).
+    mutated: set = field(default_factory=set)
     all_op_ms: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     est_heavy_ms: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     est_all_ms: dict[Any, float] = field(default_factory=lambda: defaultdict(float))
     static_bytes: int = 0
     peak_bytes: int = 0
-    #: Bytes alive as the tail opens (Note [The tail opens holding the last input]).
-    tail_start_bytes: int = -1
     #: Bytes of the parameters FSDP gathered for each segment's forward (a sharded model only).
     gathered_bytes: dict[int, int] = field(default_factory=dict)
     #: Milliseconds from the step's start to each segment boundary (``StepTracer`` with ``ops``).
@@ -187,6 +219,20 @@ class CapturedCall:
         return tree_map(fresh, self.args, is_leaf=is_leaf), tree_map(fresh, self.kwargs, is_leaf=is_leaf)
 
 
+def boundary_keys(trace: "StepTrace", order: list[int], key: Any) -> tuple[Any, Any]:
+    """The storage keys of a region's input and output (``None``: none): a segment's own; the
+    prefix's output is the first segment's input; the code after segment ``i`` takes ``i``'s
+    output and gives the next segment its input (after the last, the loss: no storage).
+    ``order``: segment indices in execution order."""
+    if isinstance(key, int) and key >= 0:
+        return trace.input_key.get(key, (None,))[0], trace.output_key.get(key, (None,))[0]
+    if key == PREFIX:
+        return None, (trace.input_key.get(order[0], (None,))[0] if order else None)
+    pos = order.index(key[1])
+    nxt = order[pos + 1] if pos + 1 < len(order) else None
+    return trace.output_key.get(key[1], (None,))[0], (trace.input_key.get(nxt, (None,))[0] if nxt is not None else None)
+
+
 class _OpRecorder(TorchDispatchMode):
     def __init__(self, rec: "_Recorder", *, flops_per_ms: float, bytes_per_ms: float) -> None:
         super().__init__()
@@ -202,19 +248,24 @@ class _OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         elapsed_ms = (time.perf_counter() - start) * 1e3
         region = rec.region
+        if rec.phase_is_forward:  # what it writes in place, in any region (Note [Which ops selective recomputation saves])
+            rec.trace.mutated.update(rec.keys.key(s) for t in written_args(func, args, kwargs) if (s := _storage(t)) is not None)
         if rec.phase_is_forward and isinstance(region, int) and region >= 0:
             is_heavy = func in self.heavy
             rec.trace.all_op_ms[region] += elapsed_ms
+            outputs = {
+                rec.keys.key(s): s.nbytes() for t in tree_leaves(out)
+                if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None and id(s) not in rec.param_storages
+            }
             if is_heavy:
                 rec.trace.heavy_op_ms[region] += elapsed_ms
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None:
-                        rec.trace.heavy[region][rec.keys.key(s)] = s.nbytes()
+                rec.trace.heavy[region].update(outputs)
+            est = self._estimate_ms(func, args, kwargs, out) if rec.fake else elapsed_ms
             if rec.fake:
-                est = self._estimate_ms(func, args, kwargs, out)
                 rec.trace.est_all_ms[region] += est
                 if is_heavy:
                     rec.trace.est_heavy_ms[region] += est
+            rec.record_op(region, str(func), est, outputs, cacheable=not func._schema.is_mutable)
         elif rec.fake and rec.phase_is_forward:
             rec.trace.est_all_ms[region] += self._estimate_ms(func, args, kwargs, out)
         elif isinstance(region, tuple) and region[0] == "bwd":
@@ -258,9 +309,10 @@ class _Recorder:
         self.keys = _Storages()
         self.region: Any = PREFIX
         self.window: Any = "prefix_fwd"
-        #: Segment -> bytes alive as the window after its forward opened (the last one's is the
-        #: tail's: Note [The tail opens holding the last input]).
-        self.gap_start: dict[int, int] = {}
+        #: Note [Regions held as kept]: whether the regions outside the segments are counted as
+        #: kept whatever the plan does with them, and their saved storages held so, by region.
+        self.hold_regions = False
+        self.held: dict[Any, set[int]] = {}
         self.phase_is_forward = True
         self.handles: list[Any] = []
         self._exec: list[int] = []  # segment indices in execution order
@@ -271,6 +323,20 @@ class _Recorder:
         self.inputs: dict[int, "CapturedCall"] = {}
         self._bwd_ops: dict[int, list[tuple[int, set]]] = {}
         self.sharded = is_sharded(model)
+        #: Storage keys some op of the forward has made (Note [Which ops selective recomputation saves]).
+        self._made: set[int] = set()
+
+    def record_op(self, region: int, op: str, ms: float, outputs: dict[int, int], *, cacheable: bool = True) -> None:
+        """One op of segment ``region``'s forward: its time and the storages it made, not those
+        its outputs share with what existed (views, in-place ops: Note [Which ops selective
+        recomputation saves] in ``profiler.py``). An op that is not ``cacheable`` (an ``out=``
+        overload: Note [Selective never replays a mutated tensor] in ``engine/recompute.py``)
+        makes nothing selective could save."""
+        costs = self.trace.ops[region].setdefault(op, [0.0, {}])
+        costs[0] += ms
+        if cacheable:
+            costs[1].update({k: b for k, b in outputs.items() if k not in self._made})
+        self._made.update(outputs)
 
     def mark(self, key: Any) -> None:
         if self.ops is not None:
@@ -287,22 +353,37 @@ class _Recorder:
 
     # -- windows ------------------------------------------------------------------------
     def switch(self, window: Any) -> None:
-        """Note [The tail opens holding the last input]: the tail opens in the last segment's
-        forward hook, while its caller still references the segment's input; kept, that input is
-        saved and stays, but under a plan that moves it to the host it is freed a moment later.
-        So the tail's opening level is recorded on its own and, on CPU, the tail's peak counts the
-        levels after it: a step measured under a plan (``decide/under_plan.py``) then tells the
-        tail that plan leaves from its forward's last instant, where plain's peak may be."""
+        """Note [The tail opens holding the last input]: the window after a segment's forward
+        opens in its forward hook, while its caller still references the segment's input; kept,
+        that input is saved and stays, but under a plan that moves it to the host it is freed a
+        moment later. So such a window's opening level is its start (``window_start``) and, on
+        CPU, its peak counts only the levels after it: a step measured under a plan
+        (``decide/under_plan.py``) then tells what the window after the last segment (the tail:
+        head and loss) holds from the forward's last instant, where plain's peak may be."""
         peak = self.meter.peak_bytes
         self.trace.peak_bytes = max(self.trace.peak_bytes, peak)
         self.trace.window_peak[self.window] = max(self.trace.window_peak.get(self.window, 0), peak)
-        # The window after a segment's forward is the tail's after the last call (``merge_gaps``);
-        # another's merges into that segment's forward window, which already holds this level.
-        gap = isinstance(window, tuple) and window[0] == "gap"
-        if gap:
-            self.gap_start[window[1]] = self.meter.current_bytes
-        self.meter.reset_peak(after_next_change=gap)
+        self._let_go(window)
+        after = isinstance(window, tuple) and window[0] == "after"
+        self.meter.reset_peak(after_next_change=after)
         self.window = window
+        self.trace.window_start.setdefault(window, self.meter.current_bytes)
+
+    def _let_go(self, window: Any) -> None:
+        """Note [Regions held as kept]: as a backward window opens, the regions whose backward
+        has begun (those that ran after its segment in forward; every one at the prefix's) stop
+        being held: kept, their storages would be freed from here on."""
+        if not self.held or not (window == "prefix_bwd" or (isinstance(window, tuple) and window[0] in ("bwd", "after_bwd"))):
+            return
+        pos = self._exec.index(window[1]) if window != "prefix_bwd" and window[1] in self._exec else -1
+        for region in [r for r in self.held if r == PREFIX and pos < 0 or r != PREFIX and self._exec.index(r[1]) >= pos]:
+            self.meter.let_go(self.held.pop(region))
+
+    def region_before(self, i: int) -> Any:
+        """The outside region that runs just before segment ``i`` in this forward: the prefix, or
+        the code after the segment that ran before it (Note [Windows outside the segments])."""
+        pos = self._exec.index(i)
+        return PREFIX if pos == 0 else ("after", self._exec[pos - 1])
 
     # -- forward hooks ------------------------------------------------------------------
     def _call_index(self, module_name: str) -> int:
@@ -324,7 +405,6 @@ class _Recorder:
             if self.capture_inputs:
                 self.inputs[i] = CapturedCall.of(args, kwargs)
             self.switch(("fwd", i))
-            self.trace.fwd_start_bytes[i] = self.meter.current_bytes
             self.region = i
             if self.sharded:
                 self._gathered(module, i)
@@ -348,21 +428,9 @@ class _Recorder:
                 if y.requires_grad:
                     self.handles.append(y.register_hook(self._on_bwd_start(i)))
             self.region = ("after", i)
-            # Until the next segment starts: its own forward's window, or the tail's after the last
-            # call (only known at the end: ``merge_gaps``).
-            self.switch(("gap", i))
+            self.switch(("after", i))
 
         return hook
-
-    def merge_gaps(self) -> None:
-        """Each ``("gap", i)`` window into segment ``i``'s forward, the last one's into the tail."""
-        last = self._exec[-1] if self._exec else None
-        if last in self.gap_start:
-            self.trace.tail_start_bytes = self.gap_start[last]
-        peaks = self.trace.window_peak
-        for key in [k for k in peaks if isinstance(k, tuple) and k[0] == "gap"]:
-            target = "tail" if key[1] == last else ("fwd", key[1])
-            peaks[target] = max(peaks.get(target, 0), peaks.pop(key))
 
     # -- backward hooks (Note [Backward windows from tensor hooks]) ---------------------
     def _on_bwd_start(self, i: int):
@@ -370,7 +438,6 @@ class _Recorder:
             self.phase_is_forward = False
             self.mark(("bs", i))
             self.switch(("bwd", i))
-            self.trace.bwd_start_bytes[i] = self.meter.current_bytes
             self.region = ("bwd", i)
 
         return hook
@@ -378,9 +445,17 @@ class _Recorder:
     def _on_bwd_end(self, i: int):
         def hook(grad):
             self.mark(("be", i))
-            if i == self._exec[0]:
+            before = self.region_before(i)  # its backward runs next
+            if before == PREFIX:
                 self.switch("prefix_bwd")
-                self.region = "prefix_bwd"
+            elif self.window == ("bwd", i):
+                # Not when the segment before already began its backward: with nothing in
+                # between, its output is this input, and its hook ran first (hooks run in the
+                # order they were registered).
+                self.switch(("after_bwd", before[1]))
+            else:
+                return
+            self.region = ("bwd", before)
 
         return hook
 
@@ -406,20 +481,41 @@ class _Recorder:
         there all along, and after its last use it is freed in both. So at each op the bytes alive
         in plain training, less this segment's offloadable saved storages that no op has read
         yet, estimate the offloaded segment's backward. Boundary storages (input, output) are
-        left in: a neighbour may hold them."""
+        left in, since a neighbour may hold them (``offload_bwd_peak``); the input is also
+        counted as fetched on demand (``offload_bwd_peak_in``), for when no neighbour holds it.
+        Fetched per saved tensor (Note [Copy windows in bytes] in ``engine/offload.py``), a
+        storage is there only while an op reads it: at each op, less every such storage alive in
+        plain training that the op does not read (``tensor_bwd_peak``; ``_in``, ``_out``,
+        ``_both``: the input, the output, both, also per tensor, for when no neighbour holds them)."""
         for i, ops in self._bwd_ops.items():
-            boundary = {self.trace.input_key.get(i, (None,))[0], self.trace.output_key.get(i, (None,))[0]}
-            pending = {
-                key: nbytes for key, nbytes in self.trace.saved.get(i, {}).items()
-                if key not in boundary and nbytes >= self.min_offload_bytes
-            }
-            waiting = sum(pending.values())
-            for level, needed in ops:
-                for key in needed & pending.keys():
-                    waiting -= pending.pop(key)
-                estimate = level - waiting
-                if estimate > self.trace.offload_bwd_peak.get(i, 0):
-                    self.trace.offload_bwd_peak[i] = estimate
+            inp, out = self.boundary_keys(i)
+            every = {key: n for key, n in self.trace.saved.get(i, {}).items() if n >= self.min_offload_bytes}
+            saved = {k: n for k, n in every.items() if k != out}
+            held = {k: n for k, n in saved.items() if k != inp}
+            last = {}
+            for k, (_, needed) in enumerate(ops):
+                for key in needed:
+                    last[key] = k
+            for peaks, pending in ((self.trace.offload_bwd_peak, held), (self.trace.offload_bwd_peak_in, saved)):
+                pending = dict(pending)
+                waiting = sum(pending.values())
+                for level, needed in ops:
+                    for key in needed & pending.keys():
+                        waiting -= pending.pop(key)
+                    peaks[i] = max(peaks.get(i, 0), level - waiting)
+            variants = (
+                (self.trace.tensor_bwd_peak, held), (self.trace.tensor_bwd_peak_in, saved),
+                (self.trace.tensor_bwd_peak_out, {k: n for k, n in every.items() if k != inp}), (self.trace.tensor_bwd_peak_both, every),
+            )
+            # A storage another region saved stays alive in plain training past its last use here.
+            elsewhere = {key for region, keys in self.trace.saved.items() if region != i for key in keys}
+            for peaks, storages in variants:
+                for k, (level, needed) in enumerate(ops):
+                    absent = sum(n for key, n in storages.items() if key not in needed and (last.get(key, k) >= k or key in elsewhere))
+                    peaks[i] = max(peaks.get(i, 0), level - absent)
+
+    def boundary_keys(self, key: Any) -> tuple[Any, Any]:
+        return boundary_keys(self.trace, self._exec, key)
 
     def _gathered(self, module: nn.Module, i: Optional[int] = None) -> None:
         """FSDP gathered these parameters just now (its hook runs before ours): they are not
@@ -437,6 +533,9 @@ class _Recorder:
         s = _storage(t)
         if s is not None and id(s) not in self.param_storages and self.phase_is_forward:
             self.trace.saved[self.region][self.keys.key(s)] = s.nbytes()
+            if self.hold_regions and not (isinstance(self.region, int) and self.region >= 0):
+                self.held.setdefault(self.region, set()).add(id(s))
+                self.meter.hold(s)
         return t
 
     def install(self, params: list[torch.Tensor]) -> None:
@@ -509,8 +608,18 @@ class StepTracer:
         self.rec.capture_inputs = capture_inputs
         self._params = params
         self._op_mode = _OpRecorder(self.rec, flops_per_ms=flops_per_ms, bytes_per_ms=bytes_per_ms)
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.rec.pack, lambda t: t)
+        self._saved_hooks: Any = None
         self._entered: list[str] = []
+
+    def _hooks_over(self) -> Any:
+        """The pack hook that records what is saved, over the saved-tensor hooks active now (a
+        runtime's for the regions outside the segments, under a plan: Note [Regions held as
+        kept]): only the innermost pair of hooks runs, so theirs are called from ours."""
+        below = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if below is None:
+            return torch.autograd.graph.saved_tensors_hooks(self.rec.pack, lambda t: t)
+        pack, unpack = below
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: pack(self.rec.pack(t)), unpack)
 
     def begin(self) -> "StepTracer":
         rec = self.rec
@@ -527,6 +636,7 @@ class StepTracer:
             rec.mark("start")
             self._op_mode.__enter__()
             self._entered.append("ops")
+            self._saved_hooks = self._hooks_over()
             self._saved_hooks.__enter__()
             self._entered.append("saved")
         except BaseException:
@@ -538,8 +648,15 @@ class StepTracer:
         if "saved" in self._entered:
             self._entered.remove("saved")
             self._saved_hooks.__exit__(None, None, None)
-        self.rec.phase_is_forward = False
-        self.rec.region = "tail_bwd"
+        rec = self.rec
+        rec.phase_is_forward = False
+        rec.mark("bb")
+        rec.trace.turnaround_bytes = self.meter.current_bytes
+        if rec._exec:  # Note [Windows outside the segments]: the head and loss's backward
+            rec.switch(("after_bwd", rec._exec[-1]))
+            rec.region = ("bwd", ("after", rec._exec[-1]))
+        else:
+            rec.region = "tail_bwd"
 
     def backward_done(self) -> None:
         """The step's backward is over: what follows (the optimizer step) is its own window."""
@@ -552,7 +669,6 @@ class StepTracer:
             rec.mark("end")
         rec.switch("end")
         self._close()
-        rec.merge_gaps()
         rec.offload_peaks()
         trace = rec.trace
         missing = [rec.names[i] for i in range(rec.given) if i not in rec._exec]
@@ -608,6 +724,28 @@ def run_trace(
     return tracer.finish()
 
 
+def region_times(marks: dict[Any, float], order: list[int], end: float) -> dict[Any, tuple[float, float]]:
+    """Forward and backward milliseconds of each region outside the segments (Note [Windows
+    outside the segments]) from the marks of one step (milliseconds from its start; ``"bb"``:
+    the loss's backward began). A missing mark makes its span 0."""
+
+    def span(a: Any, b: Any) -> float:
+        return max(marks[b] - marks[a], 0.0) if a in marks and b in marks else 0.0
+
+    marks = {"start": 0.0, "end": end, **marks}
+    out: dict[Any, tuple[float, float]] = {}
+    if not order:
+        return out
+    out[PREFIX] = (span("start", ("fs", order[0])), span(("be", order[0]), "end"))
+    for pos, i in enumerate(order):
+        if pos + 1 < len(order):
+            j = order[pos + 1]
+            out[("after", i)] = (span(("fe", i), ("fs", j)), span(("be", j), ("bs", i)))
+        else:
+            out[("after", i)] = (span(("fe", i), "bb"), span("bb", ("bs", i)))
+    return out
+
+
 def _timed_windows(marks: dict, n: int, end: float, fwd: dict[int, float], bwd: dict[int, float]) -> float:
     """Each segment's forward and backward ms from one step's marks, kept if faster; ``end``."""
     for i in range(n):
@@ -617,15 +755,51 @@ def _timed_windows(marks: dict, n: int, end: float, fwd: dict[int, float], bwd: 
     return end
 
 
-def run_timing(model: nn.Module, names: list[str], step: Callable[[], torch.Tensor], device: torch.device, *, repeats: int = 2) -> tuple[dict[int, float], dict[int, float], float]:
-    """Forward and backward milliseconds per segment, and of the whole step, from one plain step
+def run_timing(
+    model: nn.Module, names: list[str], step: Callable[[], torch.Tensor], device: torch.device, *, repeats: int = 2
+) -> tuple[dict[int, float], dict[int, float], float, dict[Any, tuple[float, float]]]:
+    """Forward and backward milliseconds per segment, of the whole step, and of the regions
+    outside the segments (:func:`region_times`), from the fastest of ``repeats`` plain steps
     (``names`` as the trace found them: one per call of a module run several times)."""
+    marks: dict[Any, float] = {}
+    handles: list[Any] = []
+    order: list[int] = []
+    calls: dict[str, int] = {}
+    now = _timing_hooks(model, names, device, marks, handles, order, calls)
+    fwd: dict[int, float] = {}
+    bwd: dict[int, float] = {}
+    outside: dict[Any, tuple[float, float]] = {}
+    total = float("inf")
+    try:
+        for _ in range(repeats):  # the fastest of a few steps: the first pays for warm-up
+            marks.clear()
+            order.clear()
+            calls.clear()
+            start = now()
+            loss = step()
+            marks["bb"] = now()
+            loss.backward()
+            end = _timed_windows(marks, len(names), now(), fwd, bwd)
+            total = min(total, end - start)
+            times = region_times({k: v - start for k, v in marks.items()}, order, end - start)
+            for key, (f, b) in times.items():
+                old = outside.get(key, (float("inf"), float("inf")))
+                outside[key] = (min(old[0], f), min(old[1], b))
+    finally:
+        for h in handles:
+            h.remove()
+    return fwd, bwd, total, outside
+
+
+def _timing_hooks(
+    model: nn.Module, names: list[str], device: torch.device, marks: dict, handles: list, order: list, calls: dict[str, int],
+) -> Callable[[], float]:
+    """Hooks that mark each segment's forward and backward bounds in ``marks`` (and its place in
+    ``order``; ``calls``: each module's calls so far, Note [A segment per call]); returns the
+    clock they read."""
     cuda = device.type == "cuda"
     index = {name: i for i, name in enumerate(names)}
     modules = resolve_modules(model, names)  # canonical names, compiled or not
-    marks: dict[Any, float] = {}
-    handles: list[Any] = []
-    calls: dict[str, int] = {}
     running: dict[str, list[int]] = {}
 
     def now() -> float:
@@ -639,6 +813,8 @@ def run_timing(model: nn.Module, names: list[str], step: Callable[[], torch.Tens
             calls[module_name] = call + 1
             i = index.get(call_name(module_name, call), -1)  # -1: a call the trace did not see
             running.setdefault(module_name, []).append(i)
+            if i >= 0:
+                order.append(i)
             marks[("fs", i)] = now()
             x = _first_tensor(args)
             if x is not None and x.requires_grad:
@@ -659,17 +835,4 @@ def run_timing(model: nn.Module, names: list[str], step: Callable[[], torch.Tens
     for module_name in dict.fromkeys(split_call(name)[0] for name in names):
         handles.append(modules[module_name].register_forward_pre_hook(pre(module_name)))
         handles.append(modules[module_name].register_forward_hook(post(module_name)))
-    fwd: dict[int, float] = {}
-    bwd: dict[int, float] = {}
-    total = float("inf")
-    try:
-        for _ in range(repeats):  # the fastest of a few steps: the first pays for warm-up
-            marks.clear()
-            calls.clear()
-            start = now()
-            step().backward()
-            total = min(total, _timed_windows(marks, len(names), now(), fwd, bwd) - start)
-    finally:
-        for h in handles:
-            h.remove()
-    return fwd, bwd, total
+    return now

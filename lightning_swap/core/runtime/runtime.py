@@ -70,10 +70,10 @@ from ..engine.meter import DeviceMemoryMeter
 from ..engine.offload import OffloadEngine
 from ..decide.plan import Plan
 from ..engine.recompute import RecomputeTimer, checkpointed
-from ..segments import resolve_modules, split_call, unwrap_compiled
-from ..sharded import gathered_parameters, units_inside
+from ..segments import region_after, resolve_modules, split_call, unwrap_compiled
+from ..sharded import gathered_parameters, is_sharded, units_inside
 from ..engine.streams import Timing, default_ops
-from ..config import DEFAULT_MIN_OFFLOAD_BYTES, UMMode, check_inflight_segments, check_min_offload_bytes
+from ..config import DEFAULT_MIN_OFFLOAD_BYTES, UMMode, check_inflight_segments, check_min_offload_bytes, check_window_bytes
 from ..tensors import ModuleHook, normalize_device, on_backward_start, tensors_in
 from .calls import SegmentCalls
 from .measured_rows import RowMeasure
@@ -173,6 +173,8 @@ class SwapRuntime:
         prefetch_segments: Optional[int] = None,
         inflight_segments: int = 1,
         unified: Optional[Any] = None,
+        prefetch_bytes: Optional[int] = None,
+        inflight_bytes: Optional[int] = None,
     ) -> None:
         self.model = model
         #: A ``UnifiedMemory`` (``engine/unified/memory.py``): managed host buffers, parameter prefetch.
@@ -183,8 +185,7 @@ class SwapRuntime:
             first = next(model.parameters(), None)
             device = first.device if first is not None else torch.device("cpu")
         self.device = normalize_device(device)
-        self.prefetch_segments = _prefetch_for(self.device, prefetch_segments)
-        self.inflight_segments = check_inflight_segments(inflight_segments)
+        self._set_windows(prefetch_segments, inflight_segments, prefetch_bytes, inflight_bytes)
         # Canonical names (Note [Canonical segment names]); a call's segment is its module's.
         self._calls = SegmentCalls(_checked_actions(self.plan))
         self._modules = resolve_modules(model, [*self.plan.actions, *self._calls.groups], field="plan")
@@ -200,15 +201,16 @@ class SwapRuntime:
         #: Compilations set aside (Note [Regional compilation is taken over]): (object,
         #: attribute, had it in __dict__, previous value, value set).
         self._set_aside: list[tuple[Any, str, bool, Any, Any]] = []
-        self._active = False
-        self._compiled = False
-        self._step_open = False
-        self._metered = False
-        self._logged_unmetered = False
+        self._active = self._compiled = self._step_open = self._metered = self._logged_unmetered = False
         self._handles: list[Any] = []
         #: Segments whose module call is running (hooks fired): Note [Direct forward calls].
         self._in_call: set[int] = set()
         self._reported_checkpoints: set[str] = set()
+        #: Note [Regions outside the segments are hooked for the whole step] (engine/offload.py):
+        #: segment forwards running now, the last that ended, the whole-step hooks in a step.
+        #: Under FSDP, whether the parameters gathered now must be named to the engine before an
+        #: outside region saves anything (Note [Regions outside the segments under FSDP]).
+        self._depth, self._last_ran, self._outside_hooks, self._sharded, self._outside_params_stale = 0, None, None, is_sharded(model), True
         #: Segment -> why its recomputation cannot run as planned (Note [Refused actions]).
         self.refusals: dict[str, str] = {}
         self.engine: Optional[OffloadEngine] = None
@@ -222,6 +224,14 @@ class SwapRuntime:
         #: Finished steps, newest last, some with device times still running.
         self.records = StatsHistory()
 
+    def _set_windows(self, prefetch_segments: Optional[int], inflight_segments: int, prefetch_bytes: Optional[int], inflight_bytes: Optional[int]) -> None:
+        """The copy windows: in bytes, given here or those the plan was priced for (Note [Copy
+        windows in bytes] in engine/offload.py), else in segments."""
+        self.prefetch_segments = _prefetch_for(self.device, prefetch_segments)
+        self.inflight_segments = check_inflight_segments(inflight_segments)
+        self.prefetch_bytes = check_window_bytes(prefetch_bytes if prefetch_bytes is not None else self.plan.prefetch_bytes, "prefetch_bytes")
+        self.inflight_bytes = check_window_bytes(inflight_bytes if inflight_bytes is not None else self.plan.inflight_bytes, "inflight_bytes")
+
     # -- install / remove ---------------------------------------------------------------
     @property
     def installed(self) -> bool:
@@ -231,7 +241,7 @@ class SwapRuntime:
         if self.installed:
             return self
         self._active = True
-        if any(a.offloads for a in self.plan.actions.values()):
+        if any(a.offloads for a in self.plan.actions.values()) or self.plan.offloads_outside:
             self.engine = OffloadEngine(
                 self.device,
                 min_offload_bytes=self.min_offload_bytes,
@@ -239,6 +249,8 @@ class SwapRuntime:
                 inflight_segments=self.inflight_segments,
                 pool=self.unified.host_pool() if self.unified is not None else None,
                 ops=self.ops,
+                prefetch_bytes=self.prefetch_bytes,
+                inflight_bytes=self.inflight_bytes,
             )
         try:
             for module_name in self._calls.groups:  # first: the other hooks read the call it counts
@@ -397,8 +409,10 @@ class SwapRuntime:
 
             return _SegmentForward(module, self._also_direct(offloaded, index, module))
         outer = (lambda: engine.hooks(index)) if action is Action.RECOMPUTE_OFFLOAD else None
+        save_ops = self.plan.selective_ops.get(self._names[index]) if action is Action.SELECTIVE else None
         fn = checkpointed(
             module, forward, action, self.timer, outer=outer, name=self._names[index], compiled=compiled, on_refuse=self._refused,
+            save_ops=save_ops,
         )
         if outer is None:
             return _SegmentForward(module, fn)
@@ -438,19 +452,24 @@ class SwapRuntime:
                 return fn(*args, **kwargs)
             self._segment_started(module)
             output = fn(*args, **kwargs)
-            self._segment_ended(output)
+            self._segment_ended(output, index)
             return output
 
         return forward
 
     def _segment_started(self, module: nn.Module) -> None:
+        self._depth += 1
+        self._outside_params_stale = True
         if torch.is_grad_enabled():
             self.engine.segment_started()
             # FSDP gathered this segment's parameters just now (its hooks run first): never offloaded.
             self.engine.segment_parameters(gathered_parameters(module))
 
-    def _segment_ended(self, output: Any) -> None:
+    def _segment_ended(self, output: Any, index: int) -> None:
         engine = self.engine
+        self._depth = max(self._depth - 1, 0)
+        if index is not None:  # a call beyond the plan's is kept: its region is the last planned one's
+            self._last_ran = index
         if torch.is_grad_enabled():
             run = engine.run  # this forward's place in the execution order, not the plan's
             engine.segment_ended()
@@ -480,10 +499,60 @@ class SwapRuntime:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if torch._C._current_graph_task_id() != -1:
                 return
-            self._in_call.discard(index() if callable(index) else index)
-            self._segment_ended(output)
+            index_now = index() if callable(index) else index
+            self._in_call.discard(index_now)
+            self._segment_ended(output, index_now)
 
         return ModuleHook(hook)
+
+    def _outside_region(self) -> Optional[str]:
+        """The region outside the segments running now, if the plan offloads it (Note [Regions
+        outside the segments are hooked for the whole step] in engine/offload.py); ``None``
+        inside a segment's forward or in a region the plan keeps."""
+        if self._depth:
+            return None
+        if self.engine._backward:  # a backward ran since (accumulation): a new forward's prefix
+            self._last_ran = None
+        last = self._names[self._last_ran] if self._last_ran is not None else None
+        name = region_after(self._names, last)
+        if self.plan.outside.get(name) is not Action.OFFLOAD:
+            return None
+        if self._sharded and self._outside_params_stale:
+            # Note [Regions outside the segments under FSDP]: the root unit's parameters (the
+            # embedding's, the head's), gathered by FSDP for the code outside the blocks, are
+            # never offloaded, as a segment's own gathered parameters are not.
+            self.engine.segment_parameters(gathered_parameters(self.model))
+            self._outside_params_stale = False
+        return name
+
+    def _enter_outside_hooks(self) -> None:
+        self._depth, self._last_ran, self._outside_params_stale = 0, None, True
+        if self.engine is not None and self.plan.offloads_outside:
+            hooks = self.engine.outside_hooks(self._outside_region)
+            hooks.__enter__()
+            self._outside_hooks = hooks
+
+    def _exit_outside_hooks(self, *, strict: bool = True) -> None:
+        """Pops the whole-step hooks; they must be on top (a context the step entered and left
+        open would be popped instead, and its own exit would then pop ours). Not ``strict``
+        (teardown, a failed step): when they are not on top, someone popped them already (a
+        context entered before the step and left while unwinding an error); logged, left."""
+        hooks = self._outside_hooks
+        if hooks is None:
+            return
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or top[0] is not hooks.pack_hook:
+            if not strict:
+                self._outside_hooks = None
+                log.warning("lightning-swap: the saved-tensor hooks of the regions outside the segments were not on top at teardown; left alone")
+                return
+            raise RuntimeError(
+                "lightning-swap: saved-tensor hooks entered during the training step are still active at its end "
+                "(a `torch.autograd.graph.saved_tensors_hooks` / `save_on_cpu` context left open); the runtime's "
+                "hooks for the regions outside the segments cannot be removed under them."
+            )
+        self._outside_hooks = None
+        hooks.__exit__(None, None, None)
 
     def _install_parameter_prefetch(self) -> None:
         """Under ``um="all"``: segment ``i+1``'s parameters are prefetched when segment ``i``'s
@@ -521,6 +590,8 @@ class SwapRuntime:
     def remove(self) -> None:
         if self.meter._open:
             self.meter.__exit__(None, None, None)
+        if self._outside_hooks is not None:
+            self._exit_outside_hooks(strict=False)
         self._step_open = False
         for handle in self._handles:
             handle.remove()
@@ -584,6 +655,9 @@ class SwapRuntime:
                 self.meter.track([*params, *self.model.buffers(), *(p.grad for p in params if p.grad is not None), *tracked])
             if self.engine is not None:
                 self.engine.begin_step([*params, *self.model.buffers(), *tracked])
+        if self._outside_hooks is not None:  # a step that neither ended nor aborted
+            self._exit_outside_hooks()
+        self._enter_outside_hooks()
         self._um_start = self.unified.stats() if self.unified is not None else None
         if self.measure_rows and self._row_measure is None:
             self._row_measure = RowMeasure(self).start()
@@ -604,6 +678,8 @@ class SwapRuntime:
     def abort_step(self) -> None:
         """Close the window of a step that failed, with no statistics; the offload engine lets go
         of everything the step held (copies in flight, prefetches, device copies)."""
+        if self._outside_hooks is not None:
+            self._exit_outside_hooks(strict=False)
         if self.engine is not None:
             self.engine.abort_step()
         if self.meter._open:
@@ -615,6 +691,7 @@ class SwapRuntime:
         on CUDA the times are ``None`` until :meth:`stats` finds the step finished."""
         if not self._step_open:
             raise RuntimeError("end_step() called without begin_step()")
+        self._exit_outside_hooks()
         counters, exposed = self.engine.end_step() if self.engine is not None else (None, None)
         if self._row_measure is not None and self._row_measure.open:
             self._row_measure.stop(counters)
@@ -632,6 +709,8 @@ class SwapRuntime:
             offloaded_tensors=counters.offloaded_tensors if counters else 0,
             deduplicated_tensors=counters.deduplicated_tensors if counters else 0,
             host_pool_bytes=self.engine.pool.reserved_bytes if self.engine is not None else 0,
+            saved_bytes=counters.saved_bytes if counters else None,
+            unplanned_bytes=counters.unplanned_bytes if counters else None,
             recompute_ms=None,
             exposed_transfer_ms=None,
             step_ms=None,

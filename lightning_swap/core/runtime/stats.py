@@ -57,6 +57,13 @@ class StepStats:
     #: Offloaded bytes whose device original was still alive when backward needed them, used
     #: in place instead of fetched (Note [Used in place] in ``engine/offload.py``).
     reused_bytes: int = 0
+    #: Note [Unplanned bytes] in ``engine/offload.py``: bytes saved for backward in this step
+    #: (each storage once; parameters, buffers and the batch excluded) as far as the offload
+    #: engine saw them (every region a plan offloads), and of those, the bytes that stayed on the
+    #: device because no action can move them (under ``min_offload_bytes``, other layouts).
+    #: ``None``: nothing offloads, so nothing was counted.
+    saved_bytes: Optional[int] = None
+    unplanned_bytes: Optional[int] = None
 
     @property
     def resolved(self) -> bool:

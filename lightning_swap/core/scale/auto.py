@@ -50,7 +50,7 @@ from typing import Any, Optional
 
 from ..actions import Action
 from ..config import SwapConfig
-from ..decide.costmodel import copy_window, copy_window_of, on_demand, simulate
+from ..decide.costmodel import AUTO_WINDOW, copy_window, copy_window_of, on_demand, simulate
 from ..decide.plan import Plan, format_bytes
 from ..decide.solver import min_budget_bytes, solve
 from ..decide.under_plan import as_plain, time_factors
@@ -163,7 +163,7 @@ class _Guard:
     bound: Optional[int] = None  # plain's bound, once a guard step began in the steady state
     least: Optional[int] = None  # the lowest-memory plan's steady peak (from the verdict)
     start: StateSizes = StateSizes()  # the state the running guard step began with
-    actions: dict = field(default_factory=dict)  # the lowest-memory plan it ran (Note [Refused actions])
+    plan: Plan = field(default_factory=lambda: Plan(actions={}))  # the lowest-memory plan it ran (Note [Refused actions])
     decision: Optional[StepKind] = None
     open: bool = False
     #: The steady guard step's profile as plain's (the largest of every process's; None: not made)
@@ -206,6 +206,11 @@ MAX_REVISITS = 2
 REPLAN_GAIN = 0.05
 
 
+def _choice(plan: Plan) -> tuple[dict, dict]:
+    """What a plan chose, by value: its segments' actions and its regions'."""
+    return dict(plan.actions), dict(plan.outside)
+
+
 class AutoPlanner:
     """The ``policy="auto"`` decisions of one session (Note [Auto: observe, plan, check]),
     from values (Note [Auto decides from values]).
@@ -227,6 +232,7 @@ class AutoPlanner:
         self.segments = tuple(segments)
         self.config = config
         self.grads_freed_before_backward = grads_freed_before_backward
+        self.device_type = device_type
         self.guard_action = guard_action(device_type, config)
         self.profile: Optional[ModelProfile] = None
         self._profile_shape: Optional[tuple] = None
@@ -249,7 +255,7 @@ class AutoPlanner:
         self._steps_run = 0
         self._revisits = 0
         self._revisit_due = False
-        self._settled: list[dict] = []  # plans (their actions) a revisit kept: not revisited again
+        self._settled: list[tuple] = []  # plans (what they chose) a revisit kept: not revisited again
         #: Note [A plan's first step refines its profile]: the next plan applied is observed (every
         #: process), this one is, and its step's profile has replaced the guard's.
         self._refinable = False
@@ -315,7 +321,7 @@ class AutoPlanner:
         if (
             self._steps_run > REVISIT_AFTER_STEPS and self._revisits < MAX_REVISITS and self.profile_made_here
             and self._current is not None and self._current.predicted_step_ms is not None
-            and dict(self._current.actions) not in self._settled
+            and _choice(self._current) not in self._settled
         ):
             self._revisit_due = True
             return StepKind.PLAN
@@ -337,18 +343,19 @@ class AutoPlanner:
         return guard.decision
 
     def guard_plan(self) -> Plan:
-        """The lowest-memory plan (:func:`guard_action` on every segment); a segment whose
-        recomputation was refused is offloaded instead (Note [Refused actions])."""
+        """The lowest-memory plan (``Plan.lowest_memory``: :func:`guard_action` on every segment,
+        the regions outside them offloaded); a segment whose recomputation was refused is
+        offloaded instead (Note [Refused actions])."""
         refused = {split_call(name)[0] for name, why in self.refusals.items() if Action.RECOMPUTE_OFFLOAD in refused_actions(why)}
-        return Plan(actions={name: Action.OFFLOAD if name in refused else self.guard_action for name in self.segments})
+        return Plan.lowest_memory(self.segments, refused, action=self.guard_action)
 
     def begin_guard(self, step: StepInputs) -> Plan:
         """The lowest-memory plan for this step; :meth:`end_guard` takes what it measured."""
         if self._guard is None or not self._guard.covers(step.batch):
             self._guard = _Guard(step.batch)
         self._guard.start, self._guard.decision, self._guard.open = step.state, None, True
-        self._guard.actions = dict(self.guard_plan().actions)  # what it runs, refusals known (Note [Refused actions])
-        return Plan(actions=self._guard.actions)
+        self._guard.plan = self.guard_plan()  # what it runs, refusals known (Note [Refused actions])
+        return self._guard.plan
 
     def guard_forward_done(self, peak_bytes: int) -> None:
         """The guard step's peak up to the start of its backward (the loss computed)."""
@@ -392,7 +399,7 @@ class AutoPlanner:
         """Every process: the steady guard step observed under the lowest-memory plan (its
         windows as measured: Note [A step measured under a plan]); ``None``: no profile."""
         if profile is not None:
-            profile = self._held_gradients(as_plain(profile, self._guard.actions, **copy_window_of(self.config)), self._guard.start)
+            profile = self._held_gradients(self._as_plain(profile, self._guard.plan), self._guard.start)
         self._guard.profile = profile
 
     def _held_gradients(self, profile: ModelProfile, start: StateSizes) -> ModelProfile:
@@ -443,7 +450,7 @@ class AutoPlanner:
         """Every process, with the main process's verdict."""
         guard = self._guard
         decision = verdict.decision
-        if decision in (StepKind.RUN, StepKind.PLAN) and dict(self.guard_plan().actions) != guard.actions:
+        if decision in (StepKind.RUN, StepKind.PLAN) and dict(self.guard_plan().actions) != dict(guard.plan.actions):
             # A segment refused the recomputation the guard plan gave it (it ran on a copy of its
             # input): guard once more with it offloaded, and keep or plan from that step (Note
             # [Refused actions]).
@@ -549,13 +556,13 @@ class AutoPlanner:
         """Note [A plan's first step refines its profile]: the plan is checked against the refined
         profile (a miss learned as a correction) and solved again from it; a plan measured within
         the budget stays unless the re-solved one is predicted faster."""
-        current, window = self._current, copy_window_of(self.config)
+        current, priced = self._current, self._as_run(self._current)
         refined = self._profile_for(self._applied_state)
         stays = measured is not None and not grown and measured <= self.budget_bytes
         if measured is not None and not grown:
-            self.correction_bytes = max(self.correction_bytes, measured - simulate(refined, current.actions, **window).peak_bytes)
+            self.correction_bytes = max(self.correction_bytes, measured - simulate(refined, current.actions, **priced).peak_bytes)
         fresh = self._solve(state)
-        if stays and fresh.predicted_step_ms >= simulate(self._profile_for(state), current.actions, **window).step_ms:
+        if stays and fresh.predicted_step_ms >= simulate(self._profile_for(state), current.actions, **priced).step_ms:
             return current
         return fresh
 
@@ -564,7 +571,7 @@ class AutoPlanner:
         plan's first step refines its profile]); ``None``: no profile, the guard's stays, as it
         does when the step's batch was not the profile's (a smaller last batch)."""
         if profile is not None and profile.batch_size == self._profile_batch:
-            self.profile = self._held_gradients(as_plain(profile, self._current.actions, **copy_window_of(self.config)), self._applied_state)
+            self.profile = self._held_gradients(self._as_plain(profile, self._current), self._applied_state)
             self._observed_state, self._refined = self._applied_state, True
 
     def _checked(self, measured: int, grown: bool) -> bool:
@@ -600,8 +607,8 @@ class AutoPlanner:
     def _solve(self, state: StateSizes, profile: Optional[ModelProfile] = None) -> Plan:
         """The fastest plan within the budget less what the checks learned; where the model finds
         none but the guard's measured peak fits, the lowest-memory plan."""
-        budget, window = self.budget_bytes, copy_window_of(self.config)
-        allowed = dict(window, actions=self.actions)  # Note [Selective around FSDP hooks]
+        budget = self.budget_bytes
+        allowed = dict(copy_window_of(self.config), actions=self.actions)  # Note [Selective around FSDP hooks]
         profile = profile if profile is not None else self._profile_for(state)
         effective = budget - self.correction_bytes
         try:
@@ -611,9 +618,9 @@ class AutoPlanner:
         except InfeasibleBudgetError as err:
             least = self._guard_least(profile.batch_size)  # measured: what the guard step needs
             if least is not None and least <= budget:
-                actions = self._guard.actions  # the plan that measured it
-                return Plan(
-                    actions=actions, predicted_peak_bytes=least, predicted_step_ms=simulate(profile, actions, **window).step_ms,
+                guard = self._guard.plan  # the plan that measured it
+                return replace(
+                    guard, predicted_peak_bytes=least, predicted_step_ms=simulate(profile, guard.actions, **self._as_run(guard)).step_ms,
                     budget_bytes=budget, batch_size=profile.batch_size,
                 )
             least = err.min_budget_bytes + self.correction_bytes if least is None else least
@@ -621,6 +628,20 @@ class AutoPlanner:
         if effective != budget:
             plan = replace(plan, budget_bytes=budget)
         return plan
+
+    def _as_run(self, plan: Plan) -> dict[str, Any]:
+        """What prices ``plan`` as the runtime runs it (:func:`simulate`'s keywords): its regions
+        outside the segments, and the copy windows the config sets, else those it was priced for."""
+        window = copy_window_of(self.config)
+        for key in ("prefetch_bytes", "inflight_bytes"):
+            if window[key] is None or window[key] == AUTO_WINDOW:
+                window[key] = getattr(plan, key)
+        return dict(window, outside=dict(plan.outside))
+
+    def _as_plain(self, profile: ModelProfile, plan: Plan) -> ModelProfile:
+        """``profile``, observed under ``plan``, as plain's (Note [A step measured under a plan]):
+        on CPU its regions outside the segments were measured as kept (Note [Regions held as kept])."""
+        return as_plain(profile, plan.actions, regions_held=self.device_type != "cuda", **self._as_run(plan))
 
     def _guard_least(self, batch_size: int) -> Optional[int]:
         """The lowest-memory plan's measured steady peak, when a guard measured it for this shape
@@ -644,20 +665,20 @@ class AutoPlanner:
         predicted = current.predicted_step_ms
         if abs(measured[0] - predicted) <= REVISIT_TOLERANCE * predicted:
             return current
-        window = copy_window_of(self.config)
-        factors = time_factors(self._profile_for(state), current.actions, *measured, **window)
+        priced = self._as_run(current)
+        factors = time_factors(self._profile_for(state), current.actions, *measured, **priced)
         self.profile = self.profile.with_times(*factors)
         profile = self._profile_for(state)
         try:
             fresh = self._solve(state, profile)
         except InfeasibleBudgetError:
             fresh = current
-        now = simulate(profile, current.actions, **window).step_ms
+        now = simulate(profile, current.actions, **priced).step_ms
         why = (
             f"its steady steps took {measured[0]:.1f} ms (median of {len(times)}), {100 * (measured[0] / predicted - 1):+.0f}% "
             f"from the {predicted:.1f} ms predicted"
         )
-        if dict(fresh.actions) != dict(current.actions) and fresh.predicted_step_ms < (1 - REPLAN_GAIN) * now:
+        if _choice(fresh) != _choice(current) and fresh.predicted_step_ms < (1 - REPLAN_GAIN) * now:
             log.info("lightning-swap: re-planning with the measured times: %s; the new plan is predicted at %.1f ms, "
                      "the current one at %.1f ms.", why, fresh.predicted_step_ms, now)
             return fresh
@@ -668,8 +689,8 @@ class AutoPlanner:
         """Every process, after applying ``plan``: what it was made for, and a check is due."""
         if self._revisit_due:
             self._revisit_due, self._revisits = False, self._revisits + 1
-            if self._current is not None and dict(plan.actions) == dict(self._current.actions):
-                self._settled.append(dict(plan.actions))
+            if self._current is not None and _choice(plan) == _choice(self._current):
+                self._settled.append(_choice(plan))
         self._signature, self._planned_state, self._applied_state = state.signature, state.total_bytes, state
         self._current, self._plan_due, self._steps_run = plan, False, 0
         self._refine_due, self._refinable = self._refinable and self.budget_bytes is not None, False

@@ -15,8 +15,11 @@ over *predictions* — no model runs — and real steps only confirm the answer:
 Note [Recovering from a failed trial]: a trial fails when it raises an out-of-memory error
 (``torch.OutOfMemoryError`` by type first, the message second) or when its measured peak
 exceeds the budget (how a simulated budget "runs out" on CPU). The failed batch becomes an
-upper bound. If the trial measured a peak, the effective budget shrinks by the ratio of
-measured to predicted peak (the model under-predicted by that much) and the search re-plans;
+upper bound. If the trial measured a peak, the effective budget shrinks by the bytes the model
+under-predicted (measured less predicted peak: what the model misses is an amount of memory, not
+a share of the budget — on CPU, ResNet-50's parameters and state are 97% of a budget whose 2%
+shrink left no room for activations: batch 6 after a trial at 35 measured 0.1% over, issue 23)
+and the search re-plans;
 the first trial that fits ends it. An out-of-memory error measures nothing, so from then on
 the search bisects between the largest batch that fit and the smallest that failed, each
 probe the largest feasible batch below the midpoint, until they meet or ``max_trials`` runs
@@ -337,10 +340,9 @@ def _plain_plan(
 
 
 def _shrink(effective: int, trial: Trial) -> int:
-    """Note [Recovering from a failed trial]: the model under-predicted by measured/predicted."""
+    """Note [Recovering from a failed trial]: the model under-predicted by measured - predicted."""
     predicted = trial.plan.predicted_peak_bytes or effective
-    ratio = max(trial.measured_peak_bytes / predicted, 1.0)
-    return int(effective / ratio * 0.98)
+    return effective - max(trial.measured_peak_bytes - predicted, 0) - 1
 
 
 @dataclass
@@ -387,6 +389,8 @@ def search_batch_size(
     base_batch_size: Optional[int] = None,
     prefetch_segments: Optional[int] = None,
     inflight_segments: int = 1,
+    prefetch_bytes: Optional[int | str] = None,
+    inflight_bytes: Optional[int | str] = None,
 ) -> ScaleResult:
     """Search the batch size (see the module docstring).
 
@@ -394,8 +398,9 @@ def search_batch_size(
     applies the plan, runs ``config.steps_per_trial`` real steps at that batch, and returns a
     :class:`TrialMeasurement` (or raises out-of-memory); the caller restores model and
     optimizer state. ``actions`` restricts the planner (a forced single-action policy);
-    ``prefetch_segments`` / ``inflight_segments`` are the runtime's settings the trials run
-    under (Note [Copy windows] in decide/costmodel.py).
+    ``prefetch_segments`` / ``inflight_segments`` (or ``prefetch_bytes`` / ``inflight_bytes``;
+    ``"auto"``: the planner's choice, recorded in each plan) are the runtime's settings the
+    trials run under (Note [Copy windows] in decide/costmodel.py).
 
     ``base_batch_size``: the batch the user configured, in ``[min_batch_size,
     max_batch_size]``. In ``mode="throughput"`` plain training at it is measured and the answer
@@ -404,7 +409,10 @@ def search_batch_size(
     """
     budget_bytes = parse_bytes(budget_bytes, field="budget_bytes")
     _check_base_batch_size(base_batch_size, config)
-    window = {"prefetch_segments": prefetch_segments, "inflight_segments": inflight_segments}
+    window = {
+        "prefetch_segments": prefetch_segments, "inflight_segments": inflight_segments, "prefetch_bytes": prefetch_bytes,
+        "inflight_bytes": inflight_bytes,
+    }
     search = _Search(
         profile=profile, budget_bytes=budget_bytes, run_trial=run_trial, config=config, actions=actions,
         base_batch_size=base_batch_size, plan_at=_planner(profile, actions, window),
@@ -512,6 +520,8 @@ def predict_batch_size(
     actions: Optional[tuple[Action, ...]] = None,
     prefetch_segments: Optional[int] = None,
     inflight_segments: int = 1,
+    prefetch_bytes: Optional[int | str] = None,
+    inflight_bytes: Optional[int | str] = None,
 ) -> Optional[Plan]:
     """The plan at the largest batch in ``[config.min_batch_size, config.max_batch_size]``
     predicted to fit ``budget_bytes·(1-config.margin)`` (its ``batch_size`` is that batch), or
@@ -522,7 +532,10 @@ def predict_batch_size(
     """
     budget_bytes = parse_bytes(budget_bytes, field="budget_bytes")
     effective = int(budget_bytes * (1 - config.margin))
-    plan_at = _planner(profile, actions, {"prefetch_segments": prefetch_segments, "inflight_segments": inflight_segments})
+    plan_at = _planner(profile, actions, {
+        "prefetch_segments": prefetch_segments, "inflight_segments": inflight_segments, "prefetch_bytes": prefetch_bytes,
+        "inflight_bytes": inflight_bytes,
+    })
     batch = _largest_feasible(plan_at, effective, config.min_batch_size, config.max_batch_size)
     return None if batch is None else plan_at(batch, effective)
 

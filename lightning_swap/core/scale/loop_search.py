@@ -12,7 +12,6 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..actions import Action
 from ..decide.costmodel import copy_window_of
 from ..decide.plan import Plan
 from ..measure.model_profile import max_profile
@@ -110,7 +109,7 @@ def _profile_for_search(
 ) -> Any:
     """Steps 1 and 2 of :func:`search_for_loop`: warm up, profile on every process (again near
     the answer ``predict`` gives), merge; every process's ``session.profile`` is the result."""
-    session.apply(Plan(actions={name: Action.RECOMPUTE_OFFLOAD for name in session.segments}), pinned=True)
+    session.apply(Plan.lowest_memory(session.segments), pinned=True)
     try:
         run_steps(profile_batch_size, 1)
     finally:

@@ -160,10 +160,12 @@ class SwapSession:
         if self._coverage_logged or coverage is None:
             return
         self._coverage_logged = True
+        # Note [Regions outside the segments] (model_profile.py): the rest is planned, keep or offload.
+        rest = f"planned as {len(profile.outside)} region(s) of its own, kept or offloaded" if profile.outside else "kept"
         log.info(
             "lightning-swap: the %d segments hold %s of the %s a step saves for backward (%.0f%%); the rest "
-            "(what runs outside them: stem, head, loss) is kept", len(profile.segments), format_bytes(profile.segment_saved_bytes),
-            format_bytes(profile.total_saved_bytes), 100 * coverage,
+            "(what runs outside them: stem, head, loss) is %s", len(profile.segments), format_bytes(profile.segment_saved_bytes),
+            format_bytes(profile.total_saved_bytes), 100 * coverage, rest,
         )
 
     @property
@@ -512,6 +514,8 @@ class SwapSession:
             prefetch_segments=self.config.prefetch_segments,
             inflight_segments=self.config.inflight_segments,
             unified=self.unified,
+            prefetch_bytes=self.config.prefetch_bytes,
+            inflight_bytes=self.config.inflight_bytes,
         )
         runtime.install()
         self.runtime, self.plan = runtime, plan
