@@ -185,6 +185,26 @@ def test_an_observed_step_out_of_memory_is_planned_in_fake_mode_and_its_retry_eq
     assert _clean(accelerator.unwrap_model(model))
 
 
+def test_the_fallback_holds_the_observed_batch_by_weak_references():
+    """Note [An observed step holds no batch]: the fallback's batch keeps no tensor alive; a
+    tensor the loop dropped comes back as one like it (fake mode reads no values)."""
+    import gc
+    import weakref
+
+    from lightning_swap.core.scale.fallback import WeakBatch
+
+    x, ids = torch.randn(2, 3, requires_grad=True), torch.arange(4)
+    weak = WeakBatch(((x,), {"ids": ids, "n": 3}))
+    args, kwargs = weak.resolve()
+    assert args[0] is x and kwargs["ids"] is ids and kwargs["n"] == 3
+    dropped = weakref.ref(x)
+    del x, args
+    gc.collect()
+    assert dropped() is None
+    (again,), kwargs = weak.resolve()
+    assert again.shape == (2, 3) and again.dtype == torch.float32 and again.requires_grad and kwargs["ids"] is ids
+
+
 def test_when_fake_mode_fails_too_the_retry_says_what_to_do(fresh_state):
     accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=1 << 40, min_offload_bytes=0))
     model = accelerator.prepare(RunsOutUnplanned("forward", fake_fails=True))

@@ -27,6 +27,21 @@ bytes) and, under a plan, one traced run of each segment the plan does not keep 
 worth; the steady state's measurements correct the prices afterwards (Note [Re-plan from the
 steady state] in ``scale/auto.py``).
 
+Note [An observed step holds no batch]: an observed step (plain, a guard step, a plan's first
+step) must hold on the device what the same step holds in plain training, or its measured peak
+is not plain's. A user's loop may drop its batch once the forward has used it (Accelerate:
+``loss = loss_fn(model(x))`` with a temporary ``x``; the autograd graph frees it in the
+backward), so an observation that kept the batch until the step's end held it through the
+optimizer step, where ResNet's peak is: every ``auto`` step observed measured one batch (24 KiB
+on the zoo's ResNet) over plain's and every forced policy's peak, and a budget at plain's peak
+was declared infeasible. So nothing here keeps the batch or the step's arguments past
+``__init__`` (its size is kept; the tracer counts the batch by a weak reference and drops its
+list of static tensors when it begins); the session keeps the batch's key, and for its
+out-of-memory fallback the batch's tensors by weak references (``WeakBatch`` in
+``scale/fallback.py``, Note [The observed step does not fit]).
+``tests/test_auto_every_step.py`` checks that ``auto``'s steps peak at plain's where plain
+fits, under Accelerate and Lightning.
+
 Note [Observe every rank]: under FSDP every process runs every collective of the step (the
 gathers of each unit's parameters, the gradients' reduce-scatters), so nothing that runs the
 model may run on one process alone: the segments of a sharded model are not timed on their own
@@ -101,8 +116,7 @@ class ObservedStep:
         self.names = list(names)
         self.device = device
         self.min_offload_bytes = min_offload_bytes
-        self.batch = batch
-        self.batch_size = infer_batch_size(batch)
+        self.batch_size = infer_batch_size(batch)  # the batch itself is not kept (Note [An observed step holds no batch])
         self.ops = ops if ops is not None else default_ops(device)
         self.modules = modules if modules is not None else dict(model.named_modules())
         self.time_actions = time_actions and not is_sharded(model)  # Note [Observe every rank]

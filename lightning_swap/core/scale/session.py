@@ -39,7 +39,7 @@ from ..sharded import is_sharded, units_inside
 from ..tensors import device_budget_bytes, normalize_device, tensors_in
 from .auto import REVISIT_AFTER_STEPS, AutoPlanner, BatchKey, StepInputs, StepKind
 from .collectives import Collectives
-from .fallback import fake_profile_on_main, restore_rng_state, rng_state
+from .fallback import WeakBatch, fake_profile_on_main, restore_rng_state, rng_state
 from .steady_state import StateSizes, steady_plain_timeline
 
 __all__ = ["SwapSession"]
@@ -122,15 +122,17 @@ class SwapSession:
         self._warned_no_budget = False
         self._state: Optional[StateSizes] = None
         self._guard_states: Any = None
-        #: The step being observed (every process), and (batch, states, RNG state) of the
-        #: step observed last (every process: Note [The observed step does not fit]).
+        #: The step being observed (every process), and (batch by weak references, its key, states,
+        #: RNG state) of the step observed last (every process: Note [The observed step does not
+        #: fit]; Note [An observed step holds no batch] in ``observe.py``).
         self.observation: Optional[ObservedStep] = None
-        self._observed_call: Optional[tuple[Any, Any, tuple]] = None
+        self._observed_call: Optional[tuple[WeakBatch, BatchKey, Any, tuple]] = None
         #: A step being observed under its plan (the main process): a guard step (Note [Observe
         #: only what fits]) or the first step of a plan made from a guard's profile (Note [A plan's
-        #: first step refines its profile]); and the segments' measured costs on the batch they
-        #: were measured on (by name).
+        #: first step refines its profile]), with its batch's key; and the segments' measured costs
+        #: on the batch they were measured on (by name).
         self._under: Optional[ObservedStep] = None
+        self._under_batch: Optional[BatchKey] = None
         self._guard_costs: Optional[tuple[BatchKey, dict]] = None
         #: ``policy="auto"``'s decisions (Note [Auto: observe, plan, check]); ``None`` for a forced policy.
         self.auto = self._new_planner() if config.is_auto else None
@@ -257,16 +259,17 @@ class SwapSession:
         is made from its guard steps, plain's peak is bounded instead (Note [Observe only what fits])."""
         if is_sharded(self.model):
             return
+        self._under_batch = BatchKey.of(batch)  # the key, not the batch (Note [An observed step holds no batch])
         self._under = ObservedStep(
             self.model, list(self.segments), device=self.device, batch=batch, track=track,
             min_offload_bytes=self.config.min_offload_bytes, modules=self.modules, under=self.plan.actions,
-            costs=self._costs_for(batch),
+            costs=self._costs_for(self._under_batch),
         ).begin()
 
-    def _costs_for(self, batch: Any) -> Optional[dict]:
+    def _costs_for(self, key: BatchKey) -> Optional[dict]:
         """The segments' costs this process measured already on a batch of this shape and size."""
         measured = self._guard_costs
-        return measured[1] if measured is not None and measured[0] == BatchKey.of(batch) else None
+        return measured[1] if measured is not None and measured[0] == key else None
 
     def _state_sizes(self, states: Any) -> StateSizes:
         self._state = StateSizes.of(self.model, states, self._state)
@@ -290,9 +293,10 @@ class SwapSession:
         self.auto.begin_observe(step)  # the agreed batch: the largest, as the merged profile's
         self.observation = ObservedStep(
             self.model, list(self.segments), device=self.device, batch=batch, track=track,
-            min_offload_bytes=self.config.min_offload_bytes, modules=self.modules, costs=self._costs_for(batch),
+            min_offload_bytes=self.config.min_offload_bytes, modules=self.modules, costs=self._costs_for(BatchKey.of(batch)),
         ).begin()
-        self._observed_call = (batch, states, rng_state(self.device))
+        # by weak references: Note [An observed step holds no batch]
+        self._observed_call = (WeakBatch(batch), BatchKey.of(batch), states, rng_state(self.device))
 
     def _plan(self, step: StepInputs) -> None:
         """A plan solved on the main process, applied on every process."""
@@ -387,7 +391,7 @@ class SwapSession:
         finally:
             self.runtime.install()
         if observation.costs:
-            self._guard_costs = (BatchKey.of(observation.batch), observation.costs)
+            self._guard_costs = (self._under_batch, observation.costs)
         profiles = self.collectives.gather(profile)
         profile = None if any(p is None for p in profiles) else max_profile(profiles)
         self.note_refusals(profile)
@@ -411,12 +415,12 @@ class SwapSession:
         fake mode fails too."""
         if self._observed_call is None:
             raise RuntimeError("plan_after_out_of_memory: no observed step to plan for") from exc
-        batch, states, rng = self._observed_call
+        batch, key, states, rng = self._observed_call
         profile = fake_profile_on_main(
             self.model, batch, step_fn, segments=self.segments, states=states, config=self.config, device=self.device,
             collectives=self.collectives, advice=advice, cause=exc,
         )
-        self.use_profile(profile, BatchKey.of(batch))
+        self.use_profile(profile, key)
         restore_rng_state(self.device, rng)
 
     def use_profile(self, profile: ModelProfile, batch: Optional[BatchKey], *, steady: bool = False) -> None:
