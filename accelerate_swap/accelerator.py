@@ -21,17 +21,18 @@ did not happen.
 
 Note [Auto policy in Accelerate]: a forced policy needs no batch, so its plan is made in
 ``prepare``. ``policy="auto"`` plans from the training steps themselves, as the Lightning
-strategy does (Note [Auto: observe, plan, check] in ``lightning_swap/core/auto.py``): the
-forward pre-hook asks the session what the step does; the first training step runs with every
-segment kept and is observed on every process (the profiles merge by their largest values:
-Note [Decide from the largest measurement]), from its forward to the next training
-forward (the user's loss, ``accelerator.backward`` and the optimizer step included: the real
-step, not a stand-in for it); the next step plans from that profile for the steady state, and
-the one after checks the plan against its measured peak. The decisions depend only on what
-every process sees alike, so all of them enter the plan's broadcast (the session's
-``Collectives``, :meth:`SwapAccelerator._swap_collectives`) together, and nothing is reduced
-across processes in the steps that decide nothing. Nothing runs the model or the user's code an extra time, but for one
-last resort: Note [Out of memory in the observed step].
+strategy does (Note [Auto: observe, plan, check] in ``lightning_swap/core/scale/auto.py``): the
+forward pre-hook asks the session what the step does; the first steps run under the
+lowest-memory plan and are observed under it on every process (the profiles merge by their
+largest values: Note [Decide from the largest measurement]), from their forward to the next
+training forward (the user's loss, ``accelerator.backward`` and the optimizer step included: the
+real step, not a stand-in for it); from the steady one the processes predict plain's peak, and
+either observe a plain step (when it fits) or plan a mix at once; each new plan's first step is
+checked against its measured peak. The decisions depend only on what every process sees alike
+(the batch key is agreed across processes: two reductions per step), so all of them enter the
+plan's broadcast (the session's ``Collectives``, :meth:`SwapAccelerator._swap_collectives`)
+together. Nothing runs the model or the user's code an extra time, but for one last resort:
+Note [Out of memory in the observed step].
 
 Note [Out of memory in the observed step]: the observed step runs without a plan, and only
 once the guard steps bound its peak within the budget; when it is out of memory all the same,

@@ -107,6 +107,12 @@ def checkpoint_blocks(model: torch.nn.Module, kind: str) -> None:
 
 
 # -- one model, every method (the worker process) -------------------------------------------------
+def _plan_summary(plan) -> str:
+    """The plan's actions; ``None``: the last step was ``auto``'s observed plain step (a short run
+    at a budget plain fits ends on it: two guard steps, then the observed one)."""
+    return plan.summary() if plan is not None else "observed plain (every segment kept)"
+
+
 def run_worker(name: str, methods: list[str], steps: int, warmup: int, smoke: bool, compile_rows: bool) -> None:
     import lightning as L
 
@@ -197,7 +203,7 @@ def run_worker(name: str, methods: list[str], steps: int, warmup: int, smoke: bo
         stats = getattr(trainer.strategy, "step_stats", None)
         if stats is not None:
             row.update(peak_metered=stats.peak_device_bytes, offloaded=stats.offloaded_bytes, fetched=stats.fetched_bytes, exposed_ms=stats.exposed_transfer_ms,
-                       recompute_ms=stats.recompute_ms, plan=trainer.strategy.plan.summary())
+                       recompute_ms=stats.recompute_ms, plan=_plan_summary(trainer.strategy.plan))
         del trainer, module, model
         gc.collect()
         if cuda:

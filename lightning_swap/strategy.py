@@ -221,7 +221,8 @@ class _SwapStrategyMixin:
         device = self.root_device
 
         def reduce(value: float, op: str) -> float:
-            return float(self.reduce(torch.tensor(float(value), device=device), reduce_op=op).item())
+            # float64: the batch key's agreement packs a 32-bit hash and a size in one number
+            return float(self.reduce(torch.tensor(float(value), dtype=torch.float64, device=device), reduce_op=op).item())
 
         return Collectives(
             is_main=self.is_global_zero,

@@ -59,10 +59,12 @@ def test_auto_fits_a_simulated_budget_and_equals_plain(fresh_state):
     assert set(steady.actions.values()) != {Action.KEEP}
     assert steady.predicted_peak_bytes <= budget and steady.batch_size == 8
     assert max(peaks[1:]) <= budget
-    # the observed step was the real one, the user's loss included: the prediction is close, and
-    # errs on the safe side (this CNN's offloaded backward: ~6% over on CPU)
+    # the plan comes from steps measured under plans (the guard's, then its own first step:
+    # Notes [A step measured under a plan], [A plan's first step refines its profile]), the
+    # user's loss included: the prediction errs on the safe side (this CNN's offloaded segments,
+    # measured alone, fetch a storage their neighbour shares: ~21% over on CPU)
     error = (steady.predicted_peak_bytes - peaks[-1]) / peaks[-1]
-    assert -0.02 <= error <= 0.10, (steady.predicted_peak_bytes, peaks)
+    assert 0.0 <= error <= 0.25, (steady.predicted_peak_bytes, peaks)
     assert_same_state(auto, plain)  # torch.equal on every weight and buffer
     accelerator.free_memory()
     assert _clean(auto)
@@ -102,10 +104,10 @@ def test_auto_replans_for_a_new_batch_shape(fresh_state):
     accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=1 << 40, min_offload_bytes=0))
     small = _images(6)[0][:, :, :12, :12].contiguous(), _images(6)[1]
     _, _, plans, profiles = _train(accelerator, [8, 8, 8, 8, 5, small, small, small], with_profiles=True)
-    # Note [Observe only what fits]: one guard step (the lowest-memory plan; its bound on plain's
-    # peak, the momentum that appeared in it included, is far within 1 TiB), the second observed,
-    # the third planned; the smaller batch keeps the plan.
-    guard = {Action.RECOMPUTE_OFFLOAD}
+    # Note [Observe only what fits]: one guard step (the lowest-memory plan: on CPU every segment
+    # offloaded; its bound on plain's peak, the momentum that appeared in it included, is far
+    # within 1 TiB), the second observed, the third planned; the smaller batch keeps the plan.
+    guard = {Action.OFFLOAD}
     assert set(plans[0].actions.values()) == guard and plans[1] is None
     assert plans[2] is not None and plans[3] is plans[2] and plans[4] is plans[2]
     assert profiles[1] is profiles[2] is profiles[4] and profiles[4].batch_size == 8
@@ -181,6 +183,26 @@ def test_an_observed_step_out_of_memory_is_planned_in_fake_mode_and_its_retry_eq
     assert_same_state(accelerator.unwrap_model(model), plain)
     accelerator.free_memory()
     assert _clean(accelerator.unwrap_model(model))
+
+
+def test_the_fallback_holds_the_observed_batch_by_weak_references():
+    """Note [An observed step holds no batch]: the fallback's batch keeps no tensor alive; a
+    tensor the loop dropped comes back as one like it (fake mode reads no values)."""
+    import gc
+    import weakref
+
+    from lightning_swap.core.scale.fallback import WeakBatch
+
+    x, ids = torch.randn(2, 3, requires_grad=True), torch.arange(4)
+    weak = WeakBatch(((x,), {"ids": ids, "n": 3}))
+    args, kwargs = weak.resolve()
+    assert args[0] is x and kwargs["ids"] is ids and kwargs["n"] == 3
+    dropped = weakref.ref(x)
+    del x, args
+    gc.collect()
+    assert dropped() is None
+    (again,), kwargs = weak.resolve()
+    assert again.shape == (2, 3) and again.dtype == torch.float32 and again.requires_grad and kwargs["ids"] is ids
 
 
 def test_when_fake_mode_fails_too_the_retry_says_what_to_do(fresh_state):
@@ -261,6 +283,12 @@ def test_find_batch_size_at_least_doubles_the_plain_batch_within_the_budget(fres
     assert max(seen["peaks"]) <= budget  # training at the found batch fits the budget
     assert set(accelerator.swap_plan.actions.values()) != {Action.KEEP}
     assert accelerator.swap_plan.batch_size == found
+    accelerator.free_memory()
+    # Issue 20 item 6: the batch found runs within the same budget from its first step in a fresh
+    # accelerator too (guarded there: Note [Observe only what fits]).
+    accelerator, model, optimizer = _prepared(SwapPlugin(budget_bytes=budget, min_offload_bytes=0))
+    peaks = _train_more_mlp(accelerator, model, optimizer, [found] * 4)
+    assert len(peaks) == 4 and max(peaks) <= budget, (found, budget, peaks)
     accelerator.free_memory()
 
 

@@ -5,14 +5,15 @@ measurements (Notes [Auto: observe, plan, check], [Observe only what fits])."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pickle
 
 import pytest
 import torch
 
 from lightning_swap.core import Action, Collectives, InfeasibleBudgetError, PlanRow, SwapConfig, min_budget_bytes, solve
-from lightning_swap.core.decide.costmodel import copy_window_of
-from lightning_swap.core.scale.auto import AutoPlanner, BatchKey, StepInputs, StepKind, Verdict
+from lightning_swap.core.decide.costmodel import copy_window_of, recompute_ms
+from lightning_swap.core.scale.auto import REVISIT_AFTER_STEPS, REVISIT_TOLERANCE, AutoPlanner, BatchKey, StepInputs, StepKind, Verdict
 from lightning_swap.core.scale.steady_state import StateSizes, state_growth
 
 from .test_solver import random_chain
@@ -41,12 +42,17 @@ def rows(held_bytes: int) -> list[PlanRow]:
 GROWN = StateSizes(10 * MiB, 20 * MiB, (4, 4))
 
 
-def guard_step(auto: AutoPlanner, *, peak: int, backward_peak: int, held: int, before: StateSizes, after: StateSizes) -> None:
-    """One guard step, as the session drives it: the plan, the backward's peak, the step's end."""
+def guard_step(
+    auto: AutoPlanner, *, peak: int, backward_peak: int, held: int, before: StateSizes, after: StateSizes, forward_peak: int = 80 * MiB,
+) -> None:
+    """One guard step, as the session drives it: the plan, the forward's and the backward's
+    peaks, the step's end."""
     assert auto.next_step(step(state=before)) is StepKind.GUARD
     plan = auto.begin_guard(step(state=before))
-    assert dict(plan.actions) == {name: Action.RECOMPUTE_OFFLOAD for name in auto.segments}
+    # the lowest-memory uniform plan: on CPU, with no prefetch, offload (Note [Observe only what fits])
+    assert dict(plan.actions) == {name: Action.OFFLOAD for name in auto.segments}
     assert auto.guarding
+    auto.guard_forward_done(min(forward_peak, backward_peak))
     auto.guard_backward_done(backward_peak)
     auto.end_guard(peak, rows(held), after)
     assert not auto.guarding
@@ -66,9 +72,10 @@ def test_the_first_step_guards_and_a_verdict_follows_every_guard_step():
 @pytest.mark.parametrize(
     ("budget_mib", "freed", "expected"),
     [
-        # Not yet steady (the state grew in the step): least = max(peak, backward peak + growth),
-        # growth = optimizer 20 + gradients 10 (or the optimizer's 20 alone when the loop frees
-        # the gradients before the backward); plain's bound = least + held (30).
+        # Not yet steady (the state grew in the step): least = max(peak, backward peak (90) +
+        # growth, forward peak (80) + forward growth), growth = optimizer 20 + gradients 10 (or the
+        # optimizer's 20 alone in the backward when the loop frees the gradients before it: the
+        # forward still holds them); plain's bound = least + held (30).
         (200, False, Verdict(StepKind.OBSERVE, 150 * MiB, 120 * MiB)),
         (150, False, Verdict(StepKind.OBSERVE, 150 * MiB, 120 * MiB)),
         (149, False, Verdict(StepKind.GUARD, None, 120 * MiB)),
@@ -83,6 +90,13 @@ def test_verdict_after_the_first_guard_step(budget_mib, freed, expected):
     assert verdict == expected
     auto.take_verdict(pickle.loads(pickle.dumps(verdict)))  # as the other processes receive it
     assert auto.next_step(step(state=GROWN)) is expected.decision
+
+
+def test_a_steady_forward_holds_the_last_gradients_even_when_the_backward_does_not():
+    auto = planner(200 * MiB, freed=True)
+    guard_step(auto, peak=100 * MiB, backward_peak=96 * MiB, forward_peak=95 * MiB, held=30 * MiB, before=StateSizes(), after=GROWN)
+    # least = max(100, 96 + 20 (optimizer), 95 + 10 + 20 (gradients and optimizer)) = 125
+    assert auto.guard_verdict() == Verdict(StepKind.OBSERVE, 155 * MiB, 125 * MiB)
 
 
 def test_a_guard_step_over_the_budget_is_infeasible_with_the_least_it_measured():
@@ -134,11 +148,12 @@ def test_bound_over_budget_runs_the_lowest_memory_plan_until_a_larger_batch_or_a
     assert auto.next_step(step(8, shape=(((64,), torch.int64),), state=GROWN)) is StepKind.GUARD  # a new shape
 
 
-def _observed(budget_bytes, profile, *, freed=False, observed_state=StateSizes()) -> AutoPlanner:
-    """Guarded once, the verdict to observe taken, the step observed: ``profile`` is its profile."""
+def _observed(budget_bytes, profile, *, freed=False, observed_state=StateSizes(), least=None) -> AutoPlanner:
+    """Guarded once, the verdict to observe taken (the guard's measured steady peak ``least``;
+    ``None``: not measured), the step observed: ``profile`` is its profile."""
     auto = planner(budget_bytes, freed=freed, names=profile.names)
     guard_step(auto, peak=1, backward_peak=1, held=1, before=StateSizes(), after=GROWN)
-    auto.take_verdict(Verdict(StepKind.OBSERVE, 2, 1))
+    auto.take_verdict(Verdict(StepKind.OBSERVE, 2, least))
     assert auto.next_step(step(state=observed_state)) is StepKind.OBSERVE
     auto.begin_observe(step(state=observed_state))
     auto.finish_observe(profile)
@@ -239,6 +254,22 @@ def test_infeasible_plan_names_the_smallest_budget_plus_what_was_learned():
     assert (info.value.min_budget_bytes, info.value.budget_bytes, info.value.batch_size) == (least, least - 1, 8)
 
 
+@pytest.mark.parametrize("over", [False, True])
+def test_where_the_model_finds_no_plan_the_guards_measured_peak_decides(over):
+    """The lowest-memory plan's peak was measured (the guard): where it fits, that plan runs even
+    when the model predicts nothing fits; where not, the error names the measured peak."""
+    profile = random_chain(0, 4)
+    budget = min_budget_bytes(profile) - 1
+    auto = _observed(budget, profile, least=budget + 1 if over else budget - MiB)
+    if over:
+        with pytest.raises(InfeasibleBudgetError) as info:
+            auto.plan(StateSizes())
+        assert info.value.min_budget_bytes == budget + 1
+    else:
+        plan = auto.plan(StateSizes())
+        assert set(plan.actions.values()) == {Action.OFFLOAD} and plan.predicted_peak_bytes == budget - MiB
+
+
 def test_without_a_budget_every_segment_is_kept_and_nothing_is_guarded():
     auto = planner(None)
     assert auto.next_step(step()) is StepKind.PLAN
@@ -247,6 +278,67 @@ def test_without_a_budget_every_segment_is_kept_and_nothing_is_guarded():
     auto.applied(plan, StateSizes())
     assert not auto.check_pending
     assert [auto.next_step(step(size, state=GROWN)) for size in (8, 64)] == [StepKind.RUN] * 2
+
+
+# -- Note [Re-plan from the steady state] --------------------------------------------------------
+def _recomputing_plan():
+    """A chain whose plan at its budget recomputes two segments (recomputation priced at the
+    segment's forward, as measured alone), planned, applied and checked."""
+    profile = random_chain(3, 4)
+    profile = dataclasses.replace(profile, segments=tuple(dataclasses.replace(s, recompute_ms=s.forward_ms) for s in profile.segments))
+    budget = int(min_budget_bytes(profile) + 0.2 * (profile.peak_bytes - min_budget_bytes(profile)))
+    auto = _observed(budget, profile)
+    plan = auto.plan(StateSizes())
+    assert [a for a in plan.actions.values()] == [Action.RECOMPUTE, Action.RECOMPUTE, Action.KEEP, Action.KEEP]
+    auto.applied(plan, StateSizes())
+    assert auto.next_step(step()) is StepKind.PLAN  # its check
+    auto.applied(auto.plan(StateSizes(), plan.predicted_peak_bytes), StateSizes())
+    return auto, profile, plan
+
+
+def _steady_times(profile, plan, *, recompute_factor=1.0, compute_factor=1.0):
+    """Measured (step, recomputation, exposed copies) milliseconds of the plan's steady steps."""
+    recompute = sum(recompute_ms(s, a) for s, a in zip(profile.segments, plan.actions.values()) if a.recomputes)
+    step_ms = compute_factor * profile.step_ms + recompute_factor * recompute
+    return [(step_ms, recompute_factor * recompute, 0.0)] * REVISIT_AFTER_STEPS
+
+
+def test_a_plan_within_the_tolerance_of_its_steady_steps_stays_and_is_not_revisited_again(caplog):
+    auto, profile, plan = _recomputing_plan()
+    assert [auto.next_step(step()) for _ in range(REVISIT_AFTER_STEPS)] == [StepKind.RUN] * REVISIT_AFTER_STEPS
+    assert auto.next_step(step()) is StepKind.PLAN and auto.revisit_due  # the steady steps were measured
+    times = _steady_times(profile, plan, compute_factor=1 + REVISIT_TOLERANCE / 2)
+    assert auto.plan(StateSizes(), plan.predicted_peak_bytes, times) is plan
+    auto.applied(plan, StateSizes())
+    assert not auto.check_pending and not auto.revisit_due
+    assert [auto.next_step(step()) for _ in range(3 * REVISIT_AFTER_STEPS)] == [StepKind.RUN] * 3 * REVISIT_AFTER_STEPS
+
+
+def test_recomputation_measured_slower_than_priced_replans_and_the_log_says_why(caplog):
+    caplog.set_level(logging.INFO, logger="lightning_swap")
+    auto, profile, plan = _recomputing_plan()
+    [auto.next_step(step()) for _ in range(REVISIT_AFTER_STEPS + 1)]
+    assert auto.revisit_due
+    replanned = auto.plan(StateSizes(), plan.predicted_peak_bytes, _steady_times(profile, plan, recompute_factor=10.0))
+    assert [a for a in replanned.actions.values()] == [Action.OFFLOAD, Action.OFFLOAD, Action.KEEP, Action.KEEP]
+    assert replanned.predicted_peak_bytes <= auto.budget_bytes
+    why = [r.getMessage() for r in caplog.records if "re-planning with the measured times" in r.getMessage()]
+    assert len(why) == 1 and "median of 5" in why[0] and "ms predicted" in why[0], why
+    auto.applied(replanned, StateSizes())
+    assert auto.check_pending  # a new plan: its first step is checked like any other
+
+
+def test_a_plan_whose_steady_steps_are_slower_everywhere_is_repriced_not_replaced(caplog):
+    """Everything slower by the same factor (a loaded machine) changes no choice: the plan stays,
+    its prediction re-priced, and the log says so."""
+    caplog.set_level(logging.INFO, logger="lightning_swap")
+    auto, profile, plan = _recomputing_plan()
+    [auto.next_step(step()) for _ in range(REVISIT_AFTER_STEPS + 1)]
+    times = _steady_times(profile, plan, recompute_factor=2.0, compute_factor=2.0)
+    repriced = auto.plan(StateSizes(), plan.predicted_peak_bytes, times)
+    assert dict(repriced.actions) == dict(plan.actions)
+    assert repriced.predicted_step_ms == pytest.approx(times[0][0], rel=1e-6)
+    assert [r for r in caplog.records if "it stays" in r.getMessage()]
 
 
 # -- Collectives.on_main: the one way processes agree -----------------------------------------------

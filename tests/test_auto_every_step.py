@@ -4,13 +4,19 @@
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from accelerate_swap import SwapPlugin
 from lightning_swap import Action, CPUSwapStrategy, InfeasibleBudgetError
 
 from .lit import LitModel, fit
+from .models import MODELS
+from .test_accelerate import fresh_state  # noqa: F401 - a fixture
 
 
 class _AdamW(LitModel):
@@ -21,12 +27,12 @@ class _AdamW(LitModel):
 _BATCH = {"mlp": 64, "gpt": 16, "cnn": 16}
 
 
-def _fit(name, strategy, steps=4, **kwargs):
+def _fit(name, strategy, steps=4, batch_size=None, **kwargs):
     from tests import lit
 
     original, lit.LitModel = lit.LitModel, _AdamW
     try:
-        return fit(name, strategy, batch_size=_BATCH[name], steps=steps, **kwargs)
+        return fit(name, strategy, batch_size=batch_size or _BATCH[name], steps=steps, **kwargs)
     finally:
         lit.LitModel = original
 
@@ -43,7 +49,7 @@ def _forced(name, policy, accumulate=1):
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
 def test_every_step_within_the_budget_from_the_smallest_to_above_plain(name):
-    plain, least = _forced(name, "keep"), _forced(name, "recompute_offload")
+    plain, least = _forced(name, "keep"), _least_forced(name)
     for budget in (int(1.03 * least), int(0.5 * (least + plain)), plain, int(1.2 * plain)):
         _, trainer = _fit(name, CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0), steps=5)
         peaks = _peaks(trainer)
@@ -51,6 +57,54 @@ def test_every_step_within_the_budget_from_the_smallest_to_above_plain(name):
         for row in trainer.strategy.plan.rows:
             if row.action not in (Action.KEEP, Action.OFFLOAD) and row.recomputed_bytes > 0:
                 assert row.added_ms > 0, row  # a segment that recomputes never costs 0 ms
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
+def test_plains_peak_is_predicted_from_the_guard_step_and_never_under(name):
+    """Note [A step measured under a plan]: plain's peak, predicted from the steady guard step
+    (every segment offloaded) and each segment measured alone, is plain's measured one, within
+    0.5% and never below it."""
+    plain = _forced(name, "keep")
+    _, trainer = _fit(name, CPUSwapStrategy(budget_bytes=int(0.9 * plain), min_offload_bytes=0, log_plan=False), steps=3)
+    predicted = trainer.strategy.swap_session.auto.plain_predicted_bytes
+    assert plain <= predicted <= 1.005 * plain, (predicted, plain)
+
+
+def _accelerate_peaks(plugin, steps=4):
+    """AdamW steps of the MLP chain through ``SwapAccelerator``, each batch a temporary the loop
+    drops after the forward (the autograd graph frees it in the backward); each step's peak."""
+    from accelerate_swap import SwapAccelerator
+
+    build, data, loss_fn = MODELS["mlp"]
+    torch.manual_seed(0)
+    model = build()
+    accelerator = SwapAccelerator(cpu=True, swap_plugin=plugin)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    peaks = []
+    for _ in range(steps):
+        accelerator.backward(loss_fn(model(data(8)[0]), data(8)[1]))
+        optimizer.step()
+        optimizer.zero_grad()
+        peaks.append(accelerator.swap_step_stats.peak_device_bytes)
+    accelerator.end_training()
+    return peaks
+
+
+@pytest.mark.parametrize("adapter", ["accelerate", "lightning"])
+def test_at_plains_peak_every_step_peaks_at_plains_whether_or_not_the_loop_keeps_its_batch(adapter, fresh_state):
+    """Note [An observed step holds no batch]: AdamW on the MLP chain at batch 8 peaks in the
+    optimizer step, where no plan changes what is alive, so at a budget of plain's measured
+    peak every step of ``auto`` (guard, observed or planned) peaks exactly at plain's.
+    Accelerate's loop here drops each batch after the forward, Lightning's holds it through the
+    step: an observation that kept the batch made every guard step one batch over plain (the
+    zoo's ResNet and Inception-v3) and the budget infeasible."""
+    if adapter == "accelerate":
+        plain = _accelerate_peaks(SwapPlugin(policy="keep", min_offload_bytes=0))
+        peaks = _accelerate_peaks(SwapPlugin(budget_bytes=max(plain), min_offload_bytes=0))
+    else:
+        plain = _peaks(_fit("mlp", CPUSwapStrategy(policy="keep", min_offload_bytes=0, log_plan=False), batch_size=8)[1])
+        peaks = _peaks(_fit("mlp", CPUSwapStrategy(budget_bytes=max(plain), min_offload_bytes=0, log_plan=False), batch_size=8)[1])
+    assert len(peaks) == 4 and peaks == plain, (peaks, plain)
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
@@ -63,17 +117,24 @@ def test_a_budget_well_above_plain_keeps_everything(name):
     assert max(_peaks(trainer)) <= budget
 
 
+def _least_forced(name):
+    """The least any forced policy is measured to run in (on CPU ``offload``'s for the GPT and the
+    CNN, below ``recompute_offload``'s: Note [Observe only what fits])."""
+    return min(_forced(name, policy) for policy in ("offload", "recompute", "selective", "recompute_offload"))
+
+
 @pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
 def test_the_minimum_is_the_lowest_memory_plans_peak_and_raised_before_a_step_is_over(name):
-    """The lowest-memory plan (``Plan.lowest_memory``: every segment recomputed and offloaded,
-    the regions outside them offloaded too, issue 23) needs at most what every segment
-    ``recompute_offload`` does, and a budget just above its measured peak trains."""
-    recompute_offload = _forced(name, "recompute_offload")
-    budget = recompute_offload // 2
+    """The lowest-memory plan (``Plan.lowest_memory``: every segment offloaded on CPU without a
+    prefetch, the regions outside them offloaded too, issue 23) needs at most what any forced
+    policy does (they keep the regions), and a budget just above its measured peak trains."""
+    least = _least_forced(name)
+    budget = least // 2
     with pytest.raises(InfeasibleBudgetError) as info:
         _fit(name, CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0))
+    # above the budget that failed, and not above any forced policy's measured peak
+    assert budget < info.value.min_budget_bytes <= least, (info.value.min_budget_bytes, least)
     least = info.value.min_budget_bytes
-    assert budget < least <= 1.05 * recompute_offload, (least, recompute_offload)
     _, trainer = _fit(name, CPUSwapStrategy(budget_bytes=int(1.03 * least), min_offload_bytes=0))
     assert max(_peaks(trainer)) <= int(1.03 * least)
 
@@ -160,3 +221,48 @@ def test_a_miss_is_attributed_to_its_cause_and_over_the_budget_only_when_it_was(
         pass
     assert planner.correction_bytes > 0
     assert [r for r in caplog.records if "over the budget" in r.getMessage()]
+
+
+@pytest.fixture
+def busy_cpu():
+    """Another process loading the CPU for the test's duration (a Python busy loop)."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_at_plains_peak_every_segment_is_kept_while_another_process_loads_the_cpu(busy_cpu):
+    """Issue 20's Done-when: at a budget of plain's measured peak (and above) the plan is all
+    keep, run after run, while the machine is loaded: plain's peak is predicted exactly from the
+    guard step (Notes [A step measured under a plan], [A plan's first step refines its
+    profile]), and timing noise cannot make an action free (Note [An action is never free]).
+    Ten runs over the three models (``LSWAP_LONG=1``: ten per model); every step within budget."""
+    names = ["mlp", "gpt", "cnn"]
+    runs = [name for name in names for _ in range(10)] if os.environ.get("LSWAP_LONG") else (names * 4)[:10]
+    for i, name in enumerate(runs):
+        budget = int(_forced(name, "keep") * (1.0, 1.1)[i % 2])
+        _, trainer = _fit(name, CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0, log_plan=False), steps=5)
+        assert set(trainer.strategy.plan.actions.values()) == {Action.KEEP}, (i, name, trainer.strategy.plan.summary())
+        assert max(_peaks(trainer)) <= budget, (i, name, _peaks(trainer))
+
+
+def test_the_finders_batch_trains_within_the_budget_from_its_first_step():
+    """Item 6: the batch ``SwapBatchSizeFinder`` returns runs within the same budget from its
+    first step in a new Trainer (which guards it: Note [Observe only what fits])."""
+    from lightning_swap import SwapBatchSizeFinder
+
+    budget = int(1.5 * _forced("mlp", "keep"))
+    finder = SwapBatchSizeFinder(mode="max", max_batch_size=2048, max_trials=3)
+    module, trainer = _fit(
+        "mlp", CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0, log_plan=False), steps=2, samples=4096,
+        callbacks=[finder],
+    )
+    found = finder.optimal_batch_size
+    assert found > _BATCH["mlp"] and module.batch_size == found
+    assert max(_peaks(trainer)) <= budget
+    _, fresh = _fit("mlp", CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0, log_plan=False), steps=4, batch_size=found)
+    peaks = _peaks(fresh)
+    assert len(peaks) == 4 and peaks[0] <= budget and max(peaks) <= budget, (found, budget, peaks)

@@ -233,3 +233,53 @@ def test_every_way_a_loop_uses_autograd(kind):
     factory.drain()
     assert factory.violations == [] and sum(d.copies_done for d in factory.doubles) > 0
     assert all(torch.equal(a, b) for a, b in zip(grads, plain))
+
+
+def _traced_under(name: str, plan_for, *, hold: bool):
+    """One step of ``MODELS[name]`` traced (as ``auto`` observes a step under its plan) with the
+    runtime running ``plan_for(segments)`` (``None``: plain); ``hold``: Note [Regions held as kept]."""
+    from lightning_swap.core.measure.trace import StepTracer
+
+    build, data, loss_fn = MODELS[name]
+    torch.manual_seed(0)
+    model = build()
+    segments = find_segments(model)
+    x, y = data(4)
+    runtime = SwapRuntime(model, plan_for(segments), device="cpu", min_offload_bytes=0).install() if plan_for is not None else None
+    params = list(model.parameters())
+    try:
+        if runtime is not None:
+            runtime.begin_step([x, y])
+        tracer = StepTracer(model, segments, device=torch.device("cpu"), static=[*params, x, y], params=params)
+        tracer.rec.hold_regions = hold
+        tracer.begin()
+        loss = loss_fn(model(x), y)
+        tracer.backward_begins()
+        loss.backward()
+        trace = tracer.finish()
+        if runtime is not None:
+            runtime.end_step()
+            assert _top_hooks() is None
+    finally:
+        if runtime is not None:
+            runtime.remove()
+    return trace
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_a_step_observed_under_offloaded_regions_is_measured_as_if_they_were_kept(name):
+    """Note [Regions held as kept] (``measure/trace.py``): the tracer's pack hook runs over the
+    runtime's whole-step hooks, so the regions are still offloaded (the loss's backward begins
+    lower) and still recorded (what each saves, as plain); on CPU the tracer's meter holds what
+    they saved until their backward, so every forward window is plain's."""
+    regions = lambda segments: Plan(  # noqa: E731
+        actions={n: Action.KEEP for n in segments}, outside={n: Action.OFFLOAD for n in outside_region_names(segments)},
+    )
+    plain = _traced_under(name, None, hold=False)
+    held, offloaded = _traced_under(name, regions, hold=True), _traced_under(name, regions, hold=False)
+    outside = [k for k in plain.saved if not (isinstance(k, int) and k >= 0)]
+    assert outside and all(sum(held.saved[k].values()) == sum(plain.saved[k].values()) > 0 for k in outside)
+    assert offloaded.turnaround_bytes < plain.turnaround_bytes == held.turnaround_bytes
+    forward = [w for w in plain.window_peak if w == "prefix_fwd" or (isinstance(w, tuple) and w[0] in ("fwd", "after"))]
+    assert {w: held.window_peak[w] for w in forward} == {w: plain.window_peak[w] for w in forward}
+    assert {w: held.window_start.get(w) for w in forward} == {w: plain.window_start.get(w) for w in forward}

@@ -327,9 +327,9 @@ def test_auto_leaves_out_the_recomputation_a_segment_refused(fresh_state, caplog
     batches = [(torch.randn(1024, 8), torch.randn(1024, 1)) for _ in range(5)]
     plain = _plain_sgd(model, batches)
     peak = profile(copy.deepcopy(model), batches[0], step_fn=_step, scale=False, min_offload_bytes=0, device="cpu").peak_bytes
-    # Plain's bound (Note [Observe only what fits]) is over this budget: the lowest-memory plan runs,
-    # guarded again once the refusals are known (Note [Refused actions]).
-    budget = int(1.04 * peak)
+    # Plain's predicted peak (Note [Observe only what fits]) is over this budget: a mix is planned from
+    # the guard step, the refusals known from its segments' runs (Note [Refused actions]).
+    budget = int(0.9 * peak)
     accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=budget, min_offload_bytes=0, log_stats=False))
     twin = copy.deepcopy(model)
     twin, opt = accelerator.prepare(twin, torch.optim.SGD(twin.parameters(), lr=0.1))
@@ -343,7 +343,7 @@ def test_auto_leaves_out_the_recomputation_a_segment_refused(fresh_state, caplog
             peaks.append(accelerator.swap_step_stats.peak_device_bytes)
     session = accelerator.swap_session
     assert {"1", "3"} <= set(session.refusals)
-    # The first (guard) step found it out, copying the inputs; no plan after it recomputes them.
+    # The guard steps' segment runs found it out (selective heard the writes); no plan recomputes them.
     assert plans[-1] and all(not plan[n].recomputes for plan in plans[1:] if plan for n in ("1", "3")), plans
     assert any(a is not Action.KEEP for a in plans[-1].values()), plans  # the budget made it act
     assert max(peaks) <= budget, (peaks, budget)

@@ -25,6 +25,7 @@ def main():
     parser.add_argument("--policies", nargs="+", default=["offload"])
     parser.add_argument("--finder-budget", type=int, default=0, help="run SwapBatchSizeFinder under this budget instead")
     parser.add_argument("--auto-budgets", type=int, nargs="*", default=[], help="train policy='auto' under each budget instead")
+    parser.add_argument("--uneven", action="store_true", help="with --auto-budgets: rank 1's first batch is larger")
     args = parser.parse_args()
     if args.finder_budget:
         return find(args)
@@ -89,22 +90,55 @@ def find(args):
     )
 
 
+class PlanPerStep(L.Callback):
+    """The plan each step ran under (its actions) and its batch size, on this rank."""
+
+    def __init__(self):
+        self.plans, self.batches = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        plan = trainer.strategy.plan
+        self.plans.append(None if plan is None else {k: a.value for k, a in plan.actions.items()})
+        self.batches.append(len(batch[0]))
+
+
+class UnevenFirstBatch(LitModel):
+    """Each rank's own batches (no distributed sampler): rank 1's first batch has twice rank 0's
+    rows, and so has its fifth (once a plan was made from rank 0's smaller batches); the others
+    the same number."""
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader, TensorDataset
+
+        rank = self.trainer.global_rank
+        sizes = [self.batch_size * (2 if rank == 1 and i in (0, 4) else 1) for i in range(16)]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        x, y = self._data
+        n = sum(sizes)
+        data = TensorDataset(x.repeat(-(-n // len(x)), *[1] * (x.dim() - 1))[:n], y.repeat(-(-n // len(y)))[:n])
+        return DataLoader(data, batch_sampler=[list(range(s, s + k)) for s, k in zip(starts, sizes)])
+
+
 def auto(args):
     """Every rank saves, per budget, its plan and every step's measured peak under policy="auto"
     (Note [Observe only what fits]: the guard steps' verdict is broadcast from rank 0)."""
     results = {}
     for budget in args.auto_budgets:
         L.seed_everything(0, verbose=False)
-        module = LitModel(args.model, batch_size=4)
+        module = (UnevenFirstBatch if args.uneven else LitModel)(args.model, batch_size=4)
         strategy = DDPCPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0)
+        plans = PlanPerStep()
         trainer = L.Trainer(
-            accelerator="cpu", devices=2, strategy=strategy, max_steps=6, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=8 if args.uneven else 6, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[plans],
+            use_distributed_sampler=not args.uneven,
         )
         trainer.fit(module)
         results[budget] = {
             "plan": {k: a.value for k, a in trainer.strategy.plan.actions.items()},
             "peaks": [s.peak_device_bytes for s in trainer.strategy.stats_history],
+            "plans": plans.plans,
+            "batches": plans.batches,
         }
         rank = trainer.global_rank
     torch.save(results, f"{args.out}.rank{rank}")

@@ -82,6 +82,7 @@ from typing import Any, Optional
 
 from ..actions import Action
 from ..config import check_inflight_segments, check_window_bytes
+from ..segments import split_call
 from .plan import PlanRow
 from ..measure.model_profile import ModelProfile, SegmentProfile
 
@@ -341,10 +342,12 @@ class Prediction:
 
 def _as_list(profile: ModelProfile, actions: Mapping[str, Action] | Sequence[Action]) -> list[Action]:
     if isinstance(actions, Mapping):
-        missing = [n for n in profile.names if n not in actions]
+        # A plan may name a module run several times once, for every call (Note [A segment per call]).
+        acts = [actions.get(n, actions.get(split_call(n)[0])) for n in profile.names]
+        missing = [n for n, a in zip(profile.names, acts) if a is None]
         if missing:
             raise ValueError(f"`actions` has no action for segments {missing}.")
-        return [actions[n] for n in profile.names]
+        return acts
     actions = list(actions)
     if len(actions) != len(profile.segments):
         raise ValueError(f"`actions` has {len(actions)} entries for {len(profile.segments)} segments.")

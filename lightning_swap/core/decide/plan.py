@@ -85,15 +85,18 @@ class Plan:
         return (_rebuild_plan, (state,))
 
     @classmethod
-    def lowest_memory(cls, segments: "tuple[str, ...] | list[str]", refused: "Container[str]" = ()) -> "Plan":
+    def lowest_memory(
+        cls, segments: "tuple[str, ...] | list[str]", refused: "Container[str]" = (), *, action: Action = Action.RECOMPUTE_OFFLOAD,
+    ) -> "Plan":
         """The plan that leaves the least on the device without a profile: every segment
-        ``RECOMPUTE_OFFLOAD`` (``OFFLOAD`` for one in ``refused``, whose recomputation is refused:
-        Note [Refused actions] in ``measure/model_profile.py``), every region outside them
-        offloaded (Note [Names of the regions outside the segments] in ``segments.py``), copies
-        waited for when issued and fetched per saved tensor (Note [Copy windows in bytes] in
-        ``engine/offload.py``)."""
+        ``action`` (``RECOMPUTE_OFFLOAD``; ``auto``'s guard gives ``OFFLOAD`` where offloaded bytes
+        come back per op, on CPU: ``guard_action`` in ``scale/auto.py``), ``OFFLOAD`` for one in
+        ``refused``, whose recomputation is refused (Note [Refused actions] in
+        ``measure/model_profile.py``), every region outside them offloaded (Note [Names of the
+        regions outside the segments] in ``segments.py``), copies waited for when issued and
+        fetched per saved tensor (Note [Copy windows in bytes] in ``engine/offload.py``)."""
         return cls(
-            actions={name: Action.OFFLOAD if name in refused else Action.RECOMPUTE_OFFLOAD for name in segments},
+            actions={name: Action.OFFLOAD if name in refused else action for name in segments},
             outside={name: Action.OFFLOAD for name in outside_region_names(segments)}, prefetch_bytes=0, inflight_bytes=0,
         )
 

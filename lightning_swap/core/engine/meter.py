@@ -118,6 +118,9 @@ class DeviceMemoryMeter:
         # CPU tensors report ``cpu``, never ``cpu:N`` (Accelerate's multi-CPU device name).
         self.device = torch.device("cpu") if device.type == "cpu" else device
         self._storages: dict[int, tuple[weakref.ref, int]] = {}
+        #: Storages held (by ``id``) and the bytes of those freed while held (:meth:`hold`).
+        self._holding: set[int] = set()
+        self._held: dict[int, int] = {}
         self._current = 0
         self._peak = 0
         self._mode: Optional[_StorageTracker] = None
@@ -139,6 +142,8 @@ class DeviceMemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             self._storages.clear()
+            self._holding.clear()
+            self._held.clear()
             self._current = self._peak = 0
             # Compiled code runs eagerly under the mode; say so to Dynamo, or fullgraph=True raises.
             self._stance = force_eager()
@@ -178,11 +183,29 @@ class DeviceMemoryMeter:
             return torch.cuda.memory_allocated(self.device)
         return self._current
 
-    def reset_peak(self) -> None:
-        """Restart the peak from the bytes alive now."""
+    def reset_peak(self, *, after_next_change: bool = False) -> None:
+        """Restart the peak from the bytes alive now; ``after_next_change`` (CPU): from the bytes
+        alive after the next allocation or free, leaving out the level now (a window that opens
+        while its caller still holds what it is about to drop: Note [The tail opens holding the
+        last input] in ``measure/trace.py``)."""
         if self.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._peak = self._current
+        self._peak = 0 if after_next_change and not self.is_cuda else self._current
+
+    def hold(self, storage: torch.UntypedStorage) -> None:
+        """CPU: count ``storage`` as alive once freed too, until :meth:`let_go` names it (a
+        storage a plan moved to the host, counted as if kept: Note [Regions held as kept] in
+        ``measure/trace.py``)."""
+        if not self.is_cuda and self._open:
+            self._holding.add(id(storage))
+
+    def let_go(self, ids: Iterable[int]) -> None:
+        """Stop holding these storages (by ``id``): the bytes of those already freed go now."""
+        for key in ids:
+            self._holding.discard(key)
+            nbytes = self._held.pop(key, 0)
+            if nbytes:
+                self._changed(-nbytes)
 
     # -- CPU tracking -------------------------------------------------------------------
     def track(self, tensors: Iterable[Any]) -> None:
@@ -241,7 +264,12 @@ class DeviceMemoryMeter:
             entry = self._storages.get(key)
             if entry is not None and entry[0] is ref:
                 del self._storages[key]
+                if key in self._holding:  # counted until let go (a new storage may take the id)
+                    self._holding.discard(key)
+                    self._held[key] = self._held.get(key, 0) + entry[1]
+                    return
                 self._current -= entry[1]
+                self._peak = max(self._peak, self._current)  # a peak restarted after the next change
                 for listener in self.listeners:
                     listener(self._current)
 

@@ -1,19 +1,36 @@
 """What each action costs each segment, measured on the real device.
 
 The cost model needs, per segment, the time of its forward and backward and what recomputing
-it adds. Guessing the last from the forward's time misses what recomputation really runs:
-checkpoint's bookkeeping, selective checkpointing's dispatch on every op (on the first H100
-run ``selective`` was slower than ``recompute`` on both GPT-2 and ResNet-50 although the
-roofline said the opposite), compiled blocks. So after the profiled step each segment is run
-again on its own, on arguments shaped like the ones it got in that step
-(:class:`~.trace.CapturedCall`), in the autocast state it ran in: plain, under ``RECOMPUTE``
-and under ``SELECTIVE`` — the runtime's own wrappers — forward and backward each time, timed
-with events on the compute stream.
+it adds. Guessing selective recomputation's cost from the forward's time misses what it really
+runs: its policy's dispatch on every op (on the first H100 run ``selective`` was slower than
+``recompute`` on both GPT-2 and ResNet-50 although the roofline said the opposite). So after the
+profiled step each segment is run again on its own, on arguments shaped like the ones it got in
+that step (:class:`~.trace.CapturedCall`), in the autocast state it ran in: plain (the median of
+a few runs) and once under ``SELECTIVE`` — the runtime's own wrapper — forward and backward each
+time, timed with events on the compute stream. ``RECOMPUTE`` reruns the forward: it is priced at
+the kept forward's time (Note [An action is never free] in ``decide/costmodel.py``), and the
+steady state's measurements re-price it (Note [Re-plan from the steady state] in
+``scale/auto.py``). Each run costs a segment's step, so the runs are few: Note [Planning costs
+a few steps] in ``observe.py``. What the runs find a segment cannot do is refused for planning
+(Note [Refused actions] in ``model_profile.py``): a write into its input, heard by the wrapper
+(every recomputing action), or an action that fails (``SELECTIVE`` alone, or, when ``RECOMPUTE``
+run once after it fails too, every recomputing action).
 
 Note [Timing a segment leaves no trace]: the model's buffers (BatchNorm statistics) and the
 RNG state are restored afterwards, gradients are taken with ``torch.autograd.grad`` so no
 parameter's ``.grad`` changes, and the user's ``training_step`` is not involved: only the
 segments' modules run (their forward hooks, if the user registered any, run too).
+
+Note [A segment measured alone]: a step run under a plan other than plain (``auto``'s guard
+step) cannot see what a recomputed or offloaded segment would save if kept: the runtime's own
+saved-tensor hooks sit inside the segment, above the tracer's. So each such segment is also run
+once alone, kept, on its captured arguments, traced as a one-segment step (:class:`~.trace.
+StepTracer`: the storages it saves, its heavy ops' outputs, its forward's and backward's
+working bytes above their start, the on-demand offload estimate); the step's own trace supplies
+the rest (the windows' levels, which storage is whose input and output, what the parts outside
+the segments save), and ``decide/under_plan.py`` turns the windows measured under the plan into
+plain's (Note [A step measured under a plan]). The run is under the same protections as the
+timing runs (Note [Timing a segment leaves no trace]).
 """
 
 from __future__ import annotations
@@ -21,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import statistics
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -31,10 +49,11 @@ from torch.utils._pytree import tree_leaves
 from ..actions import Action
 from ..engine.recompute import RecomputeTimer, checkpointed
 from ..engine.streams import StreamOps, Timing
+from ..compiled import is_compiled
 from .model_profile import SELECTIVE_REFUSAL
-from .trace import CapturedCall
+from .trace import CapturedCall, StepTrace, StepTracer
 
-__all__ = ["ActionCosts", "measure_action_costs", "measure_released_working"]
+__all__ = ["ActionCosts", "measure_action_costs", "measure_released_working", "trace_alone"]
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +61,17 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ActionCosts:
     """Milliseconds of one segment: its forward and backward kept, and what ``RECOMPUTE`` and
-    ``SELECTIVE`` add to a step (``None`` where it could not be measured); and the bytes its
-    forward holds above its start when nothing is saved for backward (-1: not measured)."""
+    ``SELECTIVE`` add to a step (``None`` where it could not be measured); the bytes its
+    forward holds above its start when nothing is saved for backward (-1: not measured); and,
+    when asked for, its step run alone, kept, traced (Note [A segment measured alone]; ``None``:
+    not traced)."""
 
     forward_ms: float
     backward_ms: float
     recompute_ms: Optional[float]
     selective_ms: Optional[float]
     released_working_bytes: int = -1
+    alone: Optional[StepTrace] = None
     #: Why an action cannot run on this segment as planned, "" if all ran (Note [Refused actions]
     #: in ``model_profile.py``): the first refusal seen.
     refusal: str = ""
@@ -92,44 +114,128 @@ def _run(module: nn.Module, forward: Any, call: CapturedCall, ops: StreamOps) ->
     return fwd.resolve(wait=True) or 0.0, bwd.resolve(wait=True) or 0.0
 
 
+class _Alone(nn.Module):
+    """A one-segment model around ``segment`` for :class:`~.trace.StepTracer` (the user's module
+    is only referenced: nothing of it changes)."""
+
+    def __init__(self, segment: nn.Module) -> None:
+        super().__init__()
+        self.segment = segment
+
+
+def trace_alone(module: nn.Module, call: CapturedCall, device: torch.device, *, min_offload_bytes: int = 1) -> StepTrace:
+    """Note [A segment measured alone]: ``module``'s forward and backward on arguments made from
+    ``call``, kept, traced as a one-segment step (its region is segment 0). The gradient its
+    output receives is a full tensor made in the backward and freed once used, as in a step (a
+    gradient handed to ``autograd.grad`` would stay alive through the whole backward), and
+    parameter gradients are returned, not accumulated (Note [Timing a segment leaves no trace])."""
+    args, kwargs = call.make()
+    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    autocast = torch.autocast(call.autocast[0], dtype=call.autocast[1]) if call.autocast else contextlib.nullcontext()
+    holder = _Alone(module)
+    static = [*module.parameters(), *module.buffers()]
+    tracer = StepTracer(holder, ["segment"], device=device, static=static, params=[], min_offload_bytes=min_offload_bytes).begin()
+    try:
+        tracer.meter.track(leaves)  # alive, but not static: what the segment saves of its arguments counts
+        with autocast:
+            out = holder.segment(*args, **kwargs)
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs:
+            loss = sum((t * torch.ones_like(t)).sum() for t in outs)  # d loss / d t: a new full tensor
+            tracer.backward_begins()
+            torch.autograd.grad(loss, _grad_inputs((args, kwargs), module), allow_unused=True)
+        del out, outs
+    except BaseException:
+        tracer.abort()
+        raise
+    return tracer.finish()
+
+
+def _timed(
+    module: nn.Module, forward: Any, call: CapturedCall, ops: StreamOps, runs: int, warm: bool, failed: Optional[list[str]] = None,
+) -> Optional[tuple[float, float]]:
+    """The median (forward ms, backward ms) of ``runs`` runs (after one warm-up if ``warm``);
+    ``None`` when the action cannot run here (why, appended to ``failed``)."""
+    try:
+        if warm:
+            _run(module, forward, call, ops)
+        timed = [_run(module, forward, call, ops) for _ in range(runs)]
+    except Exception as exc:  # noqa: BLE001 - an action that cannot run here is not timed, nor planned
+        log.debug("timing %s failed: %s", getattr(module, "_get_name", lambda: "segment")(), exc)
+        if failed is not None:
+            failed.append(f"{type(exc).__name__}: {exc}")
+        return None
+    # Medians, not minima: a minimum of a shared machine's timings is its luckiest run, and a
+    # lucky KEEP against an unlucky RECOMPUTE misprices both (issue 20).
+    return statistics.median(r[0] for r in timed), statistics.median(r[1] for r in timed)
+
+
 def _worst(refusals: list[str]) -> str:
     """The refusal that rules out most: one of every recomputing action over selective's alone."""
     broad = [r for r in refusals if not r.startswith(SELECTIVE_REFUSAL)]
     return (broad or refusals or [""])[0]
 
 
-def _time_variants(
-    module: nn.Module, name: str, call: CapturedCall, ops: StreamOps, repeats: int, *, save_ops: Optional[tuple[str, ...]] = None,
-) -> tuple[dict, list[str]]:
-    """(action -> median (forward ms, backward ms) or ``None`` where it failed, the refusals):
-    the segment kept, recomputed and selectively recomputed (saving ``save_ops``, as the plan
-    will run it) through the runtime's own wrappers."""
-    timer = RecomputeTimer(ops)
-    refusals: list[str] = []
+def _refusals(
+    name: str, module: nn.Module, call: CapturedCall, ops: StreamOps, warm: bool, save_ops: Optional[tuple[str, ...]] = None,
+) -> tuple[Optional[tuple[float, float]], list[str]]:
+    """``SELECTIVE`` run once through the runtime's own wrapper, saving ``save_ops`` as the plan
+    will run it (Note [Which ops selective recomputation saves] in ``profiler.py``): (its
+    (forward ms, backward ms), ``None`` where it failed; the refusals heard). Note [Refused
+    actions] in ``model_profile.py``: a write into the segment's input is heard by the wrapper
+    (every recomputing action refused); where selective fails, ``RECOMPUTE`` is run once too, to
+    tell a failure of selective alone from one of every recomputing action (their only run:
+    recomputation is priced, not timed)."""
+    timer, refusals, failed = RecomputeTimer(ops), [], []
 
     def refuse(segment: str, why: str) -> None:
         refusals.append(why)
 
-    variants = {
-        Action.KEEP: module.forward,
-        Action.RECOMPUTE: checkpointed(module, module.forward, Action.RECOMPUTE, timer, name=name, on_refuse=refuse),
-        Action.SELECTIVE: checkpointed(module, module.forward, Action.SELECTIVE, timer, name=name, on_refuse=refuse, save_ops=save_ops),
-    }
-    best: dict[Action, Optional[tuple[float, float]]] = {}
-    for action, forward in variants.items():
+    def wrapped(action: Action) -> Any:
+        chosen = save_ops if action is Action.SELECTIVE else None
+        return checkpointed(module, module.forward, action, timer, name=name, on_refuse=refuse, save_ops=chosen)
+
+    selective = _timed(module, wrapped(Action.SELECTIVE), call, ops, 1, warm, failed)
+    if selective is None and failed:
+        recomputed: list[str] = []
+        if _timed(module, wrapped(Action.RECOMPUTE), call, ops, 1, False, recomputed) is None and recomputed:
+            refusals.append(f"recompute failed: {recomputed[0]}"[:300])
+        refusals.append(f"{SELECTIVE_REFUSAL} selective failed: {failed[0]}"[:300])
+    return selective, refusals
+
+
+def _segment_costs(
+    name: str, module: nn.Module, call: CapturedCall, ops: StreamOps, device: torch.device, *, repeats: int, warm: bool,
+    alone: bool, min_offload_bytes: int, save_ops: Optional[tuple[str, ...]] = None,
+) -> Optional[ActionCosts]:
+    """One segment's :class:`ActionCosts` (Note [Planning costs a few steps] in ``observe.py``):
+    kept, the median of ``repeats`` runs; ``SELECTIVE`` once, after them, saving ``save_ops``
+    (and what it refused: :func:`_refusals`); ``RECOMPUTE`` priced from the kept forward (Note
+    [An action is never free])."""
+    keep = _timed(module, module.forward, call, ops, repeats, warm)
+    if keep is None:
+        return None
+    selective, refusals = _refusals(name, module, call, ops, warm, save_ops)
+    try:
+        working = measure_released_working(module, call, device)
+    except Exception as exc:  # noqa: BLE001
+        log.debug("measuring %s's forward without saving failed: %s", name, exc)
+        working = -1
+    traced = None
+    if alone:
         try:
-            _run(module, forward, call, ops)  # warm-up (allocator, kernels, compiled graphs)
-            runs = [_run(module, forward, call, ops) for _ in range(repeats)]
-            # Medians, not minima: a minimum of a shared machine's timings is its luckiest
-            # run, and a lucky KEEP against an unlucky RECOMPUTE misprices both (issue 20).
-            best[action] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
-        except Exception as exc:  # noqa: BLE001 - an action that cannot run here is not timed, nor planned
-            log.debug("timing %s under %s failed: %s", name, action.value, exc)
-            best[action] = None
-            if action is not Action.KEEP:
-                prefix = SELECTIVE_REFUSAL + " " if action is Action.SELECTIVE else ""
-                refusals.append(f"{prefix}{action.value} failed: {type(exc).__name__}: {exc}"[:300])
-    return best, refusals
+            traced = trace_alone(module, call, device, min_offload_bytes=min_offload_bytes)
+        except Exception as exc:  # noqa: BLE001 - the caller plans without it (a bound, not a profile)
+            log.debug("tracing %s alone failed: %s", name, exc)
+            return None
+    return ActionCosts(
+        keep[0], keep[1], recompute_ms=keep[0], selective_ms=None if selective is None else max(0.0, sum(selective) - sum(keep)),
+        released_working_bytes=working, alone=traced, refusal=_worst(refusals),
+    )
+
+
+def _shapes(module: nn.Module) -> tuple:
+    return tuple((n, tuple(t.shape), t.dtype) for n, t in (*module.named_parameters(), *module.named_buffers()))
 
 
 def measure_action_costs(
@@ -140,40 +246,36 @@ def measure_action_costs(
     *,
     device: torch.device,
     repeats: int = 3,
+    alone: Collection[str] = (),
+    min_offload_bytes: int = 1,
     save_ops: Optional[dict[str, tuple[str, ...]]] = None,
 ) -> dict[str, ActionCosts]:
-    """Time every segment in ``calls`` kept, recomputed and selectively recomputed (the median
-    of ``repeats`` runs after one warm-up; selectively saving ``save_ops[name]`` where given:
-    Note [Which ops selective recomputation saves] in ``profiler.py``). Note [Timing a segment
-    leaves no trace]."""
+    """Time every segment in ``calls`` kept (the median of ``repeats`` runs) and selectively
+    recomputed (saving ``save_ops[name]`` where given: Note [Which ops selective recomputation
+    saves] in ``profiler.py``), and trace the segments named in ``alone`` on their own (Note [A
+    segment measured alone]). Note [Timing a segment leaves no trace]. A segment whose kept run
+    fails, or whose trace was asked for and failed, is left out."""
     out: dict[str, ActionCosts] = {}
+    measured: dict[tuple, Optional[ActionCosts]] = {}  # by what the costs depend on
+    warm = is_compiled(model)  # a compiled segment's first call under an action compiles a graph
     with torch.no_grad():
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
     rng = torch.random.fork_rng(devices=[torch.cuda.current_device()] if ops.asynchronous and torch.cuda.is_available() else [])
     rng.__enter__()
     try:
         for name, call in calls.items():
-            module = modules[name]
-            best, refusals = _time_variants(module, name, call, ops, repeats, save_ops=(save_ops or {}).get(name))
-            keep = best[Action.KEEP]
-            if keep is None:
-                continue
-            base = sum(keep)
-
-            def extra(action: Action, floor: float = 0.0) -> Optional[float]:
-                timed = best[action]
-                return None if timed is None else max(floor, sum(timed) - base)
-
-            try:
-                working = measure_released_working(module, call, device)
-            except Exception as exc:  # noqa: BLE001
-                log.debug("measuring %s's forward without saving failed: %s", name, exc)
-                working = -1
-            # Recomputing reruns the whole forward: it adds at least the kept forward's time. A smaller
-            # difference is the noise of a shared machine, and would make recomputation look free.
-            out[name] = ActionCosts(
-                keep[0], keep[1], extra(Action.RECOMPUTE, floor=keep[0]), extra(Action.SELECTIVE), working, _worst(refusals),
-            )
+            # Note [Planning costs a few steps]: identical blocks (a transformer's) cost the same;
+            # one of each is run.
+            module = modules[name]  # a call's segment (``name#1``) is its module's: Note [A segment per call]
+            chosen = (save_ops or {}).get(name)
+            key = (type(module), repr(module), _shapes(module), call.signature(), name in alone, chosen)
+            if key not in measured:
+                measured[key] = _segment_costs(
+                    name, module, call, ops, device, repeats=repeats, warm=warm, alone=name in alone,
+                    min_offload_bytes=min_offload_bytes, save_ops=chosen,
+                )
+            if measured[key] is not None:
+                out[name] = measured[key]
     finally:
         rng.__exit__(None, None, None)
         with torch.no_grad():

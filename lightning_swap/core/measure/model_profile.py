@@ -172,6 +172,12 @@ class ModelProfile:
     #: the segment ``outside[j]`` runs after (-1: before the first).
     outside: tuple[SegmentProfile, ...] = ()
     outside_after: tuple[int, ...] = ()
+    #: The window after the last segment's forward (the tail: head and loss, planned or not) in
+    #: two parts, where the meter tells them apart (CPU): the level as it opens and its peak after
+    #: that; -1: not apart (Note [The tail opens holding the last input] in ``trace.py``; used by
+    #: ``decide/under_plan.py``).
+    tail_start_bytes: int = -1
+    tail_rest_bytes: int = -1
     #: Processes the model is sharded over (FSDP); every byte above is this process's own
     #: (Note [Sharded state is local] in ``sharded.py``), so a budget is per process.
     world_size: int = 1
@@ -271,6 +277,28 @@ class ModelProfile:
             prefix_forward_peak_bytes=self.prefix_forward_peak_bytes + f,
             prefix_backward_peak_bytes=self.prefix_backward_peak_bytes + b, tail_peak_bytes=self.tail_peak_bytes + max(f, b),
             peak_bytes=self.peak_bytes + max(f, b), reference=reference,
+        )
+
+    def with_times(self, compute: float, recompute: float, copy: float) -> "ModelProfile":
+        """This profile with its times multiplied by measured factors (Note [Re-plan from the
+        steady state] in ``scale/auto.py``): every forward, backward and the plain step by
+        ``compute``, the measured costs of recomputation by ``recompute``, and the copy
+        bandwidths divided by ``copy``; the regions outside the segments as the segments."""
+
+        def timed(elements: tuple[SegmentProfile, ...]) -> tuple[SegmentProfile, ...]:
+            return tuple(
+                dataclasses.replace(
+                    s, **{f: getattr(s, f) * compute for f in _SCALED_MS_FIELDS},
+                    **{f: getattr(s, f) * recompute for f in _MEASURED_MS_FIELDS if getattr(s, f) is not None},
+                )
+                for s in elements
+            )
+
+        reference = self.reference.with_times(compute, recompute, copy) if self.reference is not None else None
+        return dataclasses.replace(
+            self, segments=timed(self.segments), outside=timed(self.outside), prefix_ms=self.prefix_ms * compute, tail_ms=self.tail_ms * compute,
+            step_ms=self.step_ms * compute, d2h_bytes_per_ms=self.d2h_bytes_per_ms / copy,
+            h2d_bytes_per_ms=self.h2d_bytes_per_ms / copy, reference=reference,
         )
 
     def at_batch(self, batch_size: int) -> "ModelProfile":

@@ -178,7 +178,10 @@ def _chain_elements(trace: StepTrace, names: list[str], order: list[int]) -> lis
 def _window_peak(trace: StepTrace, windows: tuple) -> tuple[int, int]:
     """The peak over ``windows`` (consecutive in time) and the bytes alive when the first began."""
     peak = max((trace.window_peak.get(w, 0) for w in windows), default=0)
-    return peak, trace.window_start.get(windows[0], peak)
+    start = trace.window_start.get(windows[0], peak)
+    # A window after a segment's forward counts only the levels after its opening (Note [The
+    # tail opens holding the last input] in ``trace.py``): the opening is part of it too.
+    return max(peak, start), start
 
 
 def _offload_savings(trace: StepTrace, key: Any, bwd_peak: int) -> dict[str, int]:
@@ -438,10 +441,12 @@ def assemble(
     last = ("after", order[-1]) if order else None
     planned_tail = any(e.key == last for e in elements)
     tail_windows = ("after", "after_bwd")
-    tail_peak = (
-        trace.turnaround_bytes if planned_tail
-        else max([trace.window_peak.get("tail", 0)] + [trace.window_peak.get((w, order[-1]), 0) for w in tail_windows if order])
-    )
+    tail_rest = max([trace.window_peak.get("tail", 0)] + [trace.window_peak.get((w, order[-1]), 0) for w in tail_windows if order])
+    tail_peak = trace.turnaround_bytes if planned_tail else max(tail_rest, trace.window_start.get(last, 0))
+    # Note [The tail opens holding the last input] in ``trace.py``: the opening level apart (CPU);
+    # planned, the rest is its region's forward window's.
+    tail_start = trace.window_start.get(last, -1) if last is not None and device.type != "cuda" else -1
+    tail_rest = -1 if tail_start < 0 else trace.window_peak.get(last, 0) if planned_tail else tail_rest
     return ModelProfile(
         segments=segments,
         batch_size=batch_size,
@@ -454,6 +459,8 @@ def assemble(
         prefix_forward_peak_bytes=trace.window_peak.get("prefix_fwd", 0),
         prefix_backward_peak_bytes=trace.window_peak.get("prefix_bwd", 0),
         tail_peak_bytes=tail_peak,
+        tail_start_bytes=tail_start,
+        tail_rest_bytes=tail_rest,
         peak_bytes=trace.peak_bytes,
         prefix_ms=outside_ms / 2,
         tail_ms=outside_ms / 2,

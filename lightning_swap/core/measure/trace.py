@@ -28,6 +28,18 @@ start, and ``("after_bwd", i)``, from the end of the next segment's backward to 
 ``backward_begins`` (the bytes alive then are ``turnaround_bytes``) and whose backward window
 runs to the start of the last segment's backward. What each region saves is recorded under its
 key (``PREFIX``, ``("after", i)``), as the segments' under their index.
+
+Note [Regions held as kept]: a step observed under a plan (``auto``'s guard step: Note [A step
+measured under a plan] in ``decide/under_plan.py``) runs with the regions outside the segments
+offloaded by the runtime's whole-step saved-tensor hooks. The tracer's pack hook goes over them
+and calls them (only the innermost pair of hooks runs), so it still records what each region
+saves, and the runtime still offloads it. A region cannot run alone as a segment can (it is no
+module), so on CPU the tracer's meter counts each storage a region saved as alive until that
+region's backward begins (``DeviceMemoryMeter.hold``), as keeping it would: every window is
+measured as if the regions were kept, while the step itself (and the runtime's meter, which
+measures the guard's peak) offloads them. From the region's backward on they are let go: its
+backward window is measured as the plan ran it, fetched back per saved tensor. On CUDA the
+allocator's counts cannot be held: the windows are the plan's.
 """
 
 from __future__ import annotations
@@ -129,6 +141,8 @@ class StepTrace:
     marks: dict[Any, float] = field(default_factory=dict)
     #: What each segment was called with (``StepTracer(capture_inputs=True)``).
     inputs: dict[int, "CapturedCall"] = field(default_factory=dict)
+    #: Segments whose input is alive before the step (the batch): never saved by the step.
+    static_inputs: set[int] = field(default_factory=set)
     #: Every segment by index, one per call of a module run several times (Note [A segment per call]).
     names: list[str] = field(default_factory=list)
 
@@ -169,6 +183,21 @@ class CapturedCall:
         if first is not None and torch.is_autocast_enabled(first.device.type):
             autocast = (first.device.type, torch.get_autocast_dtype(first.device.type))
         return cls(tree_map(keep, args), tree_map(keep, kwargs), autocast)
+
+    def signature(self) -> tuple:
+        """What the call's cost depends on: each argument's kind, shape and dtype (values left
+        out), the non-tensor arguments, and the autocast state."""
+        from torch.utils._pytree import tree_flatten
+
+        is_leaf = lambda v: isinstance(v, tuple) and bool(v) and v[0] in ("value", "shape")  # noqa: E731
+
+        def part(v: Any) -> Any:
+            if is_leaf(v):
+                return ("value", tuple(v[1].shape), v[1].dtype, v[2]) if v[0] == "value" else v
+            return v if isinstance(v, (int, float, bool, str, type(None))) else type(v).__name__
+
+        leaves, spec = tree_flatten((self.args, self.kwargs), is_leaf=is_leaf)
+        return (str(spec), tuple(part(v) for v in leaves), self.autocast)
 
     def make(self) -> tuple[tuple, dict]:
         """Fresh arguments: tensors that required grad require it again (outputs of a copy, not
@@ -280,6 +309,10 @@ class _Recorder:
         self.keys = _Storages()
         self.region: Any = PREFIX
         self.window: Any = "prefix_fwd"
+        #: Note [Regions held as kept]: whether the regions outside the segments are counted as
+        #: kept whatever the plan does with them, and their saved storages held so, by region.
+        self.hold_regions = False
+        self.held: dict[Any, set[int]] = {}
         self.phase_is_forward = True
         self.handles: list[Any] = []
         self._exec: list[int] = []  # segment indices in execution order
@@ -312,19 +345,39 @@ class _Recorder:
     def resolve_marks(self) -> dict[Any, float]:
         """Milliseconds from the step's start to each mark (one wait for the last event)."""
         ops, marks = self.ops, self.marks
-        if "end" in marks:
-            ops.synchronize(marks["end"])  # the profiling step's one wait: its times are needed now
+        last = marks.get("stop", marks.get("end"))  # "stop": the whole step's end (the optimizer step's)
+        if last is not None:
+            ops.synchronize(last)  # the profiling step's one wait: its times are needed now
         start = marks["start"]
         return {k: ops.elapsed_ms(start, e) for k, e in marks.items()}
 
     # -- windows ------------------------------------------------------------------------
     def switch(self, window: Any) -> None:
+        """Note [The tail opens holding the last input]: the window after a segment's forward
+        opens in its forward hook, while its caller still references the segment's input; kept,
+        that input is saved and stays, but under a plan that moves it to the host it is freed a
+        moment later. So such a window's opening level is its start (``window_start``) and, on
+        CPU, its peak counts only the levels after it: a step measured under a plan
+        (``decide/under_plan.py``) then tells what the window after the last segment (the tail:
+        head and loss) holds from the forward's last instant, where plain's peak may be."""
         peak = self.meter.peak_bytes
         self.trace.peak_bytes = max(self.trace.peak_bytes, peak)
         self.trace.window_peak[self.window] = max(self.trace.window_peak.get(self.window, 0), peak)
-        self.meter.reset_peak()
+        self._let_go(window)
+        after = isinstance(window, tuple) and window[0] == "after"
+        self.meter.reset_peak(after_next_change=after)
         self.window = window
         self.trace.window_start.setdefault(window, self.meter.current_bytes)
+
+    def _let_go(self, window: Any) -> None:
+        """Note [Regions held as kept]: as a backward window opens, the regions whose backward
+        has begun (those that ran after its segment in forward; every one at the prefix's) stop
+        being held: kept, their storages would be freed from here on."""
+        if not self.held or not (window == "prefix_bwd" or (isinstance(window, tuple) and window[0] in ("bwd", "after_bwd"))):
+            return
+        pos = self._exec.index(window[1]) if window != "prefix_bwd" and window[1] in self._exec else -1
+        for region in [r for r in self.held if r == PREFIX and pos < 0 or r != PREFIX and self._exec.index(r[1]) >= pos]:
+            self.meter.let_go(self.held.pop(region))
 
     def region_before(self, i: int) -> Any:
         """The outside region that runs just before segment ``i`` in this forward: the prefix, or
@@ -358,6 +411,8 @@ class _Recorder:
             x = _first_tensor(args)
             if x is not None and (s := _storage(x)) is not None:
                 self.trace.input_key[i] = (self.keys.key(s), s.nbytes())
+                if id(s) in self.param_storages:
+                    self.trace.static_inputs.add(i)
                 if x.requires_grad:
                     self.handles.append(x.register_hook(self._on_bwd_end(i)))
 
@@ -478,6 +533,9 @@ class _Recorder:
         s = _storage(t)
         if s is not None and id(s) not in self.param_storages and self.phase_is_forward:
             self.trace.saved[self.region][self.keys.key(s)] = s.nbytes()
+            if self.hold_regions and not (isinstance(self.region, int) and self.region >= 0):
+                self.held.setdefault(self.region, set()).add(id(s))
+                self.meter.hold(s)
         return t
 
     def install(self, params: list[torch.Tensor]) -> None:
@@ -550,8 +608,18 @@ class StepTracer:
         self.rec.capture_inputs = capture_inputs
         self._params = params
         self._op_mode = _OpRecorder(self.rec, flops_per_ms=flops_per_ms, bytes_per_ms=bytes_per_ms)
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.rec.pack, lambda t: t)
+        self._saved_hooks: Any = None
         self._entered: list[str] = []
+
+    def _hooks_over(self) -> Any:
+        """The pack hook that records what is saved, over the saved-tensor hooks active now (a
+        runtime's for the regions outside the segments, under a plan: Note [Regions held as
+        kept]): only the innermost pair of hooks runs, so theirs are called from ours."""
+        below = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if below is None:
+            return torch.autograd.graph.saved_tensors_hooks(self.rec.pack, lambda t: t)
+        pack, unpack = below
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: pack(self.rec.pack(t)), unpack)
 
     def begin(self) -> "StepTracer":
         rec = self.rec
@@ -568,6 +636,7 @@ class StepTracer:
             rec.mark("start")
             self._op_mode.__enter__()
             self._entered.append("ops")
+            self._saved_hooks = self._hooks_over()
             self._saved_hooks.__enter__()
             self._entered.append("saved")
         except BaseException:

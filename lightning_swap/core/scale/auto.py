@@ -1,24 +1,27 @@
-"""``policy="auto"`` over a training loop: when to observe a step, when to plan, when to check.
+"""``policy="auto"`` over a training loop: when to guard a step, when to plan, when to check.
 
 Note [Auto: observe, plan, check]: before every training step the session asks
 :meth:`AutoPlanner.next_step` and gets a :class:`StepKind`:
 
 - ``GUARD``: no profile covers this batch (the first step, or a batch larger or shaped
-  differently than the one observed) and plain training is not known to fit the budget: the
-  step runs under the lowest-memory plan, measured (Note [Observe only what fits]); after it
-  the main process decides for every process (``VERDICT``, broadcast) what comes next;
-- ``OBSERVE``: the guard steps bound plain's peak within the budget: the step runs with every
-  segment kept and every process observes it (Note [Observe, do not re-run] in
-  ``observe.py``; the profiles merge by their largest values: Note [Decide from the largest
-  measurement] in ``collectives.py``);
-- ``PLAN``: a plan is due: the first step after an observation (the profile is shifted to the
-  state alive now, Note [Steady-state shift]), the step after a new plan's first step (the
-  check below), or the gradients and optimizer state grew;
+  differently than the one profiled): the step runs under the lowest-memory plan, measured
+  and observed on every process (Note [Observe only what fits]); after it the main process
+  decides for every process (``VERDICT``, broadcast) what comes next;
+- ``OBSERVE``: the guard step's profile predicts that plain training fits (or, where none could
+  be made, its bound does): the step runs with every segment kept and every process observes
+  it (Note [Observe, do not re-run] in ``observe.py``);
+- ``PLAN``: a plan is due: the first step after a profile was made (the profile is shifted to
+  the state alive now, Note [Steady-state shift]), the step after a new plan's first step (the
+  check below), the gradients and optimizer state grew, a segment refused an action since
+  (Note [Refused actions] in ``model_profile.py``), or the plan's steady state has been
+  measured (Note [Re-plan from the steady state]);
 - ``RUN``: the installed plan runs (the lowest-memory one where plain's bound is over budget).
 
-The answer depends only on what every data-parallel process sees alike (batch shapes, the
-order of steps, the sizes of gradients and optimizer state), so all enter the plan's broadcast
-together; the main process alone solves, from the largest of every process's measurements.
+The answer depends only on what every data-parallel process sees alike (batch shapes agreed
+across processes, the order of steps, the sizes of gradients and optimizer state), so all
+enter the plan's broadcast together; the main process alone solves, from the largest of every
+process's measurements (the profiles merge by their largest values: Note [Decide from the
+largest measurement] in ``collectives.py``).
 
 The check: the first step under a new plan is measured. If its peak exceeded the prediction,
 the difference is learned (the model misses allocator rounding, workspaces, ...: it only grows)
@@ -30,30 +33,34 @@ budget for the steady state (gradients and optimizer state included), plus what 
 Note [Auto decides from values]: the planner never sees the model, the optimizer or the
 session. Its inputs are values — the budget, the segment names and the options when it is
 made; per step a :class:`StepInputs` (the batch's shapes and size, the :class:`StateSizes`
-alive); what a step measured (peaks, rows) when it is over — and its outputs are decisions (a
-``StepKind``, a :class:`Verdict`, a :class:`~.plan.Plan`) that the session carries out. So
-the decision table is tested from numbers (``tests/test_auto_decisions.py``), without a model.
+alive); what a step measured (peaks, rows, profiles, step times) when it is over — and its
+outputs are decisions (a ``StepKind``, a :class:`Verdict`, a :class:`~.plan.Plan`) that the
+session carries out. So the decision table is tested from numbers
+(``tests/test_auto_decisions.py``), without a model.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from ..actions import Action
 from ..config import SwapConfig
-from ..decide.costmodel import copy_window_of
+from ..decide.costmodel import AUTO_WINDOW, copy_window, copy_window_of, on_demand, simulate
 from ..decide.plan import Plan, format_bytes
 from ..decide.solver import min_budget_bytes, solve
+from ..decide.under_plan import as_plain, time_factors
 from ..errors import InfeasibleBudgetError
-from ..measure.model_profile import ModelProfile
+from ..measure.model_profile import ModelProfile, refused_actions
+from ..segments import split_call
 from ..tensors import infer_batch_size, tensors_in
 from .steady_state import StateSizes, state_growth
 
-__all__ = ["AutoPlanner", "BatchKey", "StepInputs", "StepKind", "Verdict"]
+__all__ = ["AutoPlanner", "BatchKey", "StepInputs", "StepKind", "Verdict", "guard_action"]
 
 log = logging.getLogger(__name__)
 
@@ -93,33 +100,55 @@ class StepInputs:
 @dataclass(frozen=True)
 class Verdict:
     """The guard steps' verdict, decided on the main process and broadcast: what the next steps
-    do (``OBSERVE``, ``GUARD`` again or ``RUN`` the lowest-memory plan), plain's bound and the
-    lowest-memory plan's measured peak (Note [Observe only what fits])."""
+    do (``OBSERVE`` plain, ``PLAN`` from the guard step's profile, ``GUARD`` again or ``RUN`` the
+    lowest-memory plan), plain's predicted peak (or bound) and the lowest-memory plan's measured
+    peak (Note [Observe only what fits])."""
 
     decision: StepKind
     plain_bound_bytes: Optional[int]
     least_bytes: Optional[int]
+    #: ``PLAN``: the batch size the profile was measured at (the largest of the processes'
+    #: batches; a larger batch later guards again)
+    batch_size: Optional[int] = None
 
 
-# Note [Observe only what fits]: the profile that plans are solved from is taken by observing a
-# plain step (Note [Observe, do not re-run]), and a plain step can need several times the budget
-# (issue 20: 2.4x on a 6-block MLP). So a plain step is observed only once it is known to fit.
-# The first step on a new batch shape runs under the lowest-memory plan instead (every segment
-# ``recompute_offload``: if any plan fits, it does), measured, with its rows (Note [Measured
-# rows]): each segment's recomputed bytes (what keeping it would hold) and offloaded bytes.
-# Guard steps go on while a step grows the state (the optimizer state appearing in the first
-# optimizer step, gradients under accumulation), so the guard's peak is that of a steady step:
-# the lowest-memory plan's minimum, measured. Plain's peak is bounded without running user code:
+def guard_action(device_type: str, config: SwapConfig = SwapConfig()) -> Action:
+    """The action of the lowest-memory uniform plan (Note [Observe only what fits]): where
+    offloaded bytes come back one op at a time (CPU with no prefetch: Note [Copy windows]),
+    ``OFFLOAD``, whose backward never holds a segment's saved tensors all at once (measured on
+    the tests' GPT and CNN: 5.1 and 1.8 MiB against ``RECOMPUTE_OFFLOAD``'s 6.1 and 3.1);
+    elsewhere ``RECOMPUTE_OFFLOAD``, which copies only the segments' inputs and holds one
+    segment's activations in its backward, where a prefetching offload holds two."""
+    overlap = device_type == "cuda"
+    prefetch, _ = copy_window(config.prefetch_segments, config.inflight_segments, overlap=overlap)
+    return Action.OFFLOAD if on_demand(0, 2, prefetch, overlap=overlap) else Action.RECOMPUTE_OFFLOAD
+
+
+# Note [Observe only what fits]: the profile that plans are solved from was first taken by
+# observing a plain step (Note [Observe, do not re-run]), and a plain step can need several
+# times the budget (issue 20: 2.4x on a 6-block MLP). So the first step on a new batch shape
+# runs under the lowest-memory plan instead (:func:`guard_action` on every segment: if any plan
+# fits, it does), measured, with its rows (Note [Measured rows]), and observed on every process
+# as a step under that plan (Note [A step measured under a plan] in ``decide/under_plan.py``):
+# its windows, and each segment measured alone, kept (Note [A segment measured alone]); the
+# processes' profiles merge by their largest values (Note [Decide from the largest
+# measurement]). Under FSDP no segment runs alone (every rank runs every collective: Note
+# [Observe every rank] in ``observe.py``), so no profile is made there: the bound below. Guard steps go on while a step grows the state (the optimizer state
+# appearing in the first optimizer step, gradients under accumulation), so the guard's peak is
+# that of a steady step: the lowest-memory plan's minimum, measured, and the profile is a
+# steady step's. From that profile the main process predicts plain's peak (exactly, on the
+# tests' models and the issue's LM: the cost model run backwards) and decides for every
+# process before any of them runs the next step: ``OBSERVE`` plain when it fits (its profile is
+# then exact), else ``PLAN`` the fastest mix that fits from the guard's profile. Where no
+# profile could be made (a segment that cannot run alone, FSDP), plain's peak is bounded instead —
 #
 #     plain <= guard peak + sum over segments (recomputed + offloaded bytes)
 #
 # (at every moment plain holds at most what the guard held plus the saved tensors the guard did
-# not hold on the device). Only when that bound is within the budget is
-# the next step observed plainly; otherwise the lowest-memory plan stays (its measured peak is
-# within the budget, or InfeasibleBudgetError names it: nothing uses less). The bound is decided
-# on the main process and broadcast with the plans, so every process takes the same branch
-# before any of them runs the step. ``training_step`` still runs once per step: the guard step is
-# an ordinary step of training.
+# not hold on the device) — and plain is observed only when the bound fits; otherwise the
+# lowest-memory plan stays. Either way the guard's measured peak is within the budget, or
+# InfeasibleBudgetError names it: nothing known uses less. ``training_step`` still runs once
+# per step: the guard step is an ordinary step of training.
 @dataclass
 class _Guard:
     """The guard steps on one batch shape (Note [Observe only what fits])."""
@@ -127,17 +156,59 @@ class _Guard:
     batch: BatchKey
     peak: int = 0  # the largest measured peak of a guard step
     backward_peak: Optional[int] = None  # the same up to the end of the backward
+    forward_peak: Optional[int] = None  # the same up to the start of the backward
+    grown_forward: int = 0  # what the last guard step grew the state by, as a steady forward holds it
     held: int = 0  # the saved bytes the lowest-memory plan did not hold (recomputed + offloaded)
     grown: int = 0  # what the last guard step grew the state by, as a steady backward holds it
     bound: Optional[int] = None  # plain's bound, once a guard step began in the steady state
     least: Optional[int] = None  # the lowest-memory plan's steady peak (from the verdict)
     start: StateSizes = StateSizes()  # the state the running guard step began with
-    refused: int = 0  # the refusals its plan knew of (Note [Refused actions])
+    plan: Plan = field(default_factory=lambda: Plan(actions={}))  # the lowest-memory plan it ran (Note [Refused actions])
     decision: Optional[StepKind] = None
     open: bool = False
+    #: The steady guard step's profile as plain's (the largest of every process's; None: not made)
+    profile: Optional[ModelProfile] = None
 
     def covers(self, batch: BatchKey) -> bool:
         return self.batch.shape == batch.shape and batch.size <= self.batch.size
+
+    @property
+    def steady(self) -> bool:
+        return self.bound is not None
+
+
+# Note [A plan's first step refines its profile]: the guard's profile predicts plain's windows
+# from a step in which no segment was kept; each segment's rise when kept was measured alone,
+# where small things differ from the step (when a parameter's gradient is made, what the next
+# segment still holds: a few KiB on the tests' CNN, 0.1-0.3% of ResNet-18's peak, always over).
+# The first plan made from it is therefore observed too, on every process, under that plan
+# (Note [A step measured under a plan]): its kept segments are measured in the step itself, so
+# the profile made from it is nearer to what plain and the plans near it hold. The check of that
+# plan is made against the refined profile, and the plan is solved again from it (a budget at
+# plain's peak gets every segment kept). Once per guard profile: later plans are checked only.
+# Note [Re-plan from the steady state]: the times that price plans come from warm runs (each
+# segment timed alone after the guard steps, medians: Note [Planning costs a few steps] in
+# ``observe.py``), not from the first step, but they are still a few runs of a shared machine,
+# and ``RECOMPUTE`` is priced at its forward. So once a plan has run ``REVISIT_AFTER_STEPS``
+# steps after its check, the median of their measured step times (with what recomputation and
+# exposed copies took in them) is compared with the plan's prediction. Within
+# ``REVISIT_TOLERANCE`` the plan stays. Otherwise the profile's times are re-priced by what was
+# measured (:func:`~..decide.under_plan.time_factors`: the plain part, recomputation and copies
+# each by its own factor) and the plan solved again; the new plan replaces the old only when it
+# is predicted ``REPLAN_GAIN`` faster than the old one re-priced (hysteresis: two plans of
+# nearly equal cost do not alternate), and a profile's plans are revisited ``MAX_REVISITS``
+# times at most. The step that revisits is decided from the step count, which every process
+# sees alike, and solved on the main process like every plan; the log says why a re-plan
+# happened, with the numbers.
+REVISIT_AFTER_STEPS = 5
+REVISIT_TOLERANCE = 0.15
+MAX_REVISITS = 2
+REPLAN_GAIN = 0.05
+
+
+def _choice(plan: Plan) -> tuple[dict, dict]:
+    """What a plan chose, by value: its segments' actions and its regions'."""
+    return dict(plan.actions), dict(plan.outside)
 
 
 class AutoPlanner:
@@ -147,12 +218,13 @@ class AutoPlanner:
     ``budget_bytes``: the budget plans are solved for (``None``: none, every segment is kept);
     ``segments``: the names plans act on; ``config``: the copy windows plans are priced for;
     ``grads_freed_before_backward``: the loop frees the gradients between forward and backward
-    (Lightning's closure calls ``zero_grad`` there), so the steady backward does not hold them.
+    (Lightning's closure calls ``zero_grad`` there), so the steady backward does not hold them;
+    ``device_type``: where the steps run (the guard's plan depends on it: :func:`guard_action`).
     """
 
     def __init__(
         self, *, budget_bytes: Optional[int], segments: Sequence[str], config: SwapConfig = SwapConfig(),
-        grads_freed_before_backward: bool = False, actions: Optional[Sequence[Action]] = None,
+        grads_freed_before_backward: bool = False, device_type: str = "cpu", actions: Optional[Sequence[Action]] = None,
     ) -> None:
         self.budget_bytes = budget_bytes
         #: The actions plans may use (``None``: all; Note [Selective around FSDP hooks]).
@@ -160,6 +232,8 @@ class AutoPlanner:
         self.segments = tuple(segments)
         self.config = config
         self.grads_freed_before_backward = grads_freed_before_backward
+        self.device_type = device_type
+        self.guard_action = guard_action(device_type, config)
         self.profile: Optional[ModelProfile] = None
         self._profile_shape: Optional[tuple] = None
         self._profile_batch = 0
@@ -176,8 +250,22 @@ class AutoPlanner:
         self._check_pending = False
         self._guard: Optional[_Guard] = None
         self._guard_end: Optional[StateSizes] = None  # the state the last guard step ended with
+        #: Note [Re-plan from the steady state]: steps the current plan ran since its check, the
+        #: revisits of this profile, whether this step revisits, and the plan revisited last.
+        self._steps_run = 0
+        self._revisits = 0
+        self._revisit_due = False
+        self._settled: list[tuple] = []  # plans (what they chose) a revisit kept: not revisited again
+        #: Note [A plan's first step refines its profile]: the next plan applied is observed (every
+        #: process), this one is, and its step's profile has replaced the guard's.
+        self._refinable = False
+        self._refine_due = False
+        self._refined = False
+        self._applied_state = StateSizes()
         #: Bytes the measured peaks exceeded the predictions by, learned from the checks.
         self.correction_bytes = 0
+        #: Plain training's peak as the last guard verdict predicted (or bounded) it.
+        self.plain_predicted_bytes: Optional[int] = None
         #: Segment -> why its recomputation cannot run as planned, as the session's steps found
         #: (Note [Refused actions] in ``model_profile.py``): never planned, offloaded when guarding.
         self.refusals: dict[str, str] = {}
@@ -187,6 +275,19 @@ class AutoPlanner:
     def check_pending(self) -> bool:
         """The plan applied last has not been checked yet: the step running it is measured."""
         return self._check_pending
+
+    @property
+    def refine_due(self) -> bool:
+        """The plan just applied is the first made from a guard step's profile: its first step is
+        observed under it (every process) and refines the profile (Note [A plan's first step
+        refines its profile])."""
+        return self._refine_due
+
+    @property
+    def revisit_due(self) -> bool:
+        """This step's plan is solved again from the steady state's measured times (Note
+        [Re-plan from the steady state]): the session hands :meth:`plan` those times."""
+        return self._revisit_due
 
     # -- what the next step does ---------------------------------------------------------
     def next_step(self, step: StepInputs) -> StepKind:
@@ -211,7 +312,26 @@ class AutoPlanner:
             self._signature = step.state.signature
             if step.state.total_bytes > self._planned_state:
                 return StepKind.PLAN
+        return self._run_or_revisit()
+
+    def _run_or_revisit(self) -> StepKind:
+        """Note [Re-plan from the steady state]: the plan's ``REVISIT_AFTER_STEPS`` steps after its
+        check are measured; the step after them revisits it (once per plan, a few per profile)."""
+        self._steps_run += 1
+        if (
+            self._steps_run > REVISIT_AFTER_STEPS and self._revisits < MAX_REVISITS and self.profile_made_here
+            and self._current is not None and self._current.predicted_step_ms is not None
+            and _choice(self._current) not in self._settled
+        ):
+            self._revisit_due = True
+            return StepKind.PLAN
         return StepKind.RUN
+
+    @property
+    def profile_made_here(self) -> bool:
+        """Every process knows whether the plans come from a profile of this run's steps (a
+        guard's or an observed one's), not from a batch-size search's (whose steps were others)."""
+        return not self._scalable
 
     # -- guarding (Note [Observe only what fits]) ------------------------------------------
     def _observe_or_guard(self, batch: BatchKey) -> StepKind:
@@ -222,13 +342,24 @@ class AutoPlanner:
             return StepKind.VERDICT  # after every guard step, on every process: the main process decides
         return guard.decision
 
+    def guard_plan(self) -> Plan:
+        """The lowest-memory plan (``Plan.lowest_memory``: :func:`guard_action` on every segment,
+        the regions outside them offloaded); a segment whose recomputation was refused is
+        offloaded instead (Note [Refused actions])."""
+        refused = {split_call(name)[0] for name, why in self.refusals.items() if Action.RECOMPUTE_OFFLOAD in refused_actions(why)}
+        return Plan.lowest_memory(self.segments, refused, action=self.guard_action)
+
     def begin_guard(self, step: StepInputs) -> Plan:
         """The lowest-memory plan for this step; :meth:`end_guard` takes what it measured."""
         if self._guard is None or not self._guard.covers(step.batch):
             self._guard = _Guard(step.batch)
         self._guard.start, self._guard.decision, self._guard.open = step.state, None, True
-        self._guard.refused = len(self.refusals)  # recomputation refused: offloaded (Note [Refused actions])
-        return Plan.lowest_memory(self.segments, self.refusals)
+        self._guard.plan = self.guard_plan()  # what it runs, refusals known (Note [Refused actions])
+        return self._guard.plan
+
+    def guard_forward_done(self, peak_bytes: int) -> None:
+        """The guard step's peak up to the start of its backward (the loss computed)."""
+        self._guard.forward_peak = max(self._guard.forward_peak or 0, peak_bytes)
 
     def guard_backward_done(self, peak_bytes: int) -> None:
         """The guard step's peak up to the end of its backward (its optimizer step not yet run)."""
@@ -239,7 +370,8 @@ class AutoPlanner:
         ``recomputed_bytes`` and ``offloaded_bytes``) and the state alive after it. Guarding goes
         on while the step grew the state (the optimizer state appearing in the first optimizer
         step, the gradients of accumulation): the peak that counts is that of a step that begins
-        in the steady state, so the lowest-memory plan's minimum is measured, not predicted."""
+        in the steady state, so the lowest-memory plan's minimum is measured, not predicted.
+        :attr:`guard_steady` says whether this one was such a step."""
         guard = self._guard
         guard.open = False
         if peak_bytes is None or not rows:
@@ -247,7 +379,7 @@ class AutoPlanner:
         guard.peak = max(guard.peak, peak_bytes)
         guard.held = max(guard.held, sum(r.recomputed_bytes + r.offloaded_bytes for r in rows))
         # What a step that began with the state alive now would add in its backward.
-        guard.grown = state_growth(guard.start, state, grads_freed_before_backward=self.grads_freed_before_backward)[1]
+        guard.grown_forward, guard.grown = state_growth(guard.start, state, grads_freed_before_backward=self.grads_freed_before_backward)
         # Steady once a step ends with no more state than the previous guard step ended with
         # (gradients freed between steps by ``zero_grad`` come back every step: not growth).
         previous, self._guard_end = self._guard_end, state  # the state has no shape: kept across guards
@@ -257,17 +389,42 @@ class AutoPlanner:
         ):
             guard.bound = guard.peak + guard.held
 
+    @property
+    def guard_steady(self) -> bool:
+        """The guard step that just ended began in the steady state: its profile is the one to
+        plan from (every process makes it: :meth:`guard_observed`)."""
+        return self._guard is not None and self._guard.steady
+
+    def guard_observed(self, profile: Optional[ModelProfile]) -> None:
+        """Every process: the steady guard step observed under the lowest-memory plan (its
+        windows as measured: Note [A step measured under a plan]); ``None``: no profile."""
+        if profile is not None:
+            profile = self._held_gradients(self._as_plain(profile, self._guard.plan), self._guard.start)
+        self._guard.profile = profile
+
+    def _held_gradients(self, profile: ModelProfile, start: StateSizes) -> ModelProfile:
+        """Note [Steady-state shift] under accumulation: a step observed with gradients alive may
+        have freed them before its backward (Lightning's first micro-batch of a cycle calls
+        ``zero_grad`` there) while the next micro-batch's backward accumulates into them; where
+        the loop does not free them before every backward, the observed backward is priced as
+        holding them (over for a first micro-batch, never under)."""
+        if self.grads_freed_before_backward or not start.gradient_bytes:
+            return profile
+        return profile.with_state(forward_bytes=0, backward_bytes=start.gradient_bytes)
+
     def guard_verdict(self) -> Verdict:
         """What the next steps do, decided on the main process (the session broadcasts it).
         Raises :class:`InfeasibleBudgetError` as soon as a guard step was over the budget:
-        nothing uses less memory than it."""
+        nothing known uses less memory than it."""
         guard, budget = self._guard, self.budget_bytes
         least, plain = guard.peak, guard.bound
         if plain is None:
             # Not yet steady: a steady step's forward and backward hold what this one grew (the
-            # optimizer step already ran with it, so its part of the peak stays).
+            # optimizer step already ran with it, so its part of the peak stays); its forward
+            # also the last step's gradients, which a loop may free only before the backward.
             backward = guard.peak if guard.backward_peak is None else guard.backward_peak
-            least = max(guard.peak, backward + guard.grown)
+            forward = backward if guard.forward_peak is None else guard.forward_peak
+            least = max(guard.peak, backward + guard.grown, forward + guard.grown_forward)
         if guard.peak > budget or (plain is not None and least > budget):
             raise InfeasibleBudgetError(budget_bytes=budget, min_budget_bytes=least, batch_size=guard.batch.size)
         if plain is None:
@@ -277,22 +434,53 @@ class AutoPlanner:
             if least + guard.held <= budget:
                 return Verdict(StepKind.OBSERVE, least + guard.held, least)
             return Verdict(StepKind.GUARD, None, least)
-        return Verdict(StepKind.OBSERVE if plain <= budget else StepKind.RUN, plain, least)
+        if guard.profile is not None:  # plain predicted from the guard's profile
+            self.profile, self._observed_state = guard.profile, guard.start
+            predicted = self.steady_profile(guard.start).peak_bytes + self.correction_bytes
+            if predicted > budget:
+                return Verdict(StepKind.PLAN, predicted, least, guard.profile.batch_size)
+            if guard.profile.batch_size == guard.batch.size:
+                return Verdict(StepKind.OBSERVE, predicted, least)
+            return Verdict(StepKind.GUARD, predicted, least)  # another process's batch was larger: guard on
+        if plain <= budget:
+            return Verdict(StepKind.OBSERVE, plain, least)
+        return Verdict(StepKind.RUN, plain, least)
 
     def take_verdict(self, verdict: Verdict) -> None:
         """Every process, with the main process's verdict."""
+        guard = self._guard
         decision = verdict.decision
-        if decision is StepKind.RUN and len(self.refusals) > self._guard.refused:
+        if decision in (StepKind.RUN, StepKind.PLAN) and dict(self.guard_plan().actions) != dict(guard.plan.actions):
             # A segment refused the recomputation the guard plan gave it (it ran on a copy of its
-            # input): guard once more with it offloaded, and keep that plan (Note [Refused actions]).
+            # input): guard once more with it offloaded, and keep or plan from that step (Note
+            # [Refused actions]).
             decision = StepKind.GUARD
-        self._guard.decision, self._guard.least = decision, verdict.least_bytes
-        if decision is StepKind.RUN:
+        guard.decision, guard.least = decision, verdict.least_bytes
+        self.plain_predicted_bytes = verdict.plain_bound_bytes
+        if decision is StepKind.PLAN:  # plans from the guard's profile (on the main process)
+            guard.decision = StepKind.GUARD  # a batch it covers but the profile does not: guarded again
+            self._adopt(BatchKey(guard.batch.shape, verdict.batch_size or guard.batch.size), guard.start)
+            self._refinable = True
+            log.info(
+                "lightning-swap: plain training is predicted to need %s, over the budget of %s: planning from the "
+                "step measured under the lowest-memory plan (%s).", format_bytes(verdict.plain_bound_bytes),
+                format_bytes(self.budget_bytes), format_bytes(verdict.least_bytes),
+            )
+        elif decision is StepKind.RUN:
             log.info(
                 "lightning-swap: plain training may need up to %s, over the budget of %s: every segment stays "
-                "recompute_offload (measured %s) rather than observe a step that would not fit.",
-                format_bytes(verdict.plain_bound_bytes), format_bytes(self.budget_bytes), format_bytes(verdict.least_bytes),
+                "%s (measured %s) rather than observe a step that would not fit.",
+                format_bytes(verdict.plain_bound_bytes), format_bytes(self.budget_bytes), self.guard_action.value,
+                format_bytes(verdict.least_bytes),
             )
+
+    def _adopt(self, batch: BatchKey, state: StateSizes) -> None:
+        """Every process: plans are made from now on from a profile of a step on ``batch`` that
+        began with ``state`` (the main process holds the profile)."""
+        self._profile_shape, self._profile_batch, self._planned_batch = batch.shape, batch.size, batch.size
+        self._scalable, self._observed_state = False, state
+        self._plan_due, self._check_pending, self._revisits, self._settled = True, False, 0, []
+        self._refinable = False
 
     @property
     def guarding(self) -> bool:
@@ -308,9 +496,8 @@ class AutoPlanner:
     def begin_observe(self, step: StepInputs) -> None:
         """Every process, as the observed step begins (each traces it): what was observed is
         recorded everywhere, so that all take the same decisions afterwards."""
-        self._plan_due, self._check_pending = True, False
-        self._profile_shape, self._profile_batch = step.batch.shape, step.batch.size
-        self._observing, self._observed_state = step.batch, step.state
+        self._adopt(step.batch, step.state)
+        self._observing = step.batch
 
     def finish_observe(self, profile: ModelProfile) -> None:
         """Every process: the observed step's profile (the largest over the processes), which the
@@ -330,7 +517,7 @@ class AutoPlanner:
         self._planned_batch = profile.batch_size if batch is None else batch.size
         if steady:
             self._observed_state = StateSizes(1 << 62, 1 << 62)
-        self._plan_due, self._check_pending = True, False
+        self._plan_due, self._check_pending, self._revisits, self._settled = True, False, 0, []
 
     # -- planning --------------------------------------------------------------------------
     def steady_shift(self, state: StateSizes) -> tuple[int, int]:
@@ -343,19 +530,49 @@ class AutoPlanner:
         forward, backward = self.steady_shift(state)
         return self.profile.with_state(forward_bytes=forward, backward_bytes=backward)
 
-    def plan(self, state: StateSizes, measured_peak_bytes: Optional[int] = None) -> Plan:
+    def plan(
+        self, state: StateSizes, measured_peak_bytes: Optional[int] = None, step_times: Sequence[tuple[float, float, float]] = (),
+    ) -> Plan:
         """The plan for the steps to come (the main process; the session broadcasts it).
         ``measured_peak_bytes``: the newest step's measured peak, the check of the plan applied
-        last when one is pending."""
+        last when one is pending; ``step_times``: when :attr:`revisit_due`, the measured (step,
+        recomputation, exposed copies) milliseconds of the plan's last steps."""
         self._refusals_planned = len(self.refusals)
         if self.budget_bytes is None or not self.segments:
             return Plan(actions={name: Action.KEEP for name in self.segments})
+        if self._revisit_due:
+            return self._revisit(state, step_times)
         grown = state.total_bytes > self._planned_state
         if self._check_pending and self._current is not None and self._current.predicted_peak_bytes is not None:
             self._check_pending = False
+            if self._refined:
+                self._refined = False
+                return self._after_refinement(state, measured_peak_bytes, grown)
             if measured_peak_bytes is not None and self._checked(measured_peak_bytes, grown):
                 return self._current
         return self._solve(state)
+
+    def _after_refinement(self, state: StateSizes, measured: Optional[int], grown: bool) -> Plan:
+        """Note [A plan's first step refines its profile]: the plan is checked against the refined
+        profile (a miss learned as a correction) and solved again from it; a plan measured within
+        the budget stays unless the re-solved one is predicted faster."""
+        current, priced = self._current, self._as_run(self._current)
+        refined = self._profile_for(self._applied_state)
+        stays = measured is not None and not grown and measured <= self.budget_bytes
+        if measured is not None and not grown:
+            self.correction_bytes = max(self.correction_bytes, measured - simulate(refined, current.actions, **priced).peak_bytes)
+        fresh = self._solve(state)
+        if stays and fresh.predicted_step_ms >= simulate(self._profile_for(state), current.actions, **priced).step_ms:
+            return current
+        return fresh
+
+    def refine(self, profile: Optional[ModelProfile]) -> None:
+        """Every process: the first step of the plan applied last, observed under it (Note [A
+        plan's first step refines its profile]); ``None``: no profile, the guard's stays, as it
+        does when the step's batch was not the profile's (a smaller last batch)."""
+        if profile is not None and profile.batch_size == self._profile_batch:
+            self.profile = self._held_gradients(self._as_plain(profile, self._current), self._applied_state)
+            self._observed_state, self._refined = self._applied_state, True
 
     def _checked(self, measured: int, grown: bool) -> bool:
         """The check of the plan applied last against its first step's ``measured`` peak: whether
@@ -381,29 +598,102 @@ class AutoPlanner:
             )
         return False
 
-    def _solve(self, state: StateSizes) -> Plan:
-        """The fastest plan within the budget less what the checks learned."""
-        budget, window = self.budget_bytes, dict(copy_window_of(self.config), actions=self.actions)
+    def _profile_for(self, state: StateSizes) -> ModelProfile:
         profile = self.steady_profile(state).refusing(self.refusals)
         if self._scalable and self._planned_batch != profile.batch_size:
             profile = profile.at_batch(self._planned_batch)
+        return profile
+
+    def _solve(self, state: StateSizes, profile: Optional[ModelProfile] = None) -> Plan:
+        """The fastest plan within the budget less what the checks learned; where the model finds
+        none but the guard's measured peak fits, the lowest-memory plan."""
+        budget = self.budget_bytes
+        allowed = dict(copy_window_of(self.config), actions=self.actions)  # Note [Selective around FSDP hooks]
+        profile = profile if profile is not None else self._profile_for(state)
         effective = budget - self.correction_bytes
         try:
             if effective <= 0:
-                raise InfeasibleBudgetError(budget_bytes=budget, min_budget_bytes=min_budget_bytes(profile, **window), batch_size=profile.batch_size)
-            plan = solve(profile, budget_bytes=effective, **window)
+                raise InfeasibleBudgetError(budget_bytes=budget, min_budget_bytes=min_budget_bytes(profile, **allowed), batch_size=profile.batch_size)
+            plan = solve(profile, budget_bytes=effective, **allowed)
         except InfeasibleBudgetError as err:
-            raise InfeasibleBudgetError(
-                budget_bytes=budget, min_budget_bytes=err.min_budget_bytes + self.correction_bytes, batch_size=profile.batch_size,
-            ) from None
+            least = self._guard_least(profile.batch_size)  # measured: what the guard step needs
+            if least is not None and least <= budget:
+                guard = self._guard.plan  # the plan that measured it
+                return replace(
+                    guard, predicted_peak_bytes=least, predicted_step_ms=simulate(profile, guard.actions, **self._as_run(guard)).step_ms,
+                    budget_bytes=budget, batch_size=profile.batch_size,
+                )
+            least = err.min_budget_bytes + self.correction_bytes if least is None else least
+            raise InfeasibleBudgetError(budget_bytes=budget, min_budget_bytes=least, batch_size=profile.batch_size) from None
         if effective != budget:
             plan = replace(plan, budget_bytes=budget)
         return plan
 
+    def _as_run(self, plan: Plan) -> dict[str, Any]:
+        """What prices ``plan`` as the runtime runs it (:func:`simulate`'s keywords): its regions
+        outside the segments, and the copy windows the config sets, else those it was priced for."""
+        window = copy_window_of(self.config)
+        for key in ("prefetch_bytes", "inflight_bytes"):
+            if window[key] is None or window[key] == AUTO_WINDOW:
+                window[key] = getattr(plan, key)
+        return dict(window, outside=dict(plan.outside))
+
+    def _as_plain(self, profile: ModelProfile, plan: Plan) -> ModelProfile:
+        """``profile``, observed under ``plan``, as plain's (Note [A step measured under a plan]):
+        on CPU its regions outside the segments were measured as kept (Note [Regions held as kept])."""
+        return as_plain(profile, plan.actions, regions_held=self.device_type != "cuda", **self._as_run(plan))
+
+    def _guard_least(self, batch_size: int) -> Optional[int]:
+        """The lowest-memory plan's measured steady peak, when a guard measured it for this shape
+        and batch size (or a larger one)."""
+        guard = self._guard
+        if guard is None or guard.least is None or not guard.covers(BatchKey(self._profile_shape, batch_size)):
+            return None
+        return guard.least
+
+    # -- Note [Re-plan from the steady state] ---------------------------------------------------
+    def _revisit(self, state: StateSizes, step_times: Sequence[tuple[float, float, float]]) -> Plan:
+        """The plan's measured steady steps against its prediction: within
+        ``REVISIT_TOLERANCE`` it stays; else the profile is re-priced with the measured times
+        and re-solved, and the new plan replaces the current one only when predicted faster by
+        ``REPLAN_GAIN`` (hysteresis). Logged, with the numbers, either way it changes."""
+        current = self._current
+        times = [t for t in step_times if t[0] is not None and t[0] > 0]
+        if len(times) < REVISIT_AFTER_STEPS:
+            return current
+        measured = tuple(statistics.median(t[i] or 0.0 for t in times) for i in range(3))
+        predicted = current.predicted_step_ms
+        if abs(measured[0] - predicted) <= REVISIT_TOLERANCE * predicted:
+            return current
+        priced = self._as_run(current)
+        factors = time_factors(self._profile_for(state), current.actions, *measured, **priced)
+        self.profile = self.profile.with_times(*factors)
+        profile = self._profile_for(state)
+        try:
+            fresh = self._solve(state, profile)
+        except InfeasibleBudgetError:
+            fresh = current
+        now = simulate(profile, current.actions, **priced).step_ms
+        why = (
+            f"its steady steps took {measured[0]:.1f} ms (median of {len(times)}), {100 * (measured[0] / predicted - 1):+.0f}% "
+            f"from the {predicted:.1f} ms predicted"
+        )
+        if _choice(fresh) != _choice(current) and fresh.predicted_step_ms < (1 - REPLAN_GAIN) * now:
+            log.info("lightning-swap: re-planning with the measured times: %s; the new plan is predicted at %.1f ms, "
+                     "the current one at %.1f ms.", why, fresh.predicted_step_ms, now)
+            return fresh
+        log.info("lightning-swap: re-priced the plan with the measured times (%s); it stays (now predicted at %.1f ms).", why, now)
+        return replace(current, predicted_step_ms=now)
+
     def applied(self, plan: Plan, state: StateSizes) -> None:
         """Every process, after applying ``plan``: what it was made for, and a check is due."""
-        self._signature, self._planned_state = state.signature, state.total_bytes
-        self._current, self._plan_due = plan, False
+        if self._revisit_due:
+            self._revisit_due, self._revisits = False, self._revisits + 1
+            if self._current is not None and _choice(plan) == _choice(self._current):
+                self._settled.append(_choice(plan))
+        self._signature, self._planned_state, self._applied_state = state.signature, state.total_bytes, state
+        self._current, self._plan_due, self._steps_run = plan, False, 0
+        self._refine_due, self._refinable = self._refinable and self.budget_bytes is not None, False
         # By value, with the state it was made for: on the other processes every broadcast plan
         # is a new object (unpickled), and an identity test there made every step a check, a
         # broadcast rank 0 never entered. A plan kept after its check comes back equal in the

@@ -17,11 +17,14 @@ runs under the plan (``accelerate_swap/accelerator.py``, Note [Accelerate step w
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ..config import SwapConfig
 from ..measure.model_profile import ModelProfile
@@ -29,7 +32,41 @@ from ..measure.profiler import profile
 from ..tensors import tensors_in
 from .collectives import Collectives
 
-__all__ = ["fake_profile_on_main", "restore_rng_state", "rng_state"]
+__all__ = ["WeakBatch", "fake_profile_on_main", "restore_rng_state", "rng_state"]
+
+
+@dataclass(frozen=True)
+class _WeakTensor:
+    ref: weakref.ref
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    def resolve(self) -> torch.Tensor:
+        t = self.ref()
+        if t is not None:
+            return t
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device).requires_grad_(self.requires_grad)
+
+
+class WeakBatch:
+    """An observed step's batch, its tensors held by weak references (Note [An observed step
+    holds no batch] in ``measure/observe.py``): the fallback profiles it on fake tensors, where
+    only shapes, dtypes and devices count. :meth:`resolve` is the batch again: each tensor the
+    user's where it is still alive, else an uninitialised one like it (its own bytes were freed,
+    so it fits where it did). Containers pytree does not open are kept as they are."""
+
+    def __init__(self, batch: Any) -> None:
+        def weak(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor):
+                return v
+            return _WeakTensor(weakref.ref(v), tuple(v.shape), v.dtype, v.device, v.requires_grad)
+
+        self._tree = tree_map(weak, batch)
+
+    def resolve(self) -> Any:
+        return tree_map(lambda v: v.resolve() if isinstance(v, _WeakTensor) else v, self._tree)
 
 
 def rng_state(device: torch.device) -> tuple:
@@ -45,20 +82,20 @@ def restore_rng_state(device: torch.device, state: Optional[tuple]) -> None:
 
 
 def fake_profile_on_main(
-    model: nn.Module, batch: Any, step_fn: Callable[[nn.Module, Any], Any], *, segments: Sequence[str], states: Any,
+    model: nn.Module, batch: WeakBatch, step_fn: Callable[[nn.Module, Any], Any], *, segments: Sequence[str], states: Any,
     config: SwapConfig, device: torch.device, collectives: Collectives, advice: str, cause: BaseException,
 ) -> ModelProfile:
-    """The step that did not fit, profiled on fake tensors on the main process and handed to
-    every process (Note [The observed step does not fit]). When that fails too, a
-    ``RuntimeError`` from ``cause`` says so and gives ``advice`` (the adapter's way to choose a
-    policy instead)."""
+    """The step that did not fit (its ``batch`` by weak references), profiled on fake tensors on
+    the main process and handed to every process (Note [The observed step does not fit]). When
+    that fails too, a ``RuntimeError`` from ``cause`` says so and gives ``advice`` (the
+    adapter's way to choose a policy instead)."""
     gc.collect()  # what the failed attempt held
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
     def fake() -> ModelProfile:
         return profile(
-            model, batch, step_fn=step_fn, segments=list(segments), track=tensors_in(states), fake=True, scale=False,
+            model, batch.resolve(), step_fn=step_fn, segments=list(segments), track=tensors_in(states), fake=True, scale=False,
             min_offload_bytes=config.min_offload_bytes, device=device,
         )
 

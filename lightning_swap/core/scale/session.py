@@ -14,6 +14,7 @@ from values]).
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, Callable, Optional
@@ -34,11 +35,11 @@ from ..measure.timeline import Timeline
 from ..runtime.runtime import SwapRuntime
 from ..runtime.stats import StatsHistory, StepRecord, StepStats
 from ..segments import describe_segments, find_segments, resolve_modules, split_call
-from ..sharded import units_inside
+from ..sharded import is_sharded, units_inside
 from ..tensors import device_budget_bytes, normalize_device, tensors_in
-from .auto import AutoPlanner, BatchKey, StepInputs, StepKind
+from .auto import REVISIT_AFTER_STEPS, AutoPlanner, BatchKey, StepInputs, StepKind
 from .collectives import Collectives
-from .fallback import fake_profile_on_main, restore_rng_state, rng_state
+from .fallback import WeakBatch, fake_profile_on_main, restore_rng_state, rng_state
 from .steady_state import StateSizes, steady_plain_timeline
 
 __all__ = ["SwapSession"]
@@ -121,10 +122,18 @@ class SwapSession:
         self._warned_no_budget = False
         self._state: Optional[StateSizes] = None
         self._guard_states: Any = None
-        #: The step being observed (every process), and (batch, states, RNG state) of the
-        #: step observed last (every process: Note [The observed step does not fit]).
+        #: The step being observed (every process), and (batch by weak references, its key, states,
+        #: RNG state) of the step observed last (every process: Note [The observed step does not
+        #: fit]; Note [An observed step holds no batch] in ``observe.py``).
         self.observation: Optional[ObservedStep] = None
-        self._observed_call: Optional[tuple[Any, Any, tuple]] = None
+        self._observed_call: Optional[tuple[WeakBatch, BatchKey, Any, tuple]] = None
+        #: A step being observed under its plan (the main process): a guard step (Note [Observe
+        #: only what fits]) or the first step of a plan made from a guard's profile (Note [A plan's
+        #: first step refines its profile]), with its batch's key; and the segments' measured costs
+        #: on the batch they were measured on (by name).
+        self._under: Optional[ObservedStep] = None
+        self._under_batch: Optional[BatchKey] = None
+        self._guard_costs: Optional[tuple[BatchKey, dict]] = None
         #: ``policy="auto"``'s decisions (Note [Auto: observe, plan, check]); ``None`` for a forced policy.
         self.auto = self._new_planner() if config.is_auto else None
         self._measured_logged = False
@@ -134,10 +143,18 @@ class SwapSession:
     def _new_planner(self) -> AutoPlanner:
         planner = AutoPlanner(
             budget_bytes=self._budget_bytes, segments=self.segments, config=self.config,
-            grads_freed_before_backward=self._grads_freed, actions=self.allowed_actions(),
+            grads_freed_before_backward=self._grads_freed, device_type=self.device.type, actions=self.allowed_actions(),
         )
         planner.refusals = self.refusals  # the session's, as its steps find them (Note [Refused actions])
         return planner
+
+    def note_refusals(self, profile: Optional[ModelProfile]) -> None:
+        """What a profile's segments refused when their actions were tried (Note [Refused
+        actions]) joins what the runtimes heard: a guard step that recomputes nothing (``OFFLOAD``
+        on CPU) hears nothing, and the next guard plan offloads what was refused."""
+        for segment in profile.segments if profile is not None else ():
+            if segment.refusal:
+                self.refusals.setdefault(segment.name, segment.refusal)
 
     def note_profile(self, profile: Optional[ModelProfile]) -> None:
         """Log once how much of a step's saved bytes the segments cover (Note [Finding the blocks])."""
@@ -201,19 +218,58 @@ class SwapSession:
         if self.auto is None or self._pinned:
             self.begin_step(track, measure=measure)
             return StepKind.RUN
-        step = StepInputs(BatchKey.of(batch), self._state_sizes(states))
+        step = StepInputs(self._agreed(BatchKey.of(batch)), self._state_sizes(states))
         kind = self._next_step(step)
         if kind is StepKind.GUARD:
-            self.apply(self.auto.begin_guard(step))
-            self._guard_states = states
-            self.begin_step(track, measure=True)
+            self._begin_guard(batch, track, states, step)
         elif kind is StepKind.OBSERVE:  # every process observes (Note [Decide from the largest measurement])
             self._begin_observe(batch, track, states, step)
         else:
             if kind is StepKind.PLAN:
                 self._plan(step)
             self.begin_step(track, measure=measure)
+            if kind is StepKind.PLAN and self.auto.refine_due:
+                self._observe_under(batch, track)
         return kind
+
+    def _agreed(self, key: BatchKey) -> BatchKey:
+        """The batch key every process decides from (Note [Auto decides from values]): the same
+        shape everywhere and the largest batch size; where the processes' shapes differ, a shape
+        no profile has (every process guards). Two reductions of one number each: a 32-bit hash
+        of the shape above the size (exact in float64)."""
+        shape_hash = zlib.crc32(repr(key.shape).encode())
+        packed = shape_hash * (1 << 20) + min(key.size, (1 << 20) - 1)
+        most, least = int(self.collectives.reduce_max(packed)), int(self.collectives.reduce_min(packed))
+        if most >> 20 != least >> 20:
+            return BatchKey((("shapes differ across processes", most >> 20, least >> 20),), key.size)
+        return BatchKey(key.shape, most & ((1 << 20) - 1))
+
+    def _begin_guard(self, batch: Any, track: Any, states: Any, step: StepInputs) -> None:
+        """Note [Observe only what fits]: the lowest-memory plan, measured, and observed under it
+        (after the runtime's window opened: the observer's modes are closed first)."""
+        self.apply(self.auto.begin_guard(step))
+        self._guard_states = states
+        self.begin_step(track, measure=True)
+        self._observe_under(batch, track)
+
+    def _observe_under(self, batch: Any, track: Any) -> None:
+        """Every process observes this step under the installed plan (after the runtime's window
+        opened: the observer's modes are closed first, in :meth:`end_step`); not a sharded model,
+        whose segments cannot run alone (Note [Observe every rank] in ``observe.py``): no profile
+        is made from its guard steps, plain's peak is bounded instead (Note [Observe only what fits])."""
+        if is_sharded(self.model):
+            return
+        self._under_batch = BatchKey.of(batch)  # the key, not the batch (Note [An observed step holds no batch])
+        self._under = ObservedStep(
+            self.model, list(self.segments), device=self.device, batch=batch, track=track,
+            min_offload_bytes=self.config.min_offload_bytes, modules=self.modules, under=self.plan.actions,
+            costs=self._costs_for(self._under_batch),
+        ).begin()
+
+    def _costs_for(self, key: BatchKey) -> Optional[dict]:
+        """The segments' costs this process measured already on a batch of this shape and size."""
+        measured = self._guard_costs
+        return measured[1] if measured is not None and measured[0] == key else None
 
     def _state_sizes(self, states: Any) -> StateSizes:
         self._state = StateSizes.of(self.model, states, self._state)
@@ -234,12 +290,13 @@ class SwapSession:
     def _begin_observe(self, batch: Any, track: Any, states: Any, step: StepInputs) -> None:
         self.remove()
         self.plan = None
-        self.auto.begin_observe(step)
+        self.auto.begin_observe(step)  # the agreed batch: the largest, as the merged profile's
         self.observation = ObservedStep(
             self.model, list(self.segments), device=self.device, batch=batch, track=track,
-            min_offload_bytes=self.config.min_offload_bytes, modules=self.modules,
+            min_offload_bytes=self.config.min_offload_bytes, modules=self.modules, costs=self._costs_for(BatchKey.of(batch)),
         ).begin()
-        self._observed_call = (batch, states, rng_state(self.device))
+        # by weak references: Note [An observed step holds no batch]
+        self._observed_call = (WeakBatch(batch), BatchKey.of(batch), states, rng_state(self.device))
 
     def _plan(self, step: StepInputs) -> None:
         """A plan solved on the main process, applied on every process."""
@@ -251,7 +308,11 @@ class SwapSession:
         def solve() -> Plan:
             if self._budget_bytes is None:
                 self.warn_no_budget()
-            return self.auto.plan(step.state, peak)
+            times = ()
+            if self.auto.revisit_due:  # Note [Re-plan from the steady state]: the one wait for the device
+                steps = self.records.since(self.records.count - REVISIT_AFTER_STEPS, wait=True)
+                times = [(s.step_ms, s.recompute_ms, s.exposed_transfer_ms) for s in steps]
+            return self.auto.plan(step.state, peak, times)
 
         plan = self._received(self.collectives.on_main(solve))
         if plan != self.plan:  # by value: other processes get a new object each time
@@ -275,36 +336,74 @@ class SwapSession:
 
     def backward_begins(self) -> None:
         """The loss exists and its backward is about to run."""
-        if self.observation is not None:
-            self.observation.backward_begins()
+        if self.auto is not None and self.auto.guarding and self.runtime is not None and self.runtime.measuring:
+            self.auto.guard_forward_done(self.runtime.meter.peak_bytes)
+        for observation in (self.observation, self._under):
+            if observation is not None:
+                observation.backward_begins()
 
     def step_done(self) -> None:
         """The whole step (optimizer step included) is over: an observed step becomes the profile,
         a guard step's measurements bound plain's peak (Note [Observe only what fits])."""
         if self.auto is not None and self.auto.guarding and self.runtime is not None:
-            stats = self.records.newest()
-            measured = self.runtime.measured_plan(wait=True)
-            rows = _largest_rows(self.collectives.gather(measured.rows if measured else None))
-            self.auto.end_guard(
-                self.collectives.largest(stats.peak_device_bytes if stats is not None else None), rows,
-                self._state_sizes(self._guard_states),
-            )
-            self._guard_states = None
-            if measured is not None:
-                self.plan = measured
+            self._end_guard()
+        elif self._under is not None:
+            self.auto.refine(self._profile_under())
         if self.observation is not None:
             observed, self.observation = self.observation, None
             profile = max_profile(self.collectives.gather(observed.finish()))
+            self.note_refusals(profile)
             self.auto.finish_observe(profile)
             self.records.add(_observed_record(profile))
             self.note_profile(profile)
         self._observed_call = None
 
+    def _end_guard(self) -> None:
+        """A guard step is over: its peak and rows (the largest of every process's: the verdict
+        must hold for all of them), and once the guard was steady, its profile (Note [Observe
+        only what fits])."""
+        stats = self.records.newest()
+        measured = self.runtime.measured_plan(wait=True)
+        rows = _largest_rows(self.collectives.gather(measured.rows if measured else None))
+        self.auto.end_guard(
+            self.collectives.largest(stats.peak_device_bytes if stats is not None else None), rows,
+            self._state_sizes(self._guard_states),
+        )
+        self._guard_states = None
+        if measured is not None:
+            self.plan = measured
+        if self._under is None:
+            return
+        if not self.auto.guard_steady:
+            self._under.abort()
+            self._under = None
+            return
+        self.auto.guard_observed(self._profile_under())
+
+    def _profile_under(self) -> Optional[ModelProfile]:
+        """The profile of the step observed under its plan (its windows the plan's: Note [A step
+        measured under a plan]), the largest of every process's (``None`` where one made none);
+        each process keeps its segments' costs for its next steps on that batch."""
+        observation, self._under = self._under, None
+        self.runtime.remove()  # each segment is measured alone as plain code (Note [A segment measured alone])
+        try:
+            profile = observation.finish()
+        finally:
+            self.runtime.install()
+        if observation.costs:
+            self._guard_costs = (self._under_batch, observation.costs)
+        profiles = self.collectives.gather(profile)
+        profile = None if any(p is None for p in profiles) else max_profile(profiles)
+        self.note_refusals(profile)
+        return profile
+
     def abort_step(self) -> None:
         """The step failed (out of memory, an exception): nothing observed is kept."""
-        if self.observation is not None:
-            self.observation.abort()
-            self.observation = None
+        for name in ("observation", "_under"):
+            observation = getattr(self, name)
+            if observation is not None:
+                observation.abort()
+                setattr(self, name, None)
         if self.runtime is not None and self.runtime.measuring:
             self.runtime.abort_step()
 
@@ -316,12 +415,12 @@ class SwapSession:
         fake mode fails too."""
         if self._observed_call is None:
             raise RuntimeError("plan_after_out_of_memory: no observed step to plan for") from exc
-        batch, states, rng = self._observed_call
+        batch, key, states, rng = self._observed_call
         profile = fake_profile_on_main(
             self.model, batch, step_fn, segments=self.segments, states=states, config=self.config, device=self.device,
             collectives=self.collectives, advice=advice, cause=exc,
         )
-        self.use_profile(profile, BatchKey.of(batch))
+        self.use_profile(profile, key)
         restore_rng_state(self.device, rng)
 
     def use_profile(self, profile: ModelProfile, batch: Optional[BatchKey], *, steady: bool = False) -> None:
@@ -401,9 +500,8 @@ class SwapSession:
         self.records.clear()
         self.plan = None
         if self.auto is not None:
-            if self.observation is not None:
-                self.observation.abort()
-                self.observation = None
+            self.abort_step()
+            self._guard_costs = None
             self.auto = self._new_planner()
         self._pinned = False
 
@@ -447,8 +545,9 @@ class SwapSession:
         an observed step)."""
         if self.auto is not None and self.auto.guarding and self.runtime is not None and self.runtime.measuring:
             self.auto.guard_backward_done(self.collectives.largest(self.runtime.meter.peak_bytes))
-        if self.observation is not None and not self.observation.backward_over:
-            self.observation.backward_done()
+        for observation in (self.observation, self._under):
+            if observation is not None and observation.open and not observation.backward_over:
+                observation.backward_done()
 
     def end_step(self) -> Optional[StepStats]:
         """The step is over (adapters call it after the optimizer step when they can, else
@@ -456,6 +555,8 @@ class SwapSession:
         if self.observing:
             self.backward_done()
             return None
+        if self._under is not None:
+            self._under.close()  # its modes opened inside the runtime's window: closed first
         if self.runtime is None or not self.runtime.measuring:
             return None
         self.last_stats = self.runtime.end_step()

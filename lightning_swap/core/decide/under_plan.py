@@ -1,0 +1,189 @@
+"""A profile measured under a plan, re-expressed as plain training's (the cost model run backwards).
+
+Note [A step measured under a plan]: the cost model (Note [Memory model] in ``costmodel.py``)
+writes each window's peak as ``base + terms(plan)``, where ``base`` is what no action changes
+and the terms depend on the plan through per-segment quantities. A profile normally measures the
+windows of a *plain* step and derives ``base`` from them. A step run under another plan ``P``
+(``auto``'s guard step, under the lowest-memory plan) gives it too, but not through ``P``'s own
+window terms: those model transients (a recomputation's forward, an offloaded backward fetching
+op by op) that the model only bounds, and a bound run backwards is an error of the other sign.
+So the measurement is taken where ``P`` and plain differ only in bytes the model counts
+exactly — where each segment's window *starts*: before its forward, what earlier segments keep;
+before its backward, that and what the segment itself holds then (:func:`present_bytes`) — and
+the segment's own rise above that start is plain's, measured by running it alone, kept (Note [A
+segment measured alone] in ``measure/action_costs.py``). ``ObservedStep`` hands over, per
+segment, ``start under P + rise when kept`` as the window's peak; :func:`as_plain` swaps ``P``'s
+kept and present bytes for plain's, and the windows no action changes (before the first segment,
+after its backward, the optimizer step) and the tail (which only earlier segments' kept bytes
+change) stay as measured. The regions outside the segments (Note [Regions outside the segments]
+in ``measure/model_profile.py``), offloaded by the guard's plan too, cannot run alone: on CPU the
+step's meter counts them as kept until their backward (Note [Regions held as kept] in
+``measure/trace.py``), so they enter as kept and only their own backward window is swapped as
+a segment's is; on CUDA their forward is bounded by their offloaded bytes. Measured on CPU (the tests' MLP, GPT and CNN, the issue's LM in
+``bf16-mixed``, ResNet-18): plain's peak predicted from a step under ``OFFLOAD`` or
+``RECOMPUTE_OFFLOAD`` everywhere within 0.5% of the measured one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Optional
+
+from ..actions import Action
+from ..measure.model_profile import ModelProfile
+from ..measure.model_profile import SegmentProfile
+from .costmodel import (
+    _window, boundary_held, boundary_kept, chain_actions, copied_bytes, copy_window, elements, held_out, internal_kept,
+    outside_mask, recompute_ms, segment_costs, simulate_chain,
+)
+
+__all__ = ["as_plain", "present_bytes", "time_factors"]
+
+
+def _kept_before(segs: Sequence[SegmentProfile], acts: Sequence[Action]) -> list[int]:
+    """What elements ``< i`` keep on the device until their backward, for each ``i`` (and the
+    total, last), as ``simulate``'s forward walk counts it."""
+    kept, out = 0, []
+    prev = None
+    for i, (s, a) in enumerate(zip(segs, acts)):
+        out.append(kept)
+        p = acts[i - 1] if i else None
+        kept += internal_kept(s, a) + boundary_kept(prev, p, s, a)
+        prev = s
+    return out + [kept]
+
+
+def present_bytes(prev: Optional[SegmentProfile], p: Optional[Action], s: SegmentProfile, a: Action) -> int:
+    """Bytes of segment ``s`` alive on the device as its backward starts under ``a`` (Note [A step
+    measured under a plan]): what it keeps of its own, its input if held, its output if it holds
+    it. Kept, everything it saved; offloaded or recomputed, only what stays (small or boundary
+    tensors): the rest is fetched or recomputed after the start."""
+    held_input = s.input_bytes if boundary_held(prev, p, s, a) else 0
+    return internal_kept(s, a) + held_input + (s.output_bytes if held_out(s, a) else 0)
+
+
+def _opened(
+    start: int, rest: int, swap: int, segs: Sequence[SegmentProfile], acts: Sequence[Action], last: int, nxt: Optional[int],
+) -> int:
+    """Note [The tail opens holding the last input] in ``measure/trace.py``: the peak under plain
+    of the window after the last segment (element ``last``), measured apart as its opening level
+    and its peak after that, with ``swap`` what plain keeps before it less what the plan kept.
+    The opening level already holds the last segment's input (its caller still does) and its
+    output (just made): plain's keeping them adds nothing there; after it, the output stays under
+    plain only where plain holds it and the plan did not (its saving region ``nxt``, when the
+    tail is planned, else the segment itself or another part of the model)."""
+    s, a = segs[last], acts[last]
+    prev = segs[last - 1] if last else None
+    held = boundary_held(prev, Action.KEEP if last else None, s, Action.KEEP) and not boundary_held(prev, acts[last - 1] if last else None, s, a)
+    if nxt is None:
+        output = held_out(s, Action.KEEP) and not held_out(s, a) and not s.output_held_elsewhere
+    else:
+        output = boundary_held(s, Action.KEEP, segs[nxt], Action.KEEP) and not boundary_held(s, a, segs[nxt], acts[nxt])
+    return max(rest + swap + (s.output_bytes if output else 0), start + swap - (s.input_bytes if held else 0))
+
+
+def _plain_tail(profile: ModelProfile, acts: Sequence[Action], kept_p: list[int], kept_k: list[int], copies: list[int], inflight: int) -> int:
+    """The tail's peak under plain (the moment the loss's backward begins where the head and
+    loss are a planned region, else the whole tail): what the plan kept swapped for what plain
+    keeps, the tail's opening apart where measured so (:func:`_opened`)."""
+    segs, mask = elements(profile), outside_mask(profile)
+    n = len(acts)
+    swap = kept_k[n] - kept_p[n] - _window(copies, n - inflight, n)
+    if n == 0 or profile.has_tail_region() or profile.tail_start_bytes < 0 or profile.tail_rest_bytes < 0:
+        return profile.tail_peak_bytes + swap
+    last = max(i for i, o in enumerate(mask) if not o)
+    return _opened(profile.tail_start_bytes, profile.tail_rest_bytes, swap, segs, acts, last, None)
+
+
+def _plain_elements(
+    profile: ModelProfile, ran: Sequence[Action], measured: Sequence[Action], kept_p: list[int], kept_k: list[int],
+) -> list[SegmentProfile]:
+    """Each element's windows under plain (Note [A step measured under a plan]): the plan's kept
+    bytes before it swapped for plain's, and in its backward its own present bytes. A region the
+    meter held as kept (``measured`` ``KEEP``, ``ran`` ``OFFLOAD``: Note [Regions held as kept] in
+    ``measure/trace.py``) was let go as its backward began: that window is the plan's. A region
+    offloaded and not held (CUDA) rose in its forward by at most its offloaded bytes less."""
+    segs, mask = elements(profile), outside_mask(profile)
+    tail = len(segs) - 1 if profile.has_tail_region() else None
+    out = []
+    for i, (s, a, o) in enumerate(zip(segs, measured, mask)):
+        prev, p = (segs[i - 1], measured[i - 1]) if i else (None, None)
+        swap = kept_k[i] - kept_p[i]
+        present = present_bytes(prev, Action.KEEP if i else None, s, Action.KEEP) - present_bytes(prev, p, s, ran[i] if o else a)
+        forward = s.forward_peak_bytes + swap + (s.offload_bytes if o and a is not Action.KEEP else 0)
+        if i == tail and profile.tail_start_bytes >= 0 and profile.tail_rest_bytes >= 0 and a is Action.KEEP:
+            last = max(j for j, m in enumerate(mask[:i]) if not m)
+            forward = _opened(profile.tail_start_bytes, profile.tail_rest_bytes, swap, segs, measured, last, i)
+        out.append(dataclasses.replace(
+            s, forward_peak_bytes=forward, backward_peak_bytes=s.backward_peak_bytes + swap + present,
+            offload_backward_peak_bytes=s.offload_backward_peak_bytes + swap + present,
+        ))
+    return out
+
+
+def as_plain(
+    profile: ModelProfile, actions: Mapping[str, Action] | Sequence[Action], *, outside: Optional[Mapping[str, Action]] = None,
+    regions_held: bool = False, prefetch_segments: Optional[int] = None, inflight_segments: int = 1,
+    prefetch_bytes: Optional[int] = None, inflight_bytes: Optional[int] = None,
+) -> ModelProfile:
+    """``profile`` was measured in a step run under ``actions`` (and ``outside`` for the regions
+    outside the segments; ``regions_held``: the meter counted those as kept, Note [Regions held
+    as kept] in ``measure/trace.py``): each segment's window peaks are its window's start under
+    the plan plus its rise when kept, the tail's as measured (Note [A step measured under a
+    plan]); the same profile with plain training's windows. The copy windows: as the step ran
+    (the copies in flight at the tail)."""
+    ran = chain_actions(profile, actions, outside)
+    mask = outside_mask(profile)
+    measured = [Action.KEEP if o and regions_held else a for a, o in zip(ran, mask)]
+    keep = [Action.KEEP] * len(ran)
+    segs = elements(profile)
+    _, inflight = copy_window(prefetch_segments, inflight_segments, overlap=profile.copies_overlap)
+    if inflight_bytes is not None:  # in bytes (Note [Copy windows in bytes, priced]): none taken off, a bound on CUDA
+        inflight = 0
+    copies = [copied_bytes(s, a) for s, a in zip(segs, measured)]
+    kept_p, kept_k = _kept_before(segs, measured), _kept_before(segs, keep)
+    plain_elements = _plain_elements(profile, ran, measured, kept_p, kept_k)
+    plain = dataclasses.replace(
+        profile, segments=tuple(e for e, o in zip(plain_elements, mask) if not o),
+        outside=tuple(e for e, o in zip(plain_elements, mask) if o),
+        tail_peak_bytes=_plain_tail(profile, measured, kept_p, kept_k, copies, inflight),
+    )
+    peak = simulate_chain(plain, keep, segment_costs(plain), prefetch_segments=prefetch_segments, inflight_segments=inflight_segments).peak_bytes
+    return dataclasses.replace(plain, peak_bytes=peak)
+
+
+#: Measured times are trusted to re-price a profile within this factor of the prediction.
+_MOST_FACTOR = 10.0
+
+
+def _factor(measured: float, predicted: float, default: float) -> float:
+    if measured <= 0 or predicted <= 1e-9:
+        return default
+    return min(max(measured / predicted, 1 / _MOST_FACTOR), _MOST_FACTOR)
+
+
+def time_factors(
+    profile: ModelProfile, actions: Mapping[str, Action] | Sequence[Action], step_ms: float, recompute_ms_measured: float,
+    transfer_ms: float, *, outside: Optional[Mapping[str, Action]] = None, prefetch_segments: Optional[int] = None,
+    inflight_segments: int = 1, prefetch_bytes: Optional[int] = None, inflight_bytes: Optional[int] = None,
+) -> tuple[float, float, float]:
+    """Note [Re-plan from the steady state] in ``scale/auto.py``: by what ``profile``'s times are
+    off, from a steady step measured under ``actions`` (and ``outside`` for the regions outside
+    the segments; its time, what recomputation took in it, what copies left exposed): (compute,
+    recomputation, copies), for :meth:`~..measure.model_profile.ModelProfile.with_times`. The
+    plain part of the step is what was measured less recomputation and copies; recomputation and
+    copies are compared with what the model priced them at, and keep the compute factor (copies:
+    1) where the plan has none."""
+    acts = chain_actions(profile, actions, outside)
+    segs = elements(profile)
+    predicted = simulate_chain(
+        profile, acts, prefetch_segments=prefetch_segments, inflight_segments=inflight_segments, prefetch_bytes=prefetch_bytes,
+        inflight_bytes=inflight_bytes,
+    )
+    recompute = sum(recompute_ms(s, a) for s, a in zip(segs, acts) if a.recomputes)
+    floors = sum(recompute_ms(s, a) for s, a in zip(segs, acts) if not a.recomputes)
+    copies = max(0.0, predicted.step_ms - profile.step_ms - recompute - floors)
+    plain = max(step_ms - recompute_ms_measured - transfer_ms, 0.1 * step_ms)
+    compute = _factor(plain, profile.step_ms, 1.0)
+    return compute, _factor(recompute_ms_measured, recompute, compute), _factor(transfer_ms, copies, 1.0)
