@@ -136,7 +136,11 @@ def test_the_minimum_is_the_lowest_memory_plans_peak_and_raised_before_a_step_is
     assert budget < info.value.min_budget_bytes <= least, (info.value.min_budget_bytes, least)
     least = info.value.min_budget_bytes
     _, trainer = _fit(name, CPUSwapStrategy(budget_bytes=int(1.03 * least), min_offload_bytes=0))
-    assert max(_peaks(trainer)) <= int(1.03 * least)
+    peaks = _peaks(trainer)
+    assert max(peaks) <= int(1.03 * least)
+    # Issue 20: the stated minimum is what the lowest-memory plan measures, within 5%: the steady
+    # steps run it (or a plan using the 3% above it); step 1 is lower (AdamW's state not yet made)
+    assert abs(max(peaks[1:]) - least) <= 0.05 * least, (peaks, least)
 
 
 @pytest.mark.parametrize("accumulate", [2, 4])
