@@ -1,7 +1,7 @@
 """The main job: train a torchvision ResNet on synthetic images with ``strategy="cpu_swap"``
 under each policy and print what the plan did, side by side with plain training.
 
-Runs on CPU in about 25 seconds (2 cores); on a CUDA machine pass ``--accelerator gpu``.
+Runs on CPU in about 40 seconds (2 cores); on a CUDA machine pass ``--accelerator gpu``.
 """
 
 from __future__ import annotations
