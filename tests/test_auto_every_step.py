@@ -143,8 +143,11 @@ def test_the_minimum_is_the_lowest_memory_plans_peak_and_raised_before_a_step_is
     assert abs(max(peaks[1:]) - least) <= 0.05 * least, (peaks, least)
 
 
-def _accumulation_run(accumulate):
-    """(the budget between the stated minimum and plain's peak, the peaks of 8 steps at it)."""
+@pytest.mark.parametrize("accumulate", [2, 4])
+def test_accumulation_minimum_is_at_most_plains_peak(accumulate):
+    """The minimum is at most plain's peak, and a budget between them is kept on every step.
+    (This failed in ~1 run in 10 before Note [Holds are tokens, not ids]: a guard step's profile
+    came out 256 KiB low in every backward window, and the first plan made from it was over.)"""
     plain = _forced("cnn", "keep", accumulate)
     with pytest.raises(InfeasibleBudgetError) as info:
         _fit("cnn", CPUSwapStrategy(budget_bytes=1 << 16, min_offload_bytes=0), accumulate_grad_batches=accumulate)
@@ -152,26 +155,7 @@ def _accumulation_run(accumulate):
     assert least <= plain
     budget = (least + plain) // 2
     _, trainer = _fit("cnn", CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0), steps=8, accumulate_grad_batches=accumulate)
-    return budget, _peaks(trainer)
-
-
-@pytest.mark.parametrize("accumulate", [2, 4])
-def test_accumulation_minimum_is_at_most_plains_peak(accumulate):
-    """The minimum is at most plain's peak, a budget between them trains, its steady steps within it."""
-    budget, peaks = _accumulation_run(accumulate)
-    assert len(peaks) == 8 * accumulate and max(peaks[-2 * accumulate:]) <= budget, (peaks, budget)
-
-
-@pytest.mark.xfail(strict=False, reason=(
-    "known defect (2026-11-24, open in issue 20): the guard step's profile is not repeatable: in about 1 run "
-    "in 10 (also with gc disabled) every backward window of the CNN starts 256 KiB lower, the first plan then "
-    "keeps <prefix> and offloads blocks.0-1, predicted 4,564,624 B (4,826,768 from the usual profile) within "
-    "the 4,608,448 B budget, and measures 4,816,872 B; the plan check corrects it from the next step on"
-))
-@pytest.mark.parametrize("accumulate", [2, 4])
-def test_accumulation_every_step_within_the_budget(accumulate):
-    budget, peaks = _accumulation_run(accumulate)
-    assert max(peaks) <= budget, (peaks, budget)
+    assert max(_peaks(trainer)) <= budget, (_peaks(trainer), budget)
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])

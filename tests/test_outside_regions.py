@@ -283,3 +283,32 @@ def test_a_step_observed_under_offloaded_regions_is_measured_as_if_they_were_kep
     forward = [w for w in plain.window_peak if w == "prefix_fwd" or (isinstance(w, tuple) and w[0] in ("fwd", "after"))]
     assert {w: held.window_peak[w] for w in forward} == {w: plain.window_peak[w] for w in forward}
     assert {w: held.window_start.get(w) for w in forward} == {w: plain.window_start.get(w) for w in forward}
+
+
+def test_a_hold_is_let_go_by_its_token_even_where_python_reuses_the_id():
+    """Note [Holds are tokens, not ids]: two storages held one after the other, the first freed
+    before the second exists (so CPython may give the second storage object the first one's
+    address, as it did in the guard steps of issue 20; the accounting must not depend on it):
+    letting go of the second releases its bytes only, the first's stay counted until its own
+    hold is let go; a storage held twice goes with the last hold."""
+    from lightning_swap.core.engine.meter import DeviceMemoryMeter
+
+    with DeviceMemoryMeter("cpu") as meter:
+        first = torch.ones(1024)  # 4 KiB
+        held_first = meter.hold(first.untyped_storage())
+        del first
+        second = torch.ones(2048)  # 8 KiB
+        held_second = meter.hold(second.untyped_storage())
+        del second
+        assert meter.current_bytes == 12 * 1024  # both freed, both held
+        meter.let_go([held_second])
+        assert meter.current_bytes == 4 * 1024, "letting go of the second released the first"
+        meter.let_go([held_first])
+        assert meter.current_bytes == 0
+        twice = torch.ones(1024)
+        tokens = [meter.hold(twice.untyped_storage()), meter.hold(twice.untyped_storage())]
+        del twice
+        meter.let_go(tokens[1:])
+        assert meter.current_bytes == 4 * 1024
+        meter.let_go(tokens[:1])
+        assert meter.current_bytes == 0

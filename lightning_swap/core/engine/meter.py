@@ -14,11 +14,22 @@ While a CPU meter is open, ``resize_`` is wrapped (as ``torch.distributed._tools
 does) so that a tracked storage's bytes follow it, and a storage that grows from nothing on
 the device starts being counted. A ``DTensor`` (FSDP2's sharded parameters, gradients and
 optimizer state) is counted by its local shard, the bytes this process holds.
+
+Note [Holds are tokens, not ids]: a storage held (:meth:`DeviceMemoryMeter.hold`) and then freed
+stays counted until let go; once freed, its ``id`` is free for Python to give to the next
+storage, which a later region may hold too. Holds keyed by ``id`` merged the two: letting go of
+the later region (its backward starts first) released the earlier one's bytes as well, at random
+(wherever the allocator reused the address), and a guard step's profile came out up to a
+storage lower in every backward window in about 1 run in 10 (issue 20: a plan then chosen from
+it measured 4.5% over its budget). Each hold is a token; a freed storage's bytes go when the
+last token holding it is let go (a storage two regions saved stays counted until the earlier
+region's backward, as it would stay alive if kept).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
@@ -118,9 +129,13 @@ class DeviceMemoryMeter:
         # CPU tensors report ``cpu``, never ``cpu:N`` (Accelerate's multi-CPU device name).
         self.device = torch.device("cpu") if device.type == "cpu" else device
         self._storages: dict[int, tuple[weakref.ref, int]] = {}
-        #: Storages held (by ``id``) and the bytes of those freed while held (:meth:`hold`).
-        self._holding: set[int] = set()
-        self._held: dict[int, int] = {}
+        #: Note [Holds are tokens, not ids]: storage ``id`` -> the tokens holding it (alive),
+        #: token -> that storage's ``id`` while alive, and token -> [bytes, tokens still holding]
+        #: once freed (:meth:`hold`).
+        self._holding: dict[int, set[int]] = {}
+        self._holding_ids: dict[int, int] = {}
+        self._held: dict[int, list] = {}
+        self._tokens = itertools.count(1)
         self._current = 0
         self._peak = 0
         self._mode: Optional[_StorageTracker] = None
@@ -143,6 +158,7 @@ class DeviceMemoryMeter:
         else:
             self._storages.clear()
             self._holding.clear()
+            self._holding_ids.clear()
             self._held.clear()
             self._current = self._peak = 0
             # Compiled code runs eagerly under the mode; say so to Dynamo, or fullgraph=True raises.
@@ -192,20 +208,35 @@ class DeviceMemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._peak = 0 if after_next_change and not self.is_cuda else self._current
 
-    def hold(self, storage: torch.UntypedStorage) -> None:
-        """CPU: count ``storage`` as alive once freed too, until :meth:`let_go` names it (a
-        storage a plan moved to the host, counted as if kept: Note [Regions held as kept] in
-        ``measure/trace.py``)."""
-        if not self.is_cuda and self._open:
-            self._holding.add(id(storage))
+    def hold(self, storage: torch.UntypedStorage) -> Optional[int]:
+        """CPU: count ``storage`` as alive once freed too, until :meth:`let_go` names the token
+        returned (a storage a plan moved to the host, counted as if kept: Note [Regions held as
+        kept] in ``measure/trace.py``); ``None`` where nothing is held (CUDA, a closed meter)."""
+        if self.is_cuda or not self._open:
+            return None
+        token = next(self._tokens)
+        self._holding.setdefault(id(storage), set()).add(token)
+        self._holding_ids[token] = id(storage)
+        return token
 
-    def let_go(self, ids: Iterable[int]) -> None:
-        """Stop holding these storages (by ``id``): the bytes of those already freed go now."""
-        for key in ids:
-            self._holding.discard(key)
-            nbytes = self._held.pop(key, 0)
-            if nbytes:
-                self._changed(-nbytes)
+    def let_go(self, tokens: Iterable[int]) -> None:
+        """Drop these holds (tokens from :meth:`hold`): a freed storage's bytes go once no hold
+        on it is left (Note [Holds are tokens, not ids])."""
+        for token in tokens:
+            key = self._holding_ids.pop(token, None)
+            if key is not None:  # alive: it is simply no longer held by this token
+                alive = self._holding.get(key)
+                if alive is not None:
+                    alive.discard(token)
+                    if not alive:
+                        del self._holding[key]
+                continue
+            freed = self._held.pop(token, None)
+            if freed is None:
+                continue
+            freed[1].discard(token)
+            if not freed[1]:
+                self._changed(-freed[0])
 
     # -- CPU tracking -------------------------------------------------------------------
     def track(self, tensors: Iterable[Any]) -> None:
@@ -264,9 +295,12 @@ class DeviceMemoryMeter:
             entry = self._storages.get(key)
             if entry is not None and entry[0] is ref:
                 del self._storages[key]
-                if key in self._holding:  # counted until let go (a new storage may take the id)
-                    self._holding.discard(key)
-                    self._held[key] = self._held.get(key, 0) + entry[1]
+                tokens = self._holding.pop(key, None)
+                if tokens:  # counted until every hold is let go (Note [Holds are tokens, not ids])
+                    freed = [entry[1], set(tokens)]
+                    for token in tokens:
+                        self._holding_ids.pop(token, None)
+                        self._held[token] = freed
                     return
                 self._current -= entry[1]
                 self._peak = max(self._peak, self._current)  # a peak restarted after the next change

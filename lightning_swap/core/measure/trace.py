@@ -534,8 +534,9 @@ class _Recorder:
         if s is not None and id(s) not in self.param_storages and self.phase_is_forward:
             self.trace.saved[self.region][self.keys.key(s)] = s.nbytes()
             if self.hold_regions and not (isinstance(self.region, int) and self.region >= 0):
-                self.held.setdefault(self.region, set()).add(id(s))
-                self.meter.hold(s)
+                token = self.meter.hold(s)
+                if token is not None:
+                    self.held.setdefault(self.region, set()).add(token)
         return t
 
     def install(self, params: list[torch.Tensor]) -> None:
