@@ -29,6 +29,7 @@ region's backward, as it would stay alive if kept).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import threading
 import weakref
@@ -115,6 +116,16 @@ class _StorageTracker(TorchDispatchMode):
         return out
 
 
+@dataclasses.dataclass(eq=False)
+class _Held:
+    """One held storage (Note [Holds are tokens, not ids]): its ``id`` while alive, the holds on
+    it, and its bytes once freed."""
+
+    key: int
+    tokens: set = dataclasses.field(default_factory=set)
+    freed_bytes: int = 0
+
+
 class DeviceMemoryMeter:
     """Context manager measuring the peak bytes alive on ``device`` while it is open.
 
@@ -129,12 +140,10 @@ class DeviceMemoryMeter:
         # CPU tensors report ``cpu``, never ``cpu:N`` (Accelerate's multi-CPU device name).
         self.device = torch.device("cpu") if device.type == "cpu" else device
         self._storages: dict[int, tuple[weakref.ref, int]] = {}
-        #: Note [Holds are tokens, not ids]: storage ``id`` -> the tokens holding it (alive),
-        #: token -> that storage's ``id`` while alive, and token -> [bytes, tokens still holding]
-        #: once freed (:meth:`hold`).
-        self._holding: dict[int, set[int]] = {}
-        self._holding_ids: dict[int, int] = {}
-        self._held: dict[int, list] = {}
+        #: Note [Holds are tokens, not ids]: the held storages alive, by ``id``, and every hold
+        #: by its token (:meth:`hold`); a hold outlives its storage's ``id``.
+        self._holding: dict[int, _Held] = {}
+        self._holds: dict[int, _Held] = {}
         self._tokens = itertools.count(1)
         self._current = 0
         self._peak = 0
@@ -158,8 +167,7 @@ class DeviceMemoryMeter:
         else:
             self._storages.clear()
             self._holding.clear()
-            self._holding_ids.clear()
-            self._held.clear()
+            self._holds.clear()
             self._current = self._peak = 0
             # Compiled code runs eagerly under the mode; say so to Dynamo, or fullgraph=True raises.
             self._stance = force_eager()
@@ -215,28 +223,25 @@ class DeviceMemoryMeter:
         if self.is_cuda or not self._open:
             return None
         token = next(self._tokens)
-        self._holding.setdefault(id(storage), set()).add(token)
-        self._holding_ids[token] = id(storage)
+        held = self._holding.setdefault(id(storage), _Held(id(storage)))
+        held.tokens.add(token)
+        self._holds[token] = held
         return token
 
     def let_go(self, tokens: Iterable[int]) -> None:
         """Drop these holds (tokens from :meth:`hold`): a freed storage's bytes go once no hold
         on it is left (Note [Holds are tokens, not ids])."""
         for token in tokens:
-            key = self._holding_ids.pop(token, None)
-            if key is not None:  # alive: it is simply no longer held by this token
-                alive = self._holding.get(key)
-                if alive is not None:
-                    alive.discard(token)
-                    if not alive:
-                        del self._holding[key]
+            held = self._holds.pop(token, None)
+            if held is None:
                 continue
-            freed = self._held.pop(token, None)
-            if freed is None:
+            held.tokens.discard(token)
+            if held.tokens:
                 continue
-            freed[1].discard(token)
-            if not freed[1]:
-                self._changed(-freed[0])
+            if held.freed_bytes:
+                self._changed(-held.freed_bytes)
+            elif self._holding.get(held.key) is held:  # still alive: no longer held
+                del self._holding[held.key]
 
     # -- CPU tracking -------------------------------------------------------------------
     def track(self, tensors: Iterable[Any]) -> None:
@@ -295,12 +300,9 @@ class DeviceMemoryMeter:
             entry = self._storages.get(key)
             if entry is not None and entry[0] is ref:
                 del self._storages[key]
-                tokens = self._holding.pop(key, None)
-                if tokens:  # counted until every hold is let go (Note [Holds are tokens, not ids])
-                    freed = [entry[1], set(tokens)]
-                    for token in tokens:
-                        self._holding_ids.pop(token, None)
-                        self._held[token] = freed
+                held = self._holding.pop(key, None)
+                if held is not None:  # counted until every hold is let go (Note [Holds are tokens, not ids])
+                    held.freed_bytes = entry[1]
                     return
                 self._current -= entry[1]
                 self._peak = max(self._peak, self._current)  # a peak restarted after the next change
