@@ -64,9 +64,12 @@ Note [Selective under compile]: a segment whose forward is compiled (regional, o
 compiled model) runs, under Inductor, generated code that calls a few ops through the
 dispatcher (matmuls, convolutions) and reuses their output buffers for later kernels that write
 through raw pointers, without moving the version counter: a cached output could change under
-the cache with nothing to detect it. So a compiled segment's ``SELECTIVE`` caches nothing and
-recomputes the whole segment, as ``RECOMPUTE`` does (logged once per segment; the planner is
-told through ``on_refuse``, so ``auto`` does not pick ``selective`` for it).
+the cache with nothing to detect it. So where the eager checkpoint recomputes a compiled segment
+(Note [Recomputation inside the compiled graph] in ``compiled.py`` says where: a module with
+buffers, an older torch), its ``SELECTIVE`` caches nothing and recomputes the whole segment, as
+``RECOMPUTE`` does (logged once per segment; the planner is told through ``on_refuse``, so
+``auto`` does not pick ``selective`` for it). Elsewhere a compiled segment's ``SELECTIVE`` runs
+inside its graph, where no cache exists: the partitioner saves the chosen outputs.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils._pytree import tree_leaves
 
 from ..actions import Action
+from ..compiled import eager_stance
 from ..errors import InputMutatedError
 from .streams import StreamOps, Timing
 
@@ -130,10 +134,11 @@ def _measured_policy(save_ops: frozenset) -> Callable[..., Any]:
     recomputation saves] in ``measure/profiler.py``) saves the outputs of ``save_ops`` and
     recomputes every other op. Both are ``MUST_``: the plan priced exactly these bytes and
     milliseconds, and the min-cut partitioner of ``torch.compile`` (and its
-    ``activation_memory_budget``) may overrule ``PREFER_`` tags. A compiled segment's
-    ``SELECTIVE`` caches nothing at all (Note [Selective under compile]: it recomputes the whole
-    segment and is refused, so ``auto`` never plans it there): the plan decides inside the eager
-    segments it recomputes, the partitioner inside the compiled segments the plan keeps. An
+    ``activation_memory_budget``) may overrule ``PREFER_`` tags. The plan decides inside the
+    segments it recomputes, eager or compiled (Note [Recomputation inside the compiled graph] in
+    ``compiled.py``: the policy tags the compiled graph's ops), the partitioner inside the
+    compiled segments the plan keeps; a compiled segment the eager checkpoint recomputes caches
+    nothing (Note [Selective under compile]). An
     ``out=`` overload is never saved, whatever its name (Note [Selective never replays a
     mutated tensor]), and what a later op wrote into is dropped from the cache as for the
     compute-heavy rule (:class:`_DropMutated`)."""
@@ -308,6 +313,39 @@ def _cache_is_checkable() -> bool:
 
 def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _caches(action: Action, eager_around_compiled: bool, name: str, on_refuse: Optional[Callable[[str, str], None]]) -> bool:
+    """Whether the eager checkpoint caches what ``SELECTIVE`` saves: not around compiled code
+    (Note [Selective under compile]), where it recomputes everything and says so."""
+    if action is not Action.SELECTIVE:
+        return False
+    if not eager_around_compiled:
+        return True
+    log.info("lightning-swap: segment %r is compiled: selective recomputes all of it (Note [Selective under compile])", name)
+    if on_refuse is not None:
+        on_refuse(name, "selective: compiled, recomputes everything (Note [Selective under compile])")
+    return False
+
+
+def _in_graph(
+    graph: Optional[tuple[Any, Callable[..., Any]]], action: Action, outer: Optional[Callable[[], Any]], save_ops: Optional[frozenset]
+) -> Optional[Callable[..., Any]]:
+    """The segment's checkpoint compiled as one graph with its forward (Note [Recomputation inside
+    the compiled graph] in ``compiled.py``), or ``None`` where it recomputes eagerly."""
+    if graph is None or outer is not None or action not in (Action.RECOMPUTE, Action.SELECTIVE):
+        return None
+    ctx, forward = graph
+    if action is Action.SELECTIVE:
+        policy = _selective_policy if save_ops is None else _measured_policy(frozenset(save_ops))
+        options = {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
+    else:
+        options = {}
+
+    def recomputed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **options, **kwargs)
+
+    return ctx(recomputed)
 
 
 def _selective_contexts(save_ops: Optional[frozenset] = None) -> tuple[Any, Any]:
@@ -534,6 +572,7 @@ def checkpointed(
     compiled: bool = False,
     on_refuse: Optional[Callable[[str, str], None]] = None,
     save_ops: Optional[frozenset] = None,
+    graph: Optional[tuple[Any, Callable[..., Any]]] = None,
 ) -> Callable[..., Any]:
     """``forward`` wrapped so the segment is recomputed in backward.
 
@@ -544,17 +583,14 @@ def checkpointed(
     cannot run as asked (Notes [Checkpointed segments must not modify their input] and
     [Selective under compile]). ``save_ops`` (``SELECTIVE``): the ops whose outputs are saved,
     by name, as the plan chose them (Note [Who decides under compile]); ``None``: the
-    compute-heavy ops.
-    """
+    compute-heavy ops. ``graph``: (Dynamo context, uncompiled forward) of a segment recomputed
+    in its compiled graph (Note [Recomputation inside the compiled graph] in ``compiled.py``)."""
     if action is Action.SELECTIVE and create_selective_checkpoint_contexts is None:
         raise RuntimeError("Action.SELECTIVE needs torch.utils.checkpoint.create_selective_checkpoint_contexts (torch >= 2.4).")
     guard = _BufferGuard(module)
     inputs_guard = _InputGuard(module, name, on_refuse)
-    selective = action is Action.SELECTIVE and not compiled
-    if action is Action.SELECTIVE and compiled:
-        log.info("lightning-swap: segment %r is compiled: selective recomputes all of it (Note [Selective under compile])", name)
-        if on_refuse is not None:
-            on_refuse(name, "selective: compiled, recomputes everything (Note [Selective under compile])")
+    in_graph = _in_graph(graph, action, outer, save_ops)
+    selective = _caches(action, compiled and in_graph is None, name, on_refuse)
 
     def context_fn():
         fwd, rec = _selective_contexts(save_ops) if selective else (contextlib.nullcontext(), contextlib.nullcontext())
@@ -569,6 +605,8 @@ def checkpointed(
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         args, kwargs = _without_caches(name, args, kwargs)
+        if in_graph is not None and inputs_guard.verdict == "" and not eager_stance():
+            return in_graph(*args, **kwargs)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         versions = [t._version for t in inputs]
         held: list[_Held] = []

@@ -112,7 +112,9 @@ class SegmentProfile:
 
 #: Note [Refused actions]: a segment that writes into its input cannot be recomputed from it
 #: as it was (it is, from a copy, at the copy's cost, so the planner leaves recomputation out);
-#: a compiled segment's selective recomputes everything (Note [Selective under compile]).
+#: a compiled segment the eager checkpoint recomputes (Note [Recomputation inside the compiled
+#: graph] in ``compiled.py`` says which) recomputes everything under selective (Note [Selective
+#: under compile]).
 _RECOMPUTING = (Action.RECOMPUTE, Action.SELECTIVE, Action.RECOMPUTE_OFFLOAD)
 SELECTIVE_REFUSAL = "selective:"
 

@@ -69,7 +69,7 @@ import torch
 from torch import nn
 
 from ..actions import Action
-from ..compiled import compile_context, is_compiled
+from ..compiled import compile_context, is_compiled, recomputes_in_graph
 from ..engine.streams import StreamOps, default_ops
 from ..segments import split_call
 from ..sharded import is_sharded
@@ -178,10 +178,15 @@ class ObservedStep:
         return {name: self.modules.get(name) or self.modules[split_call(name)[0]] for name in names}
 
     def _compiled(self, name: str) -> str:
-        """Note [Selective under compile]: a compiled segment's selective is refused for planning."""
+        """Note [Selective under compile]: the selective of a compiled segment that does not
+        recompute inside its graph (Note [Recomputation inside the compiled graph]) is refused
+        for planning."""
         module_name = split_call(name)[0]
         module = self.modules.get(module_name)
-        if compile_context(self.model, module_name) is not None or (module is not None and is_compiled(module)):
+        found = compile_context(self.model, module_name)
+        if found is not None and module is not None and recomputes_in_graph(module):
+            return ""  # Note [Recomputation inside the compiled graph]
+        if found is not None or (module is not None and is_compiled(module)):
             return f"{SELECTIVE_REFUSAL} compiled, it would recompute everything (Note [Selective under compile])"
         return ""
 

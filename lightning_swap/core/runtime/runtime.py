@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from ..actions import Action
-from ..compiled import compile_context, dynamo_disable, fullgraph, is_compiled
+from ..compiled import compile_context, dynamo_disable, fullgraph, is_compiled, recomputes_in_graph
 from ..engine.meter import DeviceMemoryMeter
 from ..engine.offload import OffloadEngine
 from ..decide.plan import Plan
@@ -319,9 +319,11 @@ class SwapRuntime:
         had_attr = "forward" in module.__dict__
         self._saved_forward[module_name] = (had_attr, module.__dict__.get("forward"))
         forward = module.forward
+        graph = None
         if found is not None:
             if regional:
                 self._set_aside_compilation(module_name)
+            graph = (found[1], forward) if recomputes_in_graph(module) else None
             forward = found[1](forward)
         compiled = found is not None or is_compiled(module)
         variants = {}
@@ -329,7 +331,7 @@ class SwapRuntime:
             if action is Action.KEEP:
                 variants[call] = _CompiledForward(module, forward) if found is not None else forward
             else:
-                variants[call] = self._wrap(module, forward, action, index, compiled=compiled)
+                variants[call] = self._wrap(module, forward, action, index, compiled=compiled, graph=graph)
         if self._calls.per_call(module_name):
             module.forward = _SegmentForward(module, self._calls.dispatch(module_name, variants, forward))
         else:
@@ -396,7 +398,7 @@ class SwapRuntime:
         """A segment cannot run its recomputation as planned (``checkpointed``'s ``on_refuse``)."""
         self.refusals.setdefault(name, reason)
 
-    def _wrap(self, module: nn.Module, forward: Any, action: Action, index: int, *, compiled: bool = False) -> Any:
+    def _wrap(self, module: nn.Module, forward: Any, action: Action, index: int, *, compiled: bool = False, graph: Any = None) -> Any:
         engine = self.engine
         if action is Action.OFFLOAD:
             assert engine is not None
@@ -412,7 +414,7 @@ class SwapRuntime:
         save_ops = self.plan.selective_ops.get(self._names[index]) if action is Action.SELECTIVE else None
         fn = checkpointed(
             module, forward, action, self.timer, outer=outer, name=self._names[index], compiled=compiled, on_refuse=self._refused,
-            save_ops=save_ops,
+            save_ops=save_ops, graph=graph,
         )
         if outer is None:
             return _SegmentForward(module, fn)
