@@ -2,30 +2,33 @@
 
 ``torch._functorch.config.activation_memory_budget = f`` makes AOTAutograd's min-cut partitioner
 recompute activations, op by op, until the saved bytes are a fraction ``f`` of what the compiled
-graph would save. Our planner chooses per block (keep, recompute or selective; offload saves
-nothing on a CPU, where host and device are one RAM). This script measures both on the same
-model, in the same run:
+graph would save. Our planner chooses per block (keep, recompute or selective, the ops selective
+saves chosen from measured costs; offload saves nothing on a CPU, where host and device are one
+RAM) and, on a compiled model, puts its recomputation inside the compiled graph (Note
+[Recomputation inside the compiled graph] in ``lightning_swap/core/compiled.py``). For each
+fraction ``f``, in fresh processes:
 
-- for each fraction ``f`` a fresh process compiles the model under that budget, warms up
-  (compilation, AdamW's state), then runs ``--steps`` timed steps;
-- right after it, another fresh process plans our ``auto`` (restricted to keep / recompute /
-  selective) for the same memory: the budget is set so that our step's rise in memory matches
-  the compiled step's, and runs the same number of timed steps eagerly;
-- then the same plan with every block compiled on its own (``block.compile()``, regional
-  compilation, which the runtime takes over: Note [Regional compilation is taken over]), at the
-  compiler's default budget: ours deciding per block and per op (Note [Who decides under
-  compile]), Inductor fusing what runs;
-- the three alternate (compile f, ours f, ours compiled f, compile f', ...), ``--rounds`` times.
+- ``compile``: the model under ``torch.compile`` at budget ``f``; warm-up (compilation, AdamW's
+  state), then ``--steps`` timed steps: its rise in memory and its time alone;
+- ``ours``: the same ``torch.compile(model)`` at the compiler's default budget with our ``auto``
+  plan on it (restricted to keep / recompute / selective), planned for the same rise in memory
+  (the budget set so our step's rise matches the compiled step's: the yardsticks differ by a
+  constant), its first step measured as the strategy runs it; its rise and time alone; then, in
+  the same process, beside a fresh ``compile`` model at budget ``f`` (its ``forward`` a new code
+  object, so Dynamo compiles it apart), the two stepping in turn: "beside", the comparison of
+  record, since fresh processes differ by 5-10% on this machine, more than the plans do;
+- with ``--eager``, also our plan on the eager model (the comparison of 2026-11-23).
 
-Memory is the rise of the process's peak resident set (``VmHWM``, reset through
-``/proc/self/clear_refs`` after the warm-up) over its size at the start of the timed steps,
-with glibc told to ``mmap`` every allocation over 64 KiB (``MALLOC_MMAP_THRESHOLD_``), so a
-freed tensor leaves the resident set at once: the same yardstick for compiled and eager code
-(the library's own meter is a dispatch mode, under which compiled code would run eagerly).
-Time is the median of the timed steps. One thread (``--threads``).
+The kinds alternate (compile f, ours f, compile f', ...), ``--rounds`` times; each cell is the
+median over rounds of medians over steps. Memory is the rise of the process's peak resident set
+(``VmHWM``, reset through ``/proc/self/clear_refs`` after the warm-up) over its size at the start
+of the timed steps, with glibc told to ``mmap`` every allocation over 64 KiB
+(``MALLOC_MMAP_THRESHOLD_``), so a freed tensor leaves the resident set at once: the same
+yardstick for compiled and eager code (the library's own meter is a dispatch mode, under which
+compiled code would run eagerly). One thread (``--threads``).
 
-    python benchmarks/compile_budget.py            # the setup of issue 23: 6 blocks, d=256, seq 256, batch 8
-    python benchmarks/compile_budget.py --smoke    # tiny, a minute (the smoke test)
+    python benchmarks/compile_budget.py --rounds 2   # the setup of issue 23: 6 blocks, d=256, seq 256, batch 8 (~13 min)
+    python benchmarks/compile_budget.py --smoke      # tiny, a minute (the smoke test)
 """
 
 from __future__ import annotations
@@ -64,43 +67,75 @@ def _reset_peak() -> int:
     return _status("VmRSS")
 
 
+def _gpt(size: dict, renamed: str = ""):
+    """The GPT of ``examples/``, seeded; ``renamed``: its class's ``forward`` as a new code object,
+    so that Dynamo compiles it apart from another GPT's in the same process (Dynamo caches
+    compiled code per code object, and the activation memory budget is read when compiling)."""
+    import types
+
+    import torch
+    from examples.models import GPT
+
+    cls = GPT
+    if renamed:
+        code = GPT.forward.__code__.replace(co_name=renamed)
+        cls = type(f"GPT_{renamed}", (GPT,), {"forward": types.FunctionType(code, GPT.forward.__globals__, renamed)})
+    torch.manual_seed(0)
+    return cls(vocab=size["vocab"], dim=size["dim"], heads=size["heads"], layers=size["layers"], seq=size["seq"])
+
+
+def _trainer(model, idx, fraction: float = 1.0):
+    """One AdamW training step of ``model`` (compiled or not) on ``idx``: next-token prediction,
+    the batch rolled by one as targets; compiled under activation memory budget ``fraction``."""
+    import torch
+    from torch.nn import functional as F
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(net=model):
+        with torch._functorch.config.patch(activation_memory_budget=fraction):
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(net(idx).flatten(0, 1), idx.roll(-1, dims=1).flatten()).backward()
+            optimizer.step()
+
+    return step, optimizer
+
+
+def _timed(steps: int, *runs) -> list[list[float]]:
+    """Milliseconds of each of ``runs``, called in turn ``steps`` times (alternating)."""
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(steps):
+        for run, out in zip(runs, times):
+            start = time.perf_counter()
+            run()
+            out.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
 def _worker(kind: str, fraction: float, size: dict, steps: int, target_rise: int) -> dict:
     import torch
     from torch.nn import functional as F
 
     sys.path.insert(0, str(ROOT))
-    from examples.models import GPT
     from lightning_swap.core import Action, InfeasibleBudgetError, SwapRuntime, profile, solve
 
-    torch.manual_seed(0)
-    model = GPT(vocab=size["vocab"], dim=size["dim"], heads=size["heads"], layers=size["layers"], seq=size["seq"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    idx = torch.randint(0, size["vocab"], (size["batch"], size["seq"]))
-
-    def loss_of(net, batch):  # next-token prediction (the batch rolled by one as targets)
-        return F.cross_entropy(net(batch).flatten(0, 1), batch.roll(-1, dims=1).flatten())
-
-    def step(net):
-        optimizer.zero_grad(set_to_none=True)
-        loss_of(net, idx).backward()
-        optimizer.step()
-
-    net, runtime, info = model, None, {}
-    if kind == "compile":
-        torch._functorch.config.activation_memory_budget = fraction
-        net = torch.compile(model)
-    if kind == "ours_compiled":  # the same program as "compile", at the compiler's default budget
-        net = torch.compile(model)
+    model = _gpt(size)
+    idx = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=torch.Generator().manual_seed(0))
+    compiled = kind in ("compile", "ours_compiled")
+    net = torch.compile(model) if compiled else model
+    step, optimizer = _trainer(net, idx, fraction if kind == "compile" else 1.0)
     for _ in range(2):  # compilation, AdamW's state
-        step(net)
+        step()
+    runtime, info = None, {}
     if kind in ("ours", "ours_compiled"):
         # Our budget for the same rise in memory: the library's bytes of plain training less the
         # difference between plain's rise (eager, or compiled keeping every block) and the
         # compiled step's (the yardsticks differ by a constant).
         base = _reset_peak()
-        step(net)
+        step()
         plain_rise = _status("VmHWM") - base
         state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        loss_of = lambda m, b: F.cross_entropy(m(b).flatten(0, 1), b.roll(-1, dims=1).flatten())  # noqa: E731
         prof = profile(model, idx, step_fn=loss_of, track=state, scale=False, device="cpu")
         budget = prof.peak_bytes - (plain_rise - target_rise)
         try:
@@ -109,15 +144,23 @@ def _worker(kind: str, fraction: float, size: dict, steps: int, target_rise: int
             return dict(kind=kind, fraction=fraction, infeasible=True, min_budget_bytes=err.min_budget_bytes, budget_bytes=budget)
         runtime = SwapRuntime(net, plan, device="cpu").install()
         info = dict(plan=plan.summary(), predicted_peak_bytes=plan.predicted_peak_bytes, budget_bytes=budget)
-        for _ in range(2):  # the plan's first step (its segments' input checks), then compilation
-            step(net)
+        # The plan's first step measured, eagerly, as the strategy runs it (its segments' input
+        # checks: Note [Recomputation inside the compiled graph]), then compilation.
+        runtime.begin_step([idx, optimizer.state], measure=True)
+        step()
+        runtime.end_step()
+        step()
     base = _reset_peak()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step(net)
-        times.append((time.perf_counter() - start) * 1e3)
+    (times,) = _timed(steps, step)
     rise = _status("VmHWM") - base
+    if kind == "ours_compiled":
+        # Time beside the compiler in this process, steps alternating: fresh processes differ by
+        # more (5-10% on this machine) than the plans do.
+        rival, _ = _trainer(torch.compile(_gpt(size, renamed="rival_forward")), idx, fraction)
+        for _ in range(2):
+            rival()
+        ours_ms, rival_ms = _timed(steps, step, rival)
+        info.update(race_ms=statistics.median(ours_ms), race_compile_ms=statistics.median(rival_ms))
     if runtime is not None:
         runtime.remove()
     return dict(kind=kind, fraction=fraction, step_ms=statistics.median(times), rise_bytes=rise, **info)
@@ -141,6 +184,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (median; default 7, smoke 2)")
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds (compile f, ours f, ...)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--eager", action="store_true", help="also our plan on the eager model (fresh processes)")
     args = parser.parse_args()
     size_name = "smoke" if args.smoke else "default"
     fractions = args.fractions or ((0.5,) if args.smoke else FRACTIONS)
@@ -150,7 +194,7 @@ def main() -> None:
     size = SIZES[size_name]
     print(f"torch {torch.__version__}, CPU, {args.threads} thread(s), {time.strftime('%Y-%m-%d')}; GPT {size}, "
           f"AdamW, median of {steps} warm steps, memory = rise of VmHWM over the timed steps")
-    kinds = ("compile", "ours", "ours_compiled")
+    kinds = ("compile", "ours_compiled", "ours") if args.eager else ("compile", "ours_compiled")
     rows: dict[float, dict[str, list[dict]]] = {f: {k: [] for k in kinds} for f in fractions}
     plain = _run_worker("eager", 1.0, size_name, steps, args.threads)
     for _ in range(args.rounds):
@@ -160,23 +204,28 @@ def main() -> None:
             for kind in kinds[1:]:
                 rows[f][kind].append(_run_worker(kind, f, size_name, steps, args.threads, target_rise=compiled["rise_bytes"]))
     print(f"plain eager: {plain['step_ms']:.0f} ms, rise {plain['rise_bytes'] / MiB:.1f} MiB")
-    print(" | ".join(("budget f", "compile ms", "compile MiB", "ours ms", "ours MiB", "ours / compile", "ours compiled ms",
-                      "ours compiled MiB", "ours compiled / compile", "our plan")))
+    header = ["budget f", "compile MiB", "ours MiB", "compile ms alone", "ours ms alone", "compile ms beside", "ours ms beside",
+              "ours / compile beside"]
+    if args.eager:
+        header += ["ours eager ms alone", "ours eager MiB", "ours eager / compile alone"]
+    print(" | ".join(header + ["our plan"]))
+    med = lambda rs, key: statistics.median(r[key] for r in rs)  # noqa: E731
     for f in fractions:
         c = rows[f]["compile"]
-        c_ms = statistics.median(r["step_ms"] for r in c)
-        cells = [f"{f}", f"{c_ms:.0f}", f"{statistics.median(r['rise_bytes'] for r in c) / MiB:.1f}"]
-        plan = "-"
-        for kind in kinds[1:]:
-            o = [r for r in rows[f][kind] if not r.get("infeasible")]
-            if not o:
-                low = rows[f][kind][0]
-                cells += ["-", "-", f"infeasible (least {low['min_budget_bytes'] / MiB:.1f} MiB, asked {low['budget_bytes'] / MiB:.1f})"]
-                continue
-            o_ms = statistics.median(r["step_ms"] for r in o)
-            cells += [f"{o_ms:.0f}", f"{statistics.median(r['rise_bytes'] for r in o) / MiB:.1f}", f"{o_ms / c_ms:.2f}x"]
-            plan = o[0]["plan"]
-        print(" | ".join(cells + [plan]))
+        cells = [f"{f}", f"{med(c, 'rise_bytes') / MiB:.1f}"]
+        o = [r for r in rows[f]["ours_compiled"] if not r.get("infeasible")]
+        if not o:
+            low = rows[f]["ours_compiled"][0]
+            print(" | ".join(cells + [f"infeasible (least {low['min_budget_bytes'] / MiB:.1f} MiB, asked {low['budget_bytes'] / MiB:.1f})"]))
+            continue
+        beside = med(o, "race_ms") / med(o, "race_compile_ms")
+        cells += [f"{med(o, 'rise_bytes') / MiB:.1f}", f"{med(c, 'step_ms'):.0f}", f"{med(o, 'step_ms'):.0f}",
+                  f"{med(o, 'race_compile_ms'):.0f}", f"{med(o, 'race_ms'):.0f}", f"{beside:.2f}x"]
+        if args.eager:
+            e = [r for r in rows[f]["ours"] if not r.get("infeasible")]
+            cells += ([f"{med(e, 'step_ms'):.0f}", f"{med(e, 'rise_bytes') / MiB:.1f}", f"{med(e, 'step_ms') / med(c, 'step_ms'):.2f}x"]
+                      if e else ["-", "-", "infeasible"])
+        print(" | ".join(cells + [" / ".join(sorted({r["plan"] for r in o}))]))
 
 
 if __name__ == "__main__":

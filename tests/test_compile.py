@@ -219,15 +219,16 @@ def _plain(how: str, cls=Net):
 
 # -- the core runtime ------------------------------------------------------------------------------
 #: how -> policy -> (graph runs in a compiled step, (resumed breaks, loop-skipped frames)), measured.
-#: Whole model: plain runs one graph per step. KEEP with no hooks leaves the model as compiled. A
-#: non-KEEP segment breaks the graph at its call; in the loop Dynamo runs ``Net.forward`` eagerly
-#: and each block runs its own graph (3 per step), once even when recomputed: the recomputation is
-#: inside its backward graph (Note [Recomputation inside the compiled graph] in
-#: ``core/compiled.py``; it ran again, 6, when checkpoint recomputed it eagerly).
-#: Regional: taken over, no break at all.
+#: Whole model: plain runs one graph per step. KEEP with no hooks leaves the model as compiled.
+#: A recomputed segment (recompute, selective) is traced into that graph as a checkpoint, no break
+#: (Note [Recomputation inside the compiled graph] in ``core/compiled.py``; its first call ran
+#: eagerly in the metered first step). An offloaded segment breaks the graph at its call; in the
+#: loop Dynamo runs ``Net.forward`` eagerly and each block runs its own graph (3 per step).
+#: Regional: taken over, no break at all; a recomputed block's graph runs once, its recomputation
+#: inside its backward graph (it ran again, 6, when checkpoint recomputed it eagerly).
 EXPECTED = {
-    "torch.compile": {None: (1, (0, 0)), "keep": (1, (0, 0)), "offload": (3, (0, 1)), "recompute": (3, (0, 1))},
-    "module.compile": {None: (1, (0, 0)), "keep": (1, (0, 0)), "offload": (3, (0, 1)), "recompute": (3, (0, 1))},
+    "torch.compile": {None: (1, (0, 0)), "keep": (1, (0, 0)), "offload": (3, (0, 1)), "recompute": (1, (0, 0))},
+    "module.compile": {None: (1, (0, 0)), "keep": (1, (0, 0)), "offload": (3, (0, 1)), "recompute": (1, (0, 0))},
     "regional": {None: (3, (0, 0)), "keep": (3, (0, 0)), "offload": (3, (0, 0)), "recompute": (3, (0, 0))},
     "regional torch.compile": {None: (3, (0, 0)), "keep": (3, (0, 0)), "offload": (3, (0, 0)), "recompute": (3, (0, 0))},
 }
@@ -253,19 +254,22 @@ def test_runtime_equals_compiled_plain_and_compiles(how, policy):
 @pytest.mark.parametrize(
     "plan, resumed",
     [
-        ({"blocks.0": Action.KEEP, "blocks.1": Action.RECOMPUTE, "blocks.2": Action.KEEP}, 1),  # one non-KEEP segment
-        ({"blocks.0": Action.RECOMPUTE, "blocks.1": Action.RECOMPUTE, "blocks.2": Action.RECOMPUTE}, 3),
-        # The offload engine's hooks are on every segment (Note [Stream protocol]): each call breaks.
         ({"blocks.0": Action.KEEP, "blocks.1": Action.OFFLOAD, "blocks.2": Action.KEEP}, 3),
+        ({"blocks.0": Action.KEEP, "blocks.1": Action.RECOMPUTE_OFFLOAD, "blocks.2": Action.KEEP}, 3),
+        # Recomputed: traced into the graph (Note [Recomputation inside the compiled graph]).
+        ({"blocks.0": Action.KEEP, "blocks.1": Action.RECOMPUTE, "blocks.2": Action.KEEP}, 0),
+        ({"blocks.0": Action.RECOMPUTE, "blocks.1": Action.SELECTIVE, "blocks.2": Action.RECOMPUTE}, 0),
     ],
 )
 def test_one_graph_break_per_segment_that_acts(plan, resumed):
+    """The offload engine's hooks are on every segment (Note [Stream protocol]): each call breaks;
+    a recomputed segment is traced into the enclosing graph."""
     plain = _plain("torch.compile", Unrolled)[0]
     model, stats, backend, runs, breaks = _train("torch.compile", plan, cls=Unrolled)
     assert_same_state(model, plain)
     assert breaks == (resumed, 0)
-    # Graphs: the code between breaks, and each acting segment's own graph.
-    assert backend.compiled > 1 and runs > 0
+    # Graphs: the code between breaks, and each acting segment's own graph; else one graph.
+    assert runs > 0 and (backend.compiled > 1 if resumed else runs == 1)
 
 
 def test_fullgraph_whole_model_with_an_action_is_refused_clearly():
@@ -373,23 +377,30 @@ def test_inductor_regional_recompute_matches_inductor_plain():
     assert _worst_relative(_inductor_train("regional", "recompute"), _inductor_train("regional", None)) < 1e-5
 
 
+@pytest.mark.parametrize("how", ["regional", "torch.compile"])
 @pytest.mark.parametrize("action", [Action.RECOMPUTE, Action.SELECTIVE])
-def test_a_compiled_segment_recomputed_without_a_metered_step_equals_compiled_plain(action):
+def test_a_compiled_segment_recomputed_without_a_metered_step_equals_compiled_plain(action, how):
     """Note [Checkpointed segments must not modify their input]: a segment's first checkpointed
     call runs eagerly under the in-place watch, and so must its recomputation: the compiled graph
     saves other tensors than the eager ops (checkpoint refused the mismatch when the runtime was
-    used without ``begin_step``, whose metered first step runs everything eagerly)."""
+    used without ``begin_step``, whose metered first step runs everything eagerly). The whole
+    model compiled: the first call breaks the graph at each segment, later ones trace it in
+    (Note [Recomputation inside the compiled graph]); three steps, so one runs that graph again."""
     torch.manual_seed(0)
     x, y = torch.randn(4, 8), torch.randn(4, 1)
     models = []
     for ours in (False, True):
+        torch._dynamo.reset()
         torch.manual_seed(0)
         model = Unrolled()
-        for block in model.blocks:
-            block.compile(backend=aot_eager)
+        if how == "regional":
+            for block in model.blocks:
+                block.compile(backend=aot_eager)
+        else:
+            model.compile(backend=aot_eager)
         runtime = SwapRuntime(model, {n: action for n in find_segments(model)}, device="cpu").install() if ours else None
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(2):
+        for _ in range(3):
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
@@ -442,18 +453,22 @@ def test_auto_plans_selective_for_a_compiled_segment_only_where_it_recomputes_in
         session.remove()
 
 
-def _saved_bytes_of_a_compiled_step(policy) -> int:
+def _saved_bytes_of_a_compiled_step(policy, how: str) -> int:
     """The bytes autograd holds for backward after a compiled forward (regional, Inductor's
     partitioner through ``aot_eager``): every tensor the graphs save, by storage, parameters left
     out. The CPU meter cannot watch compiled code (Note [No dispatch mode under compile]); the
     saved-tensor hooks see what each compiled graph saves."""
-    backend, model, optimizer, compiled = _fresh("regional", lambda: Net(d=64), False)
+    backend, model, optimizer, compiled = _fresh(how, lambda: Net(d=64), False)
     plan = resolve_policy(policy, find_segments(compiled)) if policy is not None else None
     runtime = SwapRuntime(compiled, plan, device="cpu", min_offload_bytes=0).install() if plan is not None else None
     x = torch.randn(256, 8)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     try:
-        compiled(x).sum().backward()  # the first call: eager, its input check
+        if runtime is not None:  # the first call: eager, metered (its input check), as begin_step runs it
+            runtime.begin_step([x], measure=True)
+        compiled(x).sum().backward()
+        if runtime is not None:
+            runtime.end_step()
         storages: dict[int, int] = {}
 
         def pack(t):
@@ -465,7 +480,7 @@ def _saved_bytes_of_a_compiled_step(policy) -> int:
         runs = backend.runs
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = compiled(x)
-        assert backend.runs - runs == 3  # compiled, not eager
+        assert backend.runs - runs == (3 if how == "regional" else 1)  # compiled, not eager
         out.sum().backward()
     finally:
         if runtime is not None:
@@ -473,14 +488,13 @@ def _saved_bytes_of_a_compiled_step(policy) -> int:
     return sum(storages.values())
 
 
-def test_a_compiled_segment_recomputed_in_graph_saves_less():
+@pytest.mark.parametrize("how", ["regional", "torch.compile"])
+def test_a_compiled_segment_recomputed_in_graph_saves_less(how):
     """Memory of Note [Recomputation inside the compiled graph]: recomputed, each block keeps its
     input alone (256 x 64 float32 = 64 KiB, and the model's input and output layers theirs);
     selective keeps its matmuls' outputs besides (the ``fc1`` output, 128 KiB, less what it
     recomputes); keep, everything. Measured: 846 KiB kept, 648 selective, 264 recomputed."""
-    keep = _saved_bytes_of_a_compiled_step(None)
-    selective = _saved_bytes_of_a_compiled_step("selective")
-    recompute = _saved_bytes_of_a_compiled_step("recompute")
+    keep, selective, recompute = (_saved_bytes_of_a_compiled_step(p, how) for p in (None, "selective", "recompute"))
     block_input = 256 * 64 * 4
     assert recompute < selective < keep
     assert keep - recompute >= 3 * 2 * block_input  # each block's norm, fc1 and relu outputs, at least
@@ -685,7 +699,7 @@ def test_lightning_compiled_equals_compiled_plain(compile_in, policy):
     stats = trainer.strategy.stats_history
     assert stats[-1].peak_device_bytes is None  # the last step ran compiled, without the meter
     resumed, skipped = _breaks()
-    acting = policy != "keep"
+    acting = policy not in ("keep", "recompute")  # recompute: traced into the graph, no break
     if compile_in == "configure_model":  # the model's loop over blocks: as in the core tests
         assert (resumed, skipped) == (0, int(acting))
     elif compile_in == "before fit":
@@ -698,3 +712,55 @@ def test_lightning_compiled_equals_compiled_plain(compile_in, policy):
     if policy == "auto":
         assert set(trainer.strategy.plan.actions.values()) != {Action.KEEP}
         assert len(set(ours.plans[-3:])) == 1  # the plan settled: its check step was measured
+
+
+# -- Hugging Face models compiled whole, recomputed inside the graph ----------------------------------
+def _hf_causal(name: str):
+    t = pytest.importorskip("transformers", reason="Hugging Face models need transformers (the `test` extra)")
+    common = dict(vocab_size=64, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    if name == "gpt2":
+        return t.GPT2LMHeadModel(t.GPT2Config(n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                                              attn_pdrop=0.0, **common))
+    return t.LlamaForCausalLM(t.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                            num_key_value_heads=1, max_position_embeddings=32, **common))
+
+
+@pytest.mark.parametrize("name, policy", [("gpt2", "selective"), ("llama", "recompute")])
+def test_hugging_face_model_compiled_whole_recomputes_in_graph_to_the_same_weights(name, policy):
+    """Note [Recomputation inside the compiled graph] on models users bring: blocks called in a
+    loop with a key/value cache argument (Note [A recomputed segment fills no cache]), the whole
+    model compiled (``aot_eager``); three steps, the first measured eagerly as the strategy runs
+    it. Same weights as the compiled model without the library, the same graph breaks (the
+    segments traced in), and no segment refused."""
+    states, breaks = [], []
+    for ours in (False, True):
+        backend, _, _, _ = _fresh("eager", Net, False)  # a reset Dynamo and a fresh counting backend
+        torch.manual_seed(0)
+        model = _hf_causal(name)
+        model.train()
+        compiled = torch.compile(model, backend=backend)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        runtime = None
+        if ours:
+            runtime = SwapRuntime(compiled, resolve_policy(policy, find_segments(compiled)), device="cpu").install()
+        try:
+            for step in range(3):
+                ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+                if runtime is not None:
+                    runtime.begin_step([ids, optimizer.state])
+                compiled(input_ids=ids, labels=ids).loss.backward()
+                if runtime is not None:
+                    runtime.end_step()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            assert backend.compiled > 0 and backend.runs > 0
+            breaks.append(_breaks())
+            if runtime is not None:
+                assert runtime.refusals == {}
+        finally:
+            if runtime is not None:
+                runtime.remove()
+        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    assert breaks[1] == breaks[0]
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0]), [k for k in states[0] if not torch.equal(states[0][k], states[1][k])]

@@ -19,7 +19,7 @@ Note [Recomputation inside the compiled graph]: a compiled segment the plan reco
 forward, which ran the forward graph twice, had the recomputation's own graph save its
 activations again for its backward, and could not let ``SELECTIVE`` cache Inductor's outputs
 (Note [Selective under compile] in ``engine/recompute.py``: it recomputed everything). Instead
-the user's Dynamo context compiles ``checkpoint(forward, policy)`` itself: Dynamo traces the
+the user's Dynamo context compiles ``checkpoint(forward, policy)``: Dynamo traces the
 checkpoint as a higher-order op, AOTAutograd's partitioner puts the tagged ops' recomputation in
 the backward graph and Inductor fuses it with the backward's kernels. Who decides which tensors
 are saved: the plan. ``RECOMPUTE`` tags every op for recomputation; ``SELECTIVE`` saves the
@@ -36,6 +36,11 @@ segments must not modify their input]), and so do a segment that writes into its
 step under the ``force_eager`` stance (the CPU meter's steps), ``RECOMPUTE_OFFLOAD`` (its
 offload hooks must see the inputs checkpoint keeps) and a module with buffers (a BatchNorm's
 running statistics would be updated inside the traced checkpoint): :func:`recomputes_in_graph`.
+Where a graph encloses the segment (the whole model compiled), the checkpoint is traced into
+that graph (the runtime's ``_TracedForward``), with no graph break, from the step after the
+segment's first call; a first call Dynamo traces (the runtime used without ``begin_step``'s
+metered first step) breaks the graph there, and in a loop over blocks Dynamo then runs that
+frame eagerly for good: the blocks still compile one by one, each recomputing inside its graph.
 Torch logs a warning the first time (``context_fn`` under ``torch.compile``: in-place ops in the
 region); ``tests/test_compile.py`` trains a block with ``relu_`` and ``+=`` to the same weights as
 the compiled model without the library, under ``aot_eager`` and Inductor. The time of such a

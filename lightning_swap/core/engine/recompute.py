@@ -320,6 +320,8 @@ def _caches(action: Action, eager_around_compiled: bool, name: str, on_refuse: O
     (Note [Selective under compile]), where it recomputes everything and says so."""
     if action is not Action.SELECTIVE:
         return False
+    if create_selective_checkpoint_contexts is None:
+        raise RuntimeError("Action.SELECTIVE needs torch.utils.checkpoint.create_selective_checkpoint_contexts (torch >= 2.4).")
     if not eager_around_compiled:
         return True
     log.info("lightning-swap: segment %r is compiled: selective recomputes all of it (Note [Selective under compile])", name)
@@ -343,9 +345,14 @@ def _in_graph(
         options = {}
 
     def recomputed(*args: Any, **kwargs: Any) -> Any:
+        # Note [A recomputed segment fills no cache] (traced, where ``run`` does not run first)
+        args = tuple(None if _is_cache(a) else a for a in args)
+        kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **options, **kwargs)
 
-    return ctx(recomputed)
+    compiled = ctx(recomputed)
+    compiled.traced = recomputed  # for a graph that encloses the segment (runtime's _TracedForward)
+    return compiled
 
 
 def _selective_contexts(save_ops: Optional[frozenset] = None) -> tuple[Any, Any]:
@@ -585,12 +592,10 @@ def checkpointed(
     by name, as the plan chose them (Note [Who decides under compile]); ``None``: the
     compute-heavy ops. ``graph``: (Dynamo context, uncompiled forward) of a segment recomputed
     in its compiled graph (Note [Recomputation inside the compiled graph] in ``compiled.py``)."""
-    if action is Action.SELECTIVE and create_selective_checkpoint_contexts is None:
-        raise RuntimeError("Action.SELECTIVE needs torch.utils.checkpoint.create_selective_checkpoint_contexts (torch >= 2.4).")
     guard = _BufferGuard(module)
     inputs_guard = _InputGuard(module, name, on_refuse)
+    selective = _caches(action, compiled and graph is None, name, on_refuse)
     in_graph = _in_graph(graph, action, outer, save_ops)
-    selective = _caches(action, compiled and in_graph is None, name, on_refuse)
 
     def context_fn():
         fwd, rec = _selective_contexts(save_ops) if selective else (contextlib.nullcontext(), contextlib.nullcontext())
@@ -620,4 +625,6 @@ def checkpointed(
         inputs_guard.check(inputs, versions)
         return out
 
+    # The checkpoint for a graph that encloses the segment, once its first call found it fit.
+    run.inline = lambda: in_graph.traced if in_graph is not None and inputs_guard.verdict == "" else None  # type: ignore[attr-defined]
     return run

@@ -114,6 +114,27 @@ class _SegmentForward:
         return (_plain_forward, (self.module,))
 
 
+class _TracedForward(_SegmentForward):
+    """The ``forward`` of a segment recomputed inside a compiled graph (Note [Recomputation inside
+    the compiled graph] in ``compiled.py``): where Dynamo traces a graph that encloses the segment
+    (the whole model compiled) and the segment's first, eager call found it fit (``fn.inline()``),
+    the checkpoint is traced into that graph, with no graph break; every other call runs the
+    action as :class:`_SegmentForward` does, the graph breaking there."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            traced = self.fn.inline()
+            if traced is not None:
+                return traced(*args, **kwargs)
+        return self._eager(*args, **kwargs)
+
+    @dynamo_disable
+    def _eager(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
 class _CompiledForward(_SegmentForward):
     """The ``forward`` of a ``KEEP`` segment under compile: its forward compiled with the user's
     context, with no graph break. Inside a region Dynamo traces it is inlined (the segment stays
@@ -331,7 +352,7 @@ class SwapRuntime:
             if action is Action.KEEP:
                 variants[call] = _CompiledForward(module, forward) if found is not None else forward
             else:
-                variants[call] = self._wrap(module, forward, action, index, compiled=compiled, graph=graph)
+                variants[call] = self._wrap(module, forward, action, index, compiled=compiled, graph=graph, inline=not hooked)
         if self._calls.per_call(module_name):
             module.forward = _SegmentForward(module, self._calls.dispatch(module_name, variants, forward))
         else:
@@ -398,7 +419,9 @@ class SwapRuntime:
         """A segment cannot run its recomputation as planned (``checkpointed``'s ``on_refuse``)."""
         self.refusals.setdefault(name, reason)
 
-    def _wrap(self, module: nn.Module, forward: Any, action: Action, index: int, *, compiled: bool = False, graph: Any = None) -> Any:
+    def _wrap(
+        self, module: nn.Module, forward: Any, action: Action, index: int, *, compiled: bool = False, graph: Any = None, inline: bool = False
+    ) -> Any:
         engine = self.engine
         if action is Action.OFFLOAD:
             assert engine is not None
@@ -417,7 +440,8 @@ class SwapRuntime:
             save_ops=save_ops, graph=graph,
         )
         if outer is None:
-            return _SegmentForward(module, fn)
+            traced = inline and graph is not None and action in (Action.RECOMPUTE, Action.SELECTIVE)
+            return (_TracedForward if traced else _SegmentForward)(module, fn)
 
         def recomputed_offloaded(*args: Any, **kwargs: Any) -> Any:
             if self._user_recomputes(index):
