@@ -764,3 +764,29 @@ def test_hugging_face_model_compiled_whole_recomputes_in_graph_to_the_same_weigh
     assert breaks[1] == breaks[0]
     assert states[0].keys() == states[1].keys()
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0]), [k for k in states[0] if not torch.equal(states[0][k], states[1][k])]
+
+
+class InputWritingBlock(Block):
+    """Writes into its input: checkpoint cannot recompute it from that input (Note [Checkpointed
+    segments must not modify their input])."""
+
+    def forward(self, x):
+        x.mul_(0.5)
+        return super().forward(x)
+
+
+class InputWritingNet(Net):
+    def __init__(self, d: int = 16, n: int = 3) -> None:
+        super().__init__(d, n)
+        self.blocks = nn.ModuleList(InputWritingBlock(d) for _ in range(n))
+
+
+@pytest.mark.parametrize("how", ["regional", "torch.compile"])
+def test_a_compiled_segment_writing_into_its_input_is_recomputed_eagerly_from_a_copy(how):
+    """Such a segment never takes the traced checkpoint (Note [Recomputation inside the compiled
+    graph]): the eager one recomputes it from a copy of its input, with selective caching nothing
+    around the compiled code (Note [Selective under compile]); same weights as compiled plain."""
+    plain = _plain(how, InputWritingNet)[0]
+    model, _, backend, _, _ = _train(how, "selective", cls=InputWritingNet)
+    assert_same_state(model, plain)
+    assert backend.compiled > 0

@@ -317,7 +317,10 @@ def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _caches(action: Action, eager_around_compiled: bool, name: str, on_refuse: Optional[Callable[[str, str], None]]) -> bool:
     """Whether the eager checkpoint caches what ``SELECTIVE`` saves: not around compiled code
-    (Note [Selective under compile]), where it recomputes everything and says so."""
+    (Note [Selective under compile]), where it recomputes everything and says so. A segment
+    recomputed inside its graph (Note [Recomputation inside the compiled graph]) takes the eager
+    checkpoint only while its compiled code runs eagerly (its first call, the meter's steps),
+    where caching is safe, or when it writes into its input: then it caches nothing."""
     if action is not Action.SELECTIVE:
         return False
     if create_selective_checkpoint_contexts is None:
@@ -585,10 +588,9 @@ def checkpointed(
 
     ``outer`` (for ``RECOMPUTE_OFFLOAD``) gives the offload hooks (a ``saved_tensors_hooks``):
     they receive exactly what checkpoint keeps, the segment's inputs, while checkpoint's own
-    inner hooks drop everything else. ``compiled``: the forward runs compiled code (Note
-    [Selective under compile]). ``on_refuse(name, reason)`` hears of an action this segment
-    cannot run as asked (Notes [Checkpointed segments must not modify their input] and
-    [Selective under compile]). ``save_ops`` (``SELECTIVE``): the ops whose outputs are saved,
+    inner hooks drop everything else. ``compiled``: the forward runs compiled code.
+    ``on_refuse(name, reason)`` hears of an action this segment cannot run as asked (Notes
+    [Checkpointed segments must not modify their input] and [Selective under compile]). ``save_ops`` (``SELECTIVE``): the ops whose outputs are saved,
     by name, as the plan chose them (Note [Who decides under compile]); ``None``: the
     compute-heavy ops. ``graph``: (Dynamo context, uncompiled forward) of a segment recomputed
     in its compiled graph (Note [Recomputation inside the compiled graph] in ``compiled.py``)."""
@@ -598,7 +600,8 @@ def checkpointed(
     in_graph = _in_graph(graph, action, outer, save_ops)
 
     def context_fn():
-        fwd, rec = _selective_contexts(save_ops) if selective else (contextlib.nullcontext(), contextlib.nullcontext())
+        caching = selective and (graph is None or inputs_guard.verdict in (None, ""))  # see _caches
+        fwd, rec = _selective_contexts(save_ops) if caching else (contextlib.nullcontext(), contextlib.nullcontext())
         # Entered lazily: checkpoint enters the first now and the second only in backward.
         return (
             _Chain(_Named(name, "forward"), fwd, guard.watch_forward),
