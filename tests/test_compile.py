@@ -790,3 +790,41 @@ def test_a_compiled_segment_writing_into_its_input_is_recomputed_eagerly_from_a_
     model, _, backend, _, _ = _train(how, "selective", cls=InputWritingNet)
     assert_same_state(model, plain)
     assert backend.compiled > 0
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_compiled_segments_with_other_ops_saved_do_not_share_a_graph(order):
+    """Dynamo caches compiled code per code object and does not guard on the policy a closure
+    holds: each policy gets its own code object (``_in_graph``), so two regional blocks whose
+    plan saves other ops keep other bytes, whichever compiles first (found by the second reader:
+    the first block's policy ran for both)."""
+    from lightning_swap.core import Plan
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net(n=2)
+    for block in model.blocks:
+        block.compile(backend=aot_eager)
+    saves = {"blocks.0": ("aten.addmm.default", "aten.native_layer_norm.default"), "blocks.1": ()}
+    runtime = SwapRuntime(model, Plan(actions={n: Action.SELECTIVE for n in saves}, selective_ops=saves), device="cpu").install()
+    x = torch.randn(32, 16, requires_grad=True)
+    try:
+        runtime.begin_step([x], measure=True)  # each block's first call: eager, checked
+        for block in model.blocks:
+            block(x).sum().backward()
+        runtime.end_step()
+        saved = {}
+        for i in order:
+            storages = {}
+
+            def pack(t):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = model.blocks[i](x)
+            out.sum().backward()
+            saved[i] = sum(storages.values())
+    finally:
+        runtime.remove()
+    assert saved[0] > saved[1]  # blocks.0 keeps its matmuls' and norm's outputs; blocks.1 recomputes them

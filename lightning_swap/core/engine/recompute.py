@@ -77,6 +77,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import types
 from typing import Any, Callable, Optional
 
 import torch
@@ -353,9 +354,19 @@ def _in_graph(
         kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **options, **kwargs)
 
+    # A code object per policy: Dynamo caches compiled code per code object and does not guard
+    # on the policy a closure holds, so segments (and plans) with other ops saved would share
+    # the first one's graph; segments with the same policy share theirs, as without the library.
+    key = (action.value, None if save_ops is None else tuple(sorted(save_ops)))
+    code = _POLICY_CODE.setdefault(key, recomputed.__code__.replace(co_name=f"recomputed_{len(_POLICY_CODE)}"))
+    recomputed = types.FunctionType(code, recomputed.__globals__, code.co_name, None, recomputed.__closure__)
     compiled = ctx(recomputed)
     compiled.traced = recomputed  # for a graph that encloses the segment (runtime's _TracedForward)
     return compiled
+
+
+#: (action, ops saved) -> the code object its compiled checkpoints run (:func:`_in_graph`).
+_POLICY_CODE: dict[tuple, Any] = {}
 
 
 def _selective_contexts(save_ops: Optional[frozenset] = None) -> tuple[Any, Any]:
