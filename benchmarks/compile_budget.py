@@ -84,18 +84,24 @@ def _gpt(size: dict, renamed: str = ""):
     return cls(vocab=size["vocab"], dim=size["dim"], heads=size["heads"], layers=size["layers"], seq=size["seq"])
 
 
-def _trainer(model, idx, fraction: float = 1.0):
-    """One AdamW training step of ``model`` (compiled or not) on ``idx``: next-token prediction,
-    the batch rolled by one as targets; compiled under activation memory budget ``fraction``."""
-    import torch
+def _loss(net, batch):
+    """Next-token prediction: the batch rolled by one as targets."""
     from torch.nn import functional as F
+
+    return F.cross_entropy(net(batch).flatten(0, 1), batch.roll(-1, dims=1).flatten())
+
+
+def _trainer(model, idx, fraction: float = 1.0):
+    """One AdamW training step of ``model`` (compiled or not) on ``idx`` (:func:`_loss`),
+    compiled under activation memory budget ``fraction``."""
+    import torch
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(net=model):
         with torch._functorch.config.patch(activation_memory_budget=fraction):
             optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(net(idx).flatten(0, 1), idx.roll(-1, dims=1).flatten()).backward()
+            _loss(net, idx).backward()
             optimizer.step()
 
     return step, optimizer
@@ -114,7 +120,6 @@ def _timed(steps: int, *runs) -> list[list[float]]:
 
 def _worker(kind: str, fraction: float, size: dict, steps: int, target_rise: int) -> dict:
     import torch
-    from torch.nn import functional as F
 
     sys.path.insert(0, str(ROOT))
     from lightning_swap.core import Action, InfeasibleBudgetError, SwapRuntime, profile, solve
@@ -135,8 +140,7 @@ def _worker(kind: str, fraction: float, size: dict, steps: int, target_rise: int
         step()
         plain_rise = _status("VmHWM") - base
         state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        loss_of = lambda m, b: F.cross_entropy(m(b).flatten(0, 1), b.roll(-1, dims=1).flatten())  # noqa: E731
-        prof = profile(model, idx, step_fn=loss_of, track=state, scale=False, device="cpu")
+        prof = profile(model, idx, step_fn=_loss, track=state, scale=False, device="cpu")
         budget = prof.peak_bytes - (plain_rise - target_rise)
         try:
             plan = solve(prof, budget_bytes=budget, actions=(Action.KEEP, Action.RECOMPUTE, Action.SELECTIVE))

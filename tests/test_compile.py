@@ -469,22 +469,29 @@ def _saved_bytes_of_a_compiled_step(policy, how: str) -> int:
         compiled(x).sum().backward()
         if runtime is not None:
             runtime.end_step()
-        storages: dict[int, int] = {}
-
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params:
-                storages[ptr] = t.untyped_storage().nbytes()
-            return t
-
         runs = backend.runs
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = compiled(x)
+        saved = _saved_storage_bytes(lambda: compiled(x), skip=params)
         assert backend.runs - runs == (3 if how == "regional" else 1)  # compiled, not eager
-        out.sum().backward()
     finally:
         if runtime is not None:
             runtime.remove()
+    return saved
+
+
+def _saved_storage_bytes(forward, skip=frozenset()) -> int:
+    """``forward()`` under saved-tensor hooks, then its backward: the bytes of the storages autograd
+    held for backward, those whose data pointer is in ``skip`` left out."""
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    out.sum().backward()
     return sum(storages.values())
 
 
@@ -813,18 +820,7 @@ def test_compiled_segments_with_other_ops_saved_do_not_share_a_graph(order):
         for block in model.blocks:
             block(x).sum().backward()
         runtime.end_step()
-        saved = {}
-        for i in order:
-            storages = {}
-
-            def pack(t):
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = model.blocks[i](x)
-            out.sum().backward()
-            saved[i] = sum(storages.values())
+        saved = {i: _saved_storage_bytes(lambda: model.blocks[i](x)) for i in order}
     finally:
         runtime.remove()
     assert saved[0] > saved[1]  # blocks.0 keeps its matmuls' and norm's outputs; blocks.1 recomputes them

@@ -334,6 +334,11 @@ def _caches(action: Action, eager_around_compiled: bool, name: str, on_refuse: O
     return False
 
 
+def _policy(save_ops: Optional[frozenset]) -> Callable[..., Any]:
+    """``SELECTIVE``'s policy: the plan's ops saved (Note [Who decides under compile]), else the compute-heavy ones."""
+    return _selective_policy if save_ops is None else _measured_policy(frozenset(save_ops))
+
+
 def _in_graph(
     graph: Optional[tuple[Any, Callable[..., Any]]], action: Action, outer: Optional[Callable[[], Any]], save_ops: Optional[frozenset]
 ) -> Optional[Callable[..., Any]]:
@@ -343,15 +348,12 @@ def _in_graph(
         return None
     ctx, forward = graph
     if action is Action.SELECTIVE:
-        policy = _selective_policy if save_ops is None else _measured_policy(frozenset(save_ops))
-        options = {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
+        options = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _policy(save_ops))}
     else:
         options = {}
 
     def recomputed(*args: Any, **kwargs: Any) -> Any:
-        # Note [A recomputed segment fills no cache] (traced, where ``run`` does not run first)
-        args = tuple(None if _is_cache(a) else a for a in args)
-        kwargs = {k: None if _is_cache(v) else v for k, v in kwargs.items()}
+        args, kwargs = _no_caches(args, kwargs)  # Note [A recomputed segment fills no cache]: traced, ``run`` is not
         return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **options, **kwargs)
 
     # A code object per policy: Dynamo caches compiled code per code object and does not guard
@@ -375,8 +377,7 @@ def _selective_contexts(save_ops: Optional[frozenset] = None) -> tuple[Any, Any]
     compute-heavy ones."""
     if not _cache_is_checkable():  # pragma: no cover - a torch without the internals read here
         return create_selective_checkpoint_contexts(_recompute_everything)
-    policy = _selective_policy if save_ops is None else _measured_policy(frozenset(save_ops))
-    fwd, rec = create_selective_checkpoint_contexts(policy)
+    fwd, rec = create_selective_checkpoint_contexts(_policy(save_ops))
     if hasattr(fwd, "respect_saved_tensors_hooks"):
         # checkpoint sets it only on a bare caching mode, and ours comes in a chain: the hooks
         # around a segment hold its inputs, not what SELECTIVE caches (_checkpoint_options).
@@ -493,6 +494,10 @@ def _without_caches(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         _DROPPED_CACHE.add(name)
         log.info("lightning-swap: segment %r is recomputed, so it runs without its key/value cache argument "
                  "(Note [A recomputed segment fills no cache])", name)
+    return _no_caches(args, kwargs)
+
+
+def _no_caches(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return tuple(None if _is_cache(a) else a for a in args), {k: None if _is_cache(v) else v for k, v in kwargs.items()}
 
 

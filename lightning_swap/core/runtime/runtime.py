@@ -440,8 +440,7 @@ class SwapRuntime:
             save_ops=save_ops, graph=graph,
         )
         if outer is None:
-            traced = inline and graph is not None and action in (Action.RECOMPUTE, Action.SELECTIVE)
-            return (_TracedForward if traced else _SegmentForward)(module, fn)
+            return (_TracedForward if inline and graph is not None else _SegmentForward)(module, fn)
 
         def recomputed_offloaded(*args: Any, **kwargs: Any) -> Any:
             if self._user_recomputes(index):
