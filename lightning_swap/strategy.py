@@ -262,7 +262,8 @@ class _SwapStrategyMixin:
         if plan is self._logged_plan:
             return
         previous, self._logged_plan = self._logged_plan, plan
-        if previous is not None and dict(previous.actions) == dict(plan.actions) and not why:
+        same = previous is not None and (dict(previous.actions), dict(previous.selective_ops)) == (dict(plan.actions), dict(plan.selective_ops))
+        if same and not why:
             return
         if not self.log_plan:  # after the bookkeeping above: "logged" also means "measured rows read"
             return

@@ -824,3 +824,36 @@ def test_compiled_segments_with_other_ops_saved_do_not_share_a_graph(order):
     finally:
         runtime.remove()
     assert saved[0] > saved[1]  # blocks.0 keeps its matmuls' and norm's outputs; blocks.1 recomputes them
+
+
+def test_a_compiled_policy_counts_calls_as_the_trace_did():
+    """Note [Selective saves per call] under compile: the policy sees the traced ops in the
+    order the eager trace recorded them, its counts fresh for each trace, so ``addmm#0`` is each
+    block's ``fc1`` and ``addmm#1`` its ``fc2``: saving ``fc1``'s output keeps what saving every
+    ``addmm`` keeps (``fc2``'s output is not needed in backward, so the partitioner does not save
+    it), and saving ``fc2``'s alone keeps what recomputing everything does."""
+    from lightning_swap.core import Plan
+
+    def saved(ops):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Net(d=64)
+        for block in model.blocks:
+            block.compile(backend=aot_eager)
+        names = [f"blocks.{i}" for i in range(3)]
+        plan = Plan(actions={n: Action.SELECTIVE for n in names}, selective_ops={n: ops for n in names})
+        runtime = SwapRuntime(model, plan, device="cpu", min_offload_bytes=0).install()
+        x = torch.randn(256, 8)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        try:
+            runtime.begin_step([x], measure=True)  # each block's first call: eager, checked
+            model(x).sum().backward()
+            runtime.end_step()
+            return _saved_storage_bytes(lambda: model(x), skip=params)
+        finally:
+            runtime.remove()
+
+    every, first, second, none = (saved(ops) for ops in (("aten.addmm.default",), ("aten.addmm.default#0",),
+                                                         ("aten.addmm.default#1",), ()))
+    assert first == every and second == none
+    assert every - none >= 3 * 256 * 128 * 4  # each block's fc1 output

@@ -667,12 +667,15 @@ def simulate(
     inflight_segments: int = 1,
     prefetch_bytes: Optional[int] = None,
     inflight_bytes: Optional[int] = None,
+    selective_ops: Optional[Mapping[str, Sequence[str]]] = None,
 ) -> Prediction:
     """Walk the step's timeline under ``actions`` (Notes [Memory model], [Time model] and [Copy
     windows]) for the segments and ``outside`` for the regions outside them (by name; a region
     not named is kept); ``prefetch_segments`` / ``inflight_segments`` as given to the runtime,
-    or ``prefetch_bytes`` / ``inflight_bytes`` where given (Note [Copy windows in bytes, priced]).
-    The prediction's windows and rows are per element of :func:`elements`."""
+    or ``prefetch_bytes`` / ``inflight_bytes`` where given (Note [Copy windows in bytes, priced]);
+    ``selective_ops``: a plan's, its lighter selective choices priced (Note [Lighter selective] in
+    ``measure/profiler.py``). The prediction's windows and rows are per element of :func:`elements`."""
+    profile = profile.with_selective_ops(selective_ops)
     return simulate_chain(
         profile, chain_actions(profile, actions, outside), costs, prefetch_segments=prefetch_segments, inflight_segments=inflight_segments,
         prefetch_bytes=prefetch_bytes, inflight_bytes=inflight_bytes,

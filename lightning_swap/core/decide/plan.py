@@ -64,7 +64,9 @@ class Plan:
     inflight_bytes: Optional[int] = None
     #: For ``SELECTIVE`` segments, the ops whose outputs are saved, decided from the profile's
     #: measured forward (Note [Which ops selective recomputation saves] in
-    #: ``measure/profiler.py``); a segment not named saves the compute-heavy ops.
+    #: ``measure/profiler.py``): calls ``op#k`` (the ``k``-th call of ``op`` in the segment's
+    #: forward, Note [Selective saves per call]) or ops (every call), the segment's own choice or a
+    #: lighter one (Note [Lighter selective]); a segment not named saves the compute-heavy ops.
     selective_ops: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

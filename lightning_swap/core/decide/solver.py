@@ -381,15 +381,17 @@ def _as_plan(profile: ModelProfile, picks: list[Action], prediction: Prediction,
 
 def _fastest_fitting(
     profile: ModelProfile, costs: SegmentCosts, chain: _Transitions, budget_bytes: int, max_states: int
-) -> Optional[tuple[list[Action], Prediction]]:
+) -> Optional[tuple[list[Action], Prediction, ModelProfile]]:
     """The DP's plan, or a uniform one that is faster (Note [Never slower than a uniform plan]),
-    or where the DP is not exact and found none, the least-peak plan if it fits; all simulated."""
+    or where the DP is not exact and found none, the least-peak plan if it fits; all simulated;
+    then lighter selective choices where they are faster (:func:`_lighter_selective`). With the
+    profile that prices it (its segments' selective choices the plan's)."""
     window = chain.window.keywords()
     best: Optional[tuple[list[Action], Prediction]] = None
     if costs.fixed_peak_bytes > budget_bytes:
         return None
     if not chain.n:
-        return [], simulate_chain(profile, [], costs, **window)
+        return [], simulate_chain(profile, [], costs, **window), profile
     result = _dp(chain, budget_bytes, costs.fixed_peak_bytes, minimise_peak=False, max_states=max_states)
     if result is not None:
         picks = [chain.acts[a] for a in result[0]]
@@ -408,7 +410,46 @@ def _fastest_fitting(
         candidate = simulate_chain(profile, plan, costs, **window)
         if candidate.peak_bytes <= budget_bytes and (best is None or candidate.step_ms < best[1].step_ms - 1e-9):
             best = (plan, candidate)
-    return best
+    return None if best is None else _lighter_selective(profile, costs, chain, *best, budget_bytes)
+
+
+def _lighter_selective(
+    profile: ModelProfile, costs: SegmentCosts, chain: _Transitions, picks: list[Action], prediction: Prediction, budget_bytes: int,
+) -> tuple[list[Action], Prediction, ModelProfile]:
+    """Note [Lighter selective] (``profiler.py``): the DP chooses per segment among the actions,
+    selective with its full choice of saved ops; between that and whole recomputation lie the
+    lighter choices, a few per segment, which would multiply the DP's actions. So after it, each
+    segment the plan recomputes whole tries them, the fastest first, the rest of the plan fixed;
+    one that fits and is faster replaces recomputation. The one of fewest bytes is tried first:
+    where it does not fit, the others are unlikely to (they keep more), so a tight budget costs one
+    simulation per recomputed segment. Every candidate simulated: the plan stays within the
+    budget and is never slower than the DP's."""
+    if Action.SELECTIVE not in chain.acts:
+        return picks, prediction, profile
+    selective = chain.acts.index(Action.SELECTIVE)
+    window = chain.window.keywords()
+    chosen: dict[str, tuple[str, ...]] = {}
+    priced = profile
+    for i, (e, a) in enumerate(zip(chain.segs, picks)):
+        if chain.outside[i] or a is not Action.RECOMPUTE or not e.selective_variants or not chain.may[i][selective]:
+            continue
+        acts = picks[:i] + [Action.SELECTIVE] + picks[i + 1:]
+
+        def tried(ops: tuple[str, ...]) -> Optional[tuple[ModelProfile, Prediction]]:
+            trial = profile.with_selective_ops({**chosen, e.name: ops})
+            candidate = simulate_chain(trial, acts, costs, **window)
+            fits = candidate.peak_bytes <= budget_bytes and candidate.step_ms < prediction.step_ms - 1e-9
+            return (trial, candidate) if fits else None
+
+        if tried(min(e.selective_variants, key=lambda v: v[1])[0]) is None:
+            continue
+        for ops in (v[0] for v in e.selective_variants):  # the fastest first; the lightest fits
+            found = tried(ops)
+            if found is not None:
+                picks, (priced, prediction) = acts, found
+                chosen[e.name] = ops
+                break
+    return picks, prediction, priced
 
 
 def solve(
@@ -442,7 +483,7 @@ def solve(
     acts = _allowed(actions)
     costs = segment_costs(profile)
     windows = resolve_windows(profile, prefetch_segments, inflight_segments, prefetch_bytes, inflight_bytes)
-    best: Optional[tuple[list[Action], Prediction, Window]] = None
+    best: Optional[tuple[list[Action], Prediction, ModelProfile, Window]] = None
     for window in windows:
         found = _fastest_fitting(profile, costs, _Transitions(profile, costs, acts, window), budget_bytes, max_states)
         if found is not None and (best is None or found[1].step_ms < best[1].step_ms - 1e-9):
@@ -452,10 +493,10 @@ def solve(
             least_peak_plan(profile, actions=acts, max_states=max_states, **w.keywords()).predicted_peak_bytes for w in windows
         )
         raise InfeasibleBudgetError(budget_bytes=budget_bytes, min_budget_bytes=least, batch_size=profile.batch_size)
-    picks, prediction, window = best
+    picks, prediction, priced, window = best
     if prediction.peak_bytes > budget_bytes:  # the DP and the simulator disagree: a bug
         raise AssertionError(f"planner chose a plan predicted at {prediction.peak_bytes} bytes over the budget {budget_bytes}")
-    plan = _as_plan(profile, picks, prediction, budget_bytes, window)
+    plan = _as_plan(priced, picks, prediction, budget_bytes, window)
     log.debug("solved %d elements for %d bytes: %s", len(picks), budget_bytes, plan.summary())
     return plan
 

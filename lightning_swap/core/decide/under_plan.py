@@ -98,19 +98,23 @@ def _plain_tail(profile: ModelProfile, acts: Sequence[Action], kept_p: list[int]
 
 def _plain_elements(
     profile: ModelProfile, ran: Sequence[Action], measured: Sequence[Action], kept_p: list[int], kept_k: list[int],
+    priced: Sequence[SegmentProfile],
 ) -> list[SegmentProfile]:
     """Each element's windows under plain (Note [A step measured under a plan]): the plan's kept
     bytes before it swapped for plain's, and in its backward its own present bytes. A region the
     meter held as kept (``measured`` ``KEEP``, ``ran`` ``OFFLOAD``: Note [Regions held as kept] in
     ``measure/trace.py``) was let go as its backward began: that window is the plan's. A region
-    offloaded and not held (CUDA) rose in its forward by at most its offloaded bytes less."""
+    offloaded and not held (CUDA) rose in its forward by at most its offloaded bytes less.
+    ``priced``: the elements as the plan ran them (its lighter selective choices: Note [Lighter
+    selective]), for what the plan held at each backward."""
     segs, mask = elements(profile), outside_mask(profile)
     tail = len(segs) - 1 if profile.has_tail_region() else None
     out = []
     for i, (s, a, o) in enumerate(zip(segs, measured, mask)):
         prev, p = (segs[i - 1], measured[i - 1]) if i else (None, None)
         swap = kept_k[i] - kept_p[i]
-        present = present_bytes(prev, Action.KEEP if i else None, s, Action.KEEP) - present_bytes(prev, p, s, ran[i] if o else a)
+        ran_prev = priced[i - 1] if i else None
+        present = present_bytes(prev, Action.KEEP if i else None, s, Action.KEEP) - present_bytes(ran_prev, p, priced[i], ran[i] if o else a)
         forward = s.forward_peak_bytes + swap + (s.offload_bytes if o and a is not Action.KEEP else 0)
         if i == tail and profile.tail_start_bytes >= 0 and profile.tail_rest_bytes >= 0 and a is Action.KEEP:
             last = max(j for j, m in enumerate(mask[:i]) if not m)
@@ -126,24 +130,26 @@ def as_plain(
     profile: ModelProfile, actions: Mapping[str, Action] | Sequence[Action], *, outside: Optional[Mapping[str, Action]] = None,
     regions_held: bool = False, prefetch_segments: Optional[int] = None, inflight_segments: int = 1,
     prefetch_bytes: Optional[int] = None, inflight_bytes: Optional[int] = None,
+    selective_ops: Optional[Mapping[str, Sequence[str]]] = None,
 ) -> ModelProfile:
     """``profile`` was measured in a step run under ``actions`` (and ``outside`` for the regions
     outside the segments; ``regions_held``: the meter counted those as kept, Note [Regions held
     as kept] in ``measure/trace.py``): each segment's window peaks are its window's start under
     the plan plus its rise when kept, the tail's as measured (Note [A step measured under a
     plan]); the same profile with plain training's windows. The copy windows: as the step ran
-    (the copies in flight at the tail)."""
+    (the copies in flight at the tail). ``selective_ops``: the plan's (Note [Lighter selective] in
+    ``measure/profiler.py``: what its selective segments kept)."""
     ran = chain_actions(profile, actions, outside)
     mask = outside_mask(profile)
     measured = [Action.KEEP if o and regions_held else a for a, o in zip(ran, mask)]
     keep = [Action.KEEP] * len(ran)
-    segs = elements(profile)
+    segs = elements(profile.with_selective_ops(selective_ops))
     _, inflight = copy_window(prefetch_segments, inflight_segments, overlap=profile.copies_overlap)
     if inflight_bytes is not None:  # in bytes (Note [Copy windows in bytes, priced]): none taken off, a bound on CUDA
         inflight = 0
     copies = [copied_bytes(s, a) for s, a in zip(segs, measured)]
     kept_p, kept_k = _kept_before(segs, measured), _kept_before(segs, keep)
-    plain_elements = _plain_elements(profile, ran, measured, kept_p, kept_k)
+    plain_elements = _plain_elements(profile, ran, measured, kept_p, kept_k, segs)
     plain = dataclasses.replace(
         profile, segments=tuple(e for e, o in zip(plain_elements, mask) if not o),
         outside=tuple(e for e, o in zip(plain_elements, mask) if o),
@@ -167,6 +173,7 @@ def time_factors(
     profile: ModelProfile, actions: Mapping[str, Action] | Sequence[Action], step_ms: float, recompute_ms_measured: float,
     transfer_ms: float, *, outside: Optional[Mapping[str, Action]] = None, prefetch_segments: Optional[int] = None,
     inflight_segments: int = 1, prefetch_bytes: Optional[int] = None, inflight_bytes: Optional[int] = None,
+    selective_ops: Optional[Mapping[str, Sequence[str]]] = None,
 ) -> tuple[float, float, float]:
     """Note [Re-plan from the steady state] in ``scale/auto.py``: by what ``profile``'s times are
     off, from a steady step measured under ``actions`` (and ``outside`` for the regions outside
@@ -174,7 +181,8 @@ def time_factors(
     recomputation, copies), for :meth:`~..measure.model_profile.ModelProfile.with_times`. The
     plain part of the step is what was measured less recomputation and copies; recomputation and
     copies are compared with what the model priced them at, and keep the compute factor (copies:
-    1) where the plan has none."""
+    1) where the plan has none; ``selective_ops``: the plan's (Note [Lighter selective])."""
+    profile = profile.with_selective_ops(selective_ops)
     acts = chain_actions(profile, actions, outside)
     segs = elements(profile)
     predicted = simulate_chain(

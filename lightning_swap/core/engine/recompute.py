@@ -130,6 +130,12 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def op_call(op: str, k: int) -> str:
+    """The name of op ``op``'s ``k``-th call in a segment's forward (Note [Selective saves per call]
+    in ``measure/profiler.py``)."""
+    return f"{op}#{k}"
+
+
 def _measured_policy(save_ops: frozenset) -> Callable[..., Any]:
     """Note [Who decides under compile]: the plan's op-level choice (Note [Which ops selective
     recomputation saves] in ``measure/profiler.py``) saves the outputs of ``save_ops`` and
@@ -142,10 +148,21 @@ def _measured_policy(save_ops: frozenset) -> Callable[..., Any]:
     nothing (Note [Selective under compile]). An
     ``out=`` overload is never saved, whatever its name (Note [Selective never replays a
     mutated tensor]), and what a later op wrote into is dropped from the cache as for the
-    compute-heavy rule (:class:`_DropMutated`)."""
+    compute-heavy rule (:class:`_DropMutated`).
+
+    ``save_ops`` names calls (``op#k``, the ``k``-th call of ``op`` in the segment's forward:
+    Note [Selective saves per call]) or ops (every call). Calls are counted apart in the forward
+    and in the recomputation, which run the same ops in the same order; a new policy per
+    checkpointed call (its contexts are made per call), so the counts start at 0 each time."""
+    ops = frozenset(save_ops)
+    calls: dict[tuple[bool, Any], int] = {}
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        if str(op) in save_ops and not op._schema.is_mutable:
+        key = (bool(getattr(ctx, "is_recompute", False)), op)
+        k = calls.get(key, 0)
+        calls[key] = k + 1
+        name = str(op)
+        if (name in ops or op_call(name, k) in ops) and not op._schema.is_mutable:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.MUST_RECOMPUTE
 
@@ -348,7 +365,8 @@ def _in_graph(
         return None
     ctx, forward = graph
     if action is Action.SELECTIVE:
-        options = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _policy(save_ops))}
+        # A new policy per call: Note [Selective saves per call] counts calls from 0 each time.
+        options = {"context_fn": lambda: create_selective_checkpoint_contexts(_policy(save_ops))}
     else:
         options = {}
 
@@ -429,8 +447,26 @@ class _Held:
         """The input is about to be written: backward gets a copy taken now, packed as the input
         was (offloaded, under ``RECOMPUTE_OFFLOAD``: the device copy does not stay)."""
         assert self.tensor is not None
-        self.packed = self.pack(self.tensor.detach().clone())
+        with _beneath_selective():
+            self.packed = self.pack(self.tensor.detach().clone())
         self.written = True
+
+
+@contextlib.contextmanager
+def _beneath_selective() -> Any:
+    """Note [Selective saves per call]: the copy the watch takes (:meth:`_Held.before_write`) is
+    not an op of the segment, and its recomputation never runs it; seen by selective's caching
+    mode (above the watch on the mode stack, the watch inside the checkpointed forward), it would
+    shift that mode's count of the op's calls and the policy's, and a later call of the same op
+    would be saved under one index and replayed under another: another tensor, silently. So the
+    caching modes above are set aside while it runs (the meter, below them, still counts it)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode_temporarily
+
+    caching = getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None)
+    with contextlib.ExitStack() as stack:
+        while caching is not None and (modes := _get_current_dispatch_mode_stack()) and isinstance(modes[-1], caching):
+            stack.enter_context(_pop_mode_temporarily())
+        yield
 
 
 class _InPlaceWatch(TorchDispatchMode):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from ..actions import Action
 from ..segments import split_call
@@ -99,6 +99,10 @@ class SegmentProfile:
     #: (Note [Which ops selective recomputation saves] in ``profiler.py``); ``None``: the fixed
     #: rule (compute-heavy ops: ``engine/recompute.py``), which ``heavy_*`` then describe.
     selective_ops: Optional[tuple[str, ...]] = None
+    #: Lighter choices than ``selective_ops`` (Note [Lighter selective] in ``profiler.py``): each
+    #: the ops it saves and its ``heavy_bytes``, ``heavy_unsaved_bytes`` and ``heavy_forward_ms``
+    #: as fractions of the full choice's (:meth:`lighter`).
+    selective_variants: tuple[tuple[tuple[str, ...], float, float, float], ...] = ()
     #: Under FSDP: bytes of the parameters gathered while this segment computes (its unit's, on
     #: this rank), freed again after its forward and gathered anew for its backward; part of
     #: every window's measured base whatever the plan (Note [Sharded state is local] in
@@ -108,6 +112,26 @@ class SegmentProfile:
     #: planner never gives it one of them. ``refusal`` says why, for the log.
     refused: tuple[Action, ...] = ()
     refusal: str = ""
+
+    def lighter(self, index: int) -> "SegmentProfile":
+        """This segment with its ``index``-th lighter selective choice in place of its own (Note
+        [Lighter selective] in ``profiler.py``): fewer bytes kept, more of the forward recomputed
+        (a measured ``selective_ms`` grows by the forward time no longer saved)."""
+        ops, nbytes, unsaved, ms = self.selective_variants[index]
+        heavy_ms = self.heavy_forward_ms * ms
+        return dataclasses.replace(
+            self, selective_ops=ops, selective_variants=(), heavy_bytes=round(self.heavy_bytes * nbytes),
+            heavy_unsaved_bytes=round(self.heavy_unsaved_bytes * unsaved), heavy_forward_ms=heavy_ms,
+            selective_ms=None if self.selective_ms is None else self.selective_ms + self.heavy_forward_ms - heavy_ms,
+        )
+
+    def with_selective_ops(self, ops: Optional[Iterable[str]]) -> "SegmentProfile":
+        """This segment as a plan that saves ``ops`` under selective prices it: its own choice, or
+        the lighter one that saves exactly those (itself where none does)."""
+        if ops is None or self.selective_ops is None or tuple(ops) == self.selective_ops:
+            return self
+        wanted = tuple(ops)
+        return next((self.lighter(i) for i, v in enumerate(self.selective_variants) if v[0] == wanted), self)
 
 
 #: Note [Refused actions]: a segment that writes into its input cannot be recomputed from it
@@ -216,6 +240,19 @@ class ModelProfile:
             segments.append(seg)
         reference = self.reference.refusing(refusals) if self.reference is not None else None
         return dataclasses.replace(self, segments=tuple(segments), reference=reference)
+
+    def with_selective_ops(self, selective_ops: Optional[Mapping[str, Iterable[str]]]) -> "ModelProfile":
+        """This profile as a plan's ``selective_ops`` price it: each segment the plan gives a
+        lighter selective choice (Note [Lighter selective] in ``profiler.py``) has that choice's
+        bytes and times (:meth:`SegmentProfile.with_selective_ops`)."""
+        if not selective_ops:
+            return self
+        segments = tuple(
+            s.with_selective_ops(selective_ops.get(s.name, selective_ops.get(split_call(s.name)[0]))) for s in self.segments
+        )
+        if all(a is b for a, b in zip(segments, self.segments)):
+            return self
+        return dataclasses.replace(self, segments=segments)
 
     @property
     def chain(self) -> tuple[tuple[SegmentProfile, bool], ...]:
@@ -413,6 +450,12 @@ def _max_segment(column: "tuple[SegmentProfile, ...]") -> SegmentProfile:
         elif f.name == "selective_ops":
             chosen = [v for v in values if v is not None]
             fields[f.name] = tuple(op for op in chosen[0] if all(op in v for v in chosen[1:])) if chosen else None
+        elif f.name == "selective_variants":  # Note [Lighter selective]: those every process found, priced high
+            found = [{v[0]: v for v in vs} for vs in values]
+            fields[f.name] = tuple(
+                (ops, max(b[ops][1] for b in found), max(b[ops][2] for b in found), min(b[ops][3] for b in found))
+                for ops in found[0] if all(ops in b for b in found)
+            )
         else:
             fields[f.name] = _largest(values)
     return SegmentProfile(**fields)

@@ -196,8 +196,15 @@ class ObservedStep:
         plan will run it (Note [Which ops selective recomputation saves] in ``profiler.py``)."""
         if self.costs is None and self.time_actions and trace.inputs:
             calls = {names[i]: call for i, call in trace.inputs.items()}
+            # What a segment saves is known from this step only where the plan kept it (the
+            # others are measured alone after): the early-stop cut (Note [Selective saves per
+            # call]) needs it, so it applies to kept segments here.
+            acting = set(self.acting)
             save_ops = {
-                names[i]: selective_choice(trace.ops[i], set(boundary_keys(trace, order, i)), frozenset(trace.mutated))[0]
+                names[i]: selective_choice(
+                    trace.ops[i], set(boundary_keys(trace, order, i)), frozenset(trace.mutated),
+                    None if names[i] in acting else trace.saved.get(i, {}),
+                )[0]
                 for i in trace.inputs if trace.ops.get(i)
             }
             self.costs = measure_action_costs(
@@ -269,7 +276,7 @@ def _splice_alone(trace: StepTrace, alone: dict[int, StepTrace]) -> None:
         trace.heavy[i] = {key(k): b for k, b in own.heavy.get(0, {}).items() if k != static}
         # Its ops and their outputs in the same keys: what selective would save is chosen from them
         # (Note [Which ops selective recomputation saves] in ``profiler.py``).
-        trace.ops[i] = {op: [ms, {key(k): b for k, b in made.items()}] for op, (ms, made) in own.ops.get(0, {}).items()}
+        trace.ops[i] = {op: [ms, {key(k): b for k, b in made.items()}, *est] for op, (ms, made, *est) in own.ops.get(0, {}).items()}
         trace.mutated.update(mapping[k] for k in own.mutated if k in mapping)
 
 

@@ -202,7 +202,27 @@ def _offload_savings(trace: StepTrace, key: Any, bwd_peak: int) -> dict[str, int
     )
 
 
-def selective_choice(ops: dict[str, list], boundary: set, mutated: frozenset = frozenset()) -> tuple[tuple[str, ...], dict[int, int], float]:
+def _call_ms(ops: dict[str, list]) -> dict[str, float]:
+    """Each call's milliseconds (Note [Selective saves per call]): an op's measured time, summed
+    over its calls in the segment, shared among them as their estimates (FLOPs and bytes) are,
+    where the trace has them: one call's own time, a fraction of a millisecond on a busy machine,
+    is mostly noise, and two matmuls of equal cost per byte would otherwise be ranked by it."""
+    kinds: dict[str, list[float]] = {}
+    for call, (ms, _, *est) in ops.items():
+        total = kinds.setdefault(call.split("#")[0], [0.0, 0.0, 1.0])
+        total[0] += ms
+        total[1] += est[0] if est else 0.0
+        total[2] = total[2] if est and est[0] > 0 else 0.0
+    out = {}
+    for call, (ms, _, *est) in ops.items():
+        measured, estimated, usable = kinds[call.split("#")[0]]
+        out[call] = measured * est[0] / estimated if usable and estimated > 0 else ms
+    return out
+
+
+def selective_choice(
+    ops: dict[str, list], boundary: set, mutated: frozenset = frozenset(), saved: Optional[Iterable[int]] = None,
+) -> tuple[tuple[str, ...], dict[int, int], float]:
     """Note [Which ops selective recomputation saves]: ``SELECTIVE`` checkpoints a segment but
     saves the outputs of some of its ops, so that recomputing it costs less; which ops is decided
     from the segment's own measured forward (``ops``: per op, its milliseconds and the storages
@@ -212,23 +232,87 @@ def selective_choice(ops: dict[str, list], boundary: set, mutated: frozenset = f
     cost their bytes kept and save its milliseconds of recomputation; an op is saved when it saves
     at least the segment's average milliseconds per byte (the greedy knapsack's better half: what
     is kept buys more recomputation than average, the rest is cheap per byte, as norms and
-    activations are). Decided per op kind within a segment (every call of one overload alike).
-    An op whose output something later changes in place (``mutated``: a ReLU after a norm) is
-    never saved: selective checkpointing refuses a saved tensor that changed.
+    activations are). An op whose output something later changes in place (``mutated``: a ReLU
+    after a norm) is never saved: selective checkpointing refuses a saved tensor that changed.
     Returns the ops saved (sorted), the storages their outputs made, and their share of the
-    forward's time."""
-    total_ms = sum(ms for ms, _ in ops.values())
-    candidates = {}
-    for op, (ms, outputs) in ops.items():
-        nbytes = sum(b for k, b in outputs.items() if k not in boundary)
-        if nbytes > 0 and not mutated & outputs.keys():
-            candidates[op] = (ms, nbytes)
+    forward's time.
+
+    Note [Selective saves per call]: the trace names each call of an op apart (``op#k``, its
+    ``k``-th call in the segment's forward), so two matmuls of one block are two choices, and
+    the policy counts calls as the trace did. ``saved`` (the storages the segment saves for
+    backward when kept) rules out the calls after the last one that made any of them: the
+    recomputation stops there (checkpoint's early stop), so their outputs, cached, would be
+    bytes held for nothing (a block's last projection, whose output only feeds the residual add:
+    2 MiB a block on the GPT of ``examples/``)."""
+    call_ms = _call_ms(ops)
+    total_ms = sum(call_ms.values())
+    candidates = _selective_candidates(ops, call_ms, boundary, mutated, saved)
     if not candidates:
         return (), {}, 0.0
     density = sum(ms for ms, _ in candidates.values()) / sum(b for _, b in candidates.values())
     chosen = tuple(sorted(op for op, (ms, nbytes) in candidates.items() if ms >= density * nbytes))
     heavy = {k: b for op in chosen for k, b in ops[op][1].items()}
-    return chosen, heavy, (sum(ops[op][0] for op in chosen) / total_ms if total_ms > 0 else 0.0)
+    return chosen, heavy, (sum(call_ms[op] for op in chosen) / total_ms if total_ms > 0 else 0.0)
+
+
+def _selective_candidates(
+    ops: dict[str, list], call_ms: dict[str, float], boundary: set, mutated: frozenset, saved: Optional[Iterable[int]],
+) -> dict[str, tuple[float, int]]:
+    """The calls selective may save (Note [Which ops selective recomputation saves]): (ms, bytes)."""
+    order = list(ops)
+    if saved is not None:
+        saved = set(saved)  # the output too, where an op of the segment saves it: recomputed then
+        last = max((i for i, op in enumerate(order) if saved & ops[op][1].keys()), default=-1)
+        order = order[: last + 1]
+    candidates = {}
+    for op in order:
+        outputs = ops[op][1]
+        nbytes = sum(b for k, b in outputs.items() if k not in boundary)
+        if nbytes > 0 and not mutated & outputs.keys():
+            candidates[op] = (call_ms[op], nbytes)
+    return candidates
+
+
+#: At most this many lighter selective variants per segment (Note [Lighter selective]).
+MAX_SELECTIVE_VARIANTS = 6
+
+
+def selective_variants(
+    ops: dict[str, list], chosen: tuple[str, ...], boundary: set, saved: Iterable[int],
+) -> tuple[tuple[tuple[str, ...], float, float, float], ...]:
+    """Note [Lighter selective]: between ``SELECTIVE`` (the calls :func:`selective_choice` keeps)
+    and ``RECOMPUTE`` (none kept) lie the plans that keep some of them; the min-cut partitioner
+    walks that line op by op. Here the candidates are the chosen calls less one of them (the
+    finest steps in bytes) and less the cheapest per byte, cumulatively (what is cheapest to
+    recompute for the bytes it frees, down to one call kept), the fastest first (most forward
+    time still saved), at most :data:`MAX_SELECTIVE_VARIANTS`; each the ops it keeps and its bytes
+    kept, bytes not otherwise saved, and forward milliseconds saved, as fractions of the full
+    choice's (so they scale with the batch as the full choice does: Note [Batch scaling]). The
+    planner takes one where it fits and whole recomputation would be slower (``solver.py``)."""
+    saved = set(saved)
+    call_ms = _call_ms(ops)
+
+    def fields(kept: tuple[str, ...]) -> tuple[int, int, float]:
+        heavy = {k: b for op in kept for k, b in ops[op][1].items() if k not in boundary}
+        return sum(heavy.values()), sum(b for k, b in heavy.items() if k not in saved), sum(call_ms[op] for op in kept)
+
+    full = fields(chosen)
+    if len(chosen) < 2 or full[0] <= 0:
+        return ()
+    density = {op: call_ms[op] / max(sum(b for k, b in ops[op][1].items() if k not in boundary), 1) for op in chosen}
+    order = sorted(chosen, key=lambda op: (density[op], op))
+    kept_sets = {tuple(sorted(order[drop:])) for drop in range(1, len(chosen))}
+    kept_sets |= {tuple(op for op in chosen if op != dropped) for dropped in chosen}
+    variants = []
+    for kept in kept_sets:
+        nbytes, unsaved, ms = fields(kept)
+        if nbytes < full[0]:
+            variants.append((kept, nbytes / full[0], unsaved / full[1] if full[1] else 0.0, ms / full[2] if full[2] else 0.0))
+    variants.sort(key=lambda v: (-v[3], v[1], v[0]))
+    if len(variants) > MAX_SELECTIVE_VARIANTS:  # the lightest stays: the planner's first test (solver.py)
+        lightest = min(variants, key=lambda v: (v[1], v[0]))
+        variants = [v for v in variants[:MAX_SELECTIVE_VARIANTS - 1] if v != lightest] + [lightest]
+    return tuple(variants)
 
 
 def _element_profile(
@@ -241,9 +325,10 @@ def _element_profile(
     if out_key == in_key:  # the segment returned (a view of) its input: no new storage
         out_bytes = 0
     boundary = {in_key, out_key}
-    save_ops = None
+    save_ops, variants = None, ()
     if isinstance(e.key, int) and e.key >= 0 and trace.ops.get(e.key):  # Note [Which ops selective recomputation saves]
-        save_ops, heavy, share = selective_choice(trace.ops[e.key], boundary, frozenset(trace.mutated))
+        save_ops, heavy, share = selective_choice(trace.ops[e.key], boundary, frozenset(trace.mutated), saved)
+        variants = selective_variants(trace.ops[e.key], save_ops, boundary, saved)
         heavy_ms = fwd_ms * share
     internal = {k: b for k, b in saved.items() if k not in boundary}
     heavy_internal = {k: b for k, b in heavy.items() if k not in boundary}
@@ -278,6 +363,7 @@ def _element_profile(
         offload_backward_peak_bytes=min(bwd_peak, trace.offload_bwd_peak.get(e.key, bwd_peak)),
         **_offload_savings(trace, e.key, bwd_peak),
         selective_ops=save_ops,
+        selective_variants=variants,
         input_saved=in_key in saved,
         input_small=in_bytes < small,
         input_from_previous=input_from_previous,

@@ -56,7 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..engine.meter import DeviceMemoryMeter
-from ..engine.recompute import compute_heavy_ops, written_args
+from ..engine.recompute import compute_heavy_ops, op_call, written_args
 from ..segments import call_name, resolve_modules, split_call
 from ..sharded import gathered_bytes, gathered_parameters, is_sharded
 from ..tensors import local_tensor
@@ -124,8 +124,9 @@ class StepTrace:
     tensor_bwd_peak_out: dict[Any, int] = field(default_factory=dict)
     tensor_bwd_peak_both: dict[Any, int] = field(default_factory=dict)
     heavy_op_ms: dict[int, float] = field(default_factory=lambda: defaultdict(float))
-    #: Per segment, per op (``str`` of its overload): the forward milliseconds (estimated in fake
-    #: mode) and the storages its outputs made, by key.
+    #: Per segment, per call of an op (``op#k``: the ``k``-th call of the overload ``op``, Note
+    #: [Selective saves per call] in ``profiler.py``): the forward milliseconds (estimated in fake
+    #: mode), the storages its outputs made, by key, and its estimated milliseconds.
     ops: dict[int, dict[str, list]] = field(default_factory=lambda: defaultdict(dict))
     #: The storages an op of the forward wrote in place (any region's: a later segment's or the
     #: glue's write changes what an earlier segment would have saved).
@@ -260,12 +261,12 @@ class _OpRecorder(TorchDispatchMode):
             if is_heavy:
                 rec.trace.heavy_op_ms[region] += elapsed_ms
                 rec.trace.heavy[region].update(outputs)
-            est = self._estimate_ms(func, args, kwargs, out) if rec.fake else elapsed_ms
+            est = self._estimate_ms(func, args, kwargs, out)
             if rec.fake:
                 rec.trace.est_all_ms[region] += est
                 if is_heavy:
                     rec.trace.est_heavy_ms[region] += est
-            rec.record_op(region, str(func), est, outputs, cacheable=not func._schema.is_mutable)
+            rec.record_op(region, str(func), est if rec.fake else elapsed_ms, outputs, cacheable=not func._schema.is_mutable, est=est)
         elif rec.fake and rec.phase_is_forward:
             rec.trace.est_all_ms[region] += self._estimate_ms(func, args, kwargs, out)
         elif isinstance(region, tuple) and region[0] == "bwd":
@@ -325,15 +326,23 @@ class _Recorder:
         self.sharded = is_sharded(model)
         #: Storage keys some op of the forward has made (Note [Which ops selective recomputation saves]).
         self._made: set[int] = set()
+        #: (segment, op) -> its calls so far in that segment's forward (Note [Selective saves per call]).
+        self._op_calls: dict[tuple[int, str], int] = {}
 
-    def record_op(self, region: int, op: str, ms: float, outputs: dict[int, int], *, cacheable: bool = True) -> None:
+    def record_op(self, region: int, op: str, ms: float, outputs: dict[int, int], *, cacheable: bool = True, est: float = 0.0) -> None:
         """One op of segment ``region``'s forward: its time and the storages it made, not those
         its outputs share with what existed (views, in-place ops: Note [Which ops selective
         recomputation saves] in ``profiler.py``). An op that is not ``cacheable`` (an ``out=``
         overload: Note [Selective never replays a mutated tensor] in ``engine/recompute.py``)
-        makes nothing selective could save."""
-        costs = self.trace.ops[region].setdefault(op, [0.0, {}])
+        makes nothing selective could save. Each call is its own entry, ``op#k`` for the op's
+        ``k``-th call in the segment's forward, with ``est``, its estimated milliseconds (FLOPs and
+        bytes: how the op's measured time is shared among its calls, Note [Selective saves per call]
+        in ``profiler.py``)."""
+        k = self._op_calls.get((region, op), 0)
+        self._op_calls[(region, op)] = k + 1
+        costs = self.trace.ops[region].setdefault(op_call(op, k), [0.0, {}, 0.0])
         costs[0] += ms
+        costs[2] += est
         if cacheable:
             costs[1].update({k: b for k, b in outputs.items() if k not in self._made})
         self._made.update(outputs)

@@ -206,9 +206,10 @@ MAX_REVISITS = 2
 REPLAN_GAIN = 0.05
 
 
-def _choice(plan: Plan) -> tuple[dict, dict]:
-    """What a plan chose, by value: its segments' actions and its regions'."""
-    return dict(plan.actions), dict(plan.outside)
+def _choice(plan: Plan) -> tuple[dict, dict, dict]:
+    """What a plan chose, by value: its segments' actions, its regions', and the ops its selective
+    segments save (Note [Lighter selective] in ``measure/profiler.py``)."""
+    return dict(plan.actions), dict(plan.outside), dict(plan.selective_ops)
 
 
 class AutoPlanner:
@@ -636,7 +637,7 @@ class AutoPlanner:
         for key in ("prefetch_bytes", "inflight_bytes"):
             if window[key] is None or window[key] == AUTO_WINDOW:
                 window[key] = getattr(plan, key)
-        return dict(window, outside=dict(plan.outside))
+        return dict(window, outside=dict(plan.outside), selective_ops=dict(plan.selective_ops))
 
     def _as_plain(self, profile: ModelProfile, plan: Plan) -> ModelProfile:
         """``profile``, observed under ``plan``, as plain's (Note [A step measured under a plan]):
