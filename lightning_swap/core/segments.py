@@ -55,14 +55,15 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from typing import Optional, Union
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Optional, Union
 
 from torch import nn
 
 __all__ = [
     "CALL_SEPARATOR", "PREFIX_REGION", "TAIL_REGION", "SegmentSpec", "call_name", "canonical_name", "describe_segments",
-    "find_segments", "named_modules", "outside_region_names", "region_after", "resolve_modules", "split_call", "unwrap_compiled",
+    "find_segments", "for_segment", "named_modules", "outside_region_names", "region_after", "resolve_modules", "split_call",
+    "unwrap_compiled",
 ]
 
 SegmentSpec = Union[None, Sequence[Union[str, type]]]
@@ -113,6 +114,12 @@ def split_call(name: str) -> tuple[str, int]:
     if sep and call.isdigit():
         return module, int(call)
     return name, 0
+
+
+def for_segment(mapping: Mapping[str, Any], name: str) -> Any:
+    """``mapping``'s entry for segment ``name``, else its module's (a plan may name a module run
+    several times once, for every call: Note [A segment per call]); ``None`` where neither."""
+    return mapping.get(name, mapping.get(split_call(name)[0]))
 
 
 def canonical_name(name: str) -> str:

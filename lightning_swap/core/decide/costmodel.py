@@ -82,7 +82,7 @@ from typing import Any, Optional
 
 from ..actions import Action
 from ..config import check_inflight_segments, check_window_bytes
-from ..segments import split_call
+from ..segments import for_segment
 from .plan import PlanRow
 from ..measure.model_profile import ModelProfile, SegmentProfile
 
@@ -343,7 +343,7 @@ class Prediction:
 def _as_list(profile: ModelProfile, actions: Mapping[str, Action] | Sequence[Action]) -> list[Action]:
     if isinstance(actions, Mapping):
         # A plan may name a module run several times once, for every call (Note [A segment per call]).
-        acts = [actions.get(n, actions.get(split_call(n)[0])) for n in profile.names]
+        acts = [for_segment(actions, n) for n in profile.names]
         missing = [n for n, a in zip(profile.names, acts) if a is None]
         if missing:
             raise ValueError(f"`actions` has no action for segments {missing}.")

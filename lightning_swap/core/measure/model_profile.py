@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
 from ..actions import Action
-from ..segments import split_call
+from ..segments import for_segment, split_call
 
 __all__ = ["ModelProfile", "SegmentProfile", "max_profile"]
 
@@ -248,7 +248,7 @@ class ModelProfile:
         if not selective_ops:
             return self
         segments = tuple(
-            s.with_selective_ops(selective_ops.get(s.name, selective_ops.get(split_call(s.name)[0]))) for s in self.segments
+            s.with_selective_ops(for_segment(selective_ops, s.name)) for s in self.segments
         )
         if all(a is b for a, b in zip(segments, self.segments)):
             return self

@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..engine.meter import host_allocation, mark_host
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
-from ..segments import PREFIX_REGION, SegmentSpec, find_segments, region_after, resolve_modules
+from ..segments import PREFIX_REGION, SegmentSpec, find_segments, region_after, resolve_modules, split_call
 from ..sharded import is_sharded, like_shard, world_size
 from ..tensors import infer_batch_size, local_tensor, loss_of, storage_bytes
 from .model_profile import _SCALED_INT_FIELDS, _SCALED_MS_FIELDS, ModelProfile, SegmentProfile, refused_actions
@@ -209,13 +209,13 @@ def _call_ms(ops: dict[str, list]) -> dict[str, float]:
     is mostly noise, and two matmuls of equal cost per byte would otherwise be ranked by it."""
     kinds: dict[str, list[float]] = {}
     for call, (ms, _, *est) in ops.items():
-        total = kinds.setdefault(call.split("#")[0], [0.0, 0.0, 1.0])
+        total = kinds.setdefault(split_call(call)[0], [0.0, 0.0, 1.0])
         total[0] += ms
         total[1] += est[0] if est else 0.0
         total[2] = total[2] if est and est[0] > 0 else 0.0
     out = {}
     for call, (ms, _, *est) in ops.items():
-        measured, estimated, usable = kinds[call.split("#")[0]]
+        measured, estimated, usable = kinds[split_call(call)[0]]
         out[call] = measured * est[0] / estimated if usable and estimated > 0 else ms
     return out
 
@@ -267,10 +267,16 @@ def _selective_candidates(
     candidates = {}
     for op in order:
         outputs = ops[op][1]
-        nbytes = sum(b for k, b in outputs.items() if k not in boundary)
+        nbytes = _own_bytes(outputs, boundary)
         if nbytes > 0 and not mutated & outputs.keys():
             candidates[op] = (call_ms[op], nbytes)
     return candidates
+
+
+def _own_bytes(outputs: dict[int, int], boundary: set) -> int:
+    """Bytes of the storages a call made inside its segment (its boundaries are kept or
+    recomputed with it anyway)."""
+    return sum(b for k, b in outputs.items() if k not in boundary)
 
 
 #: At most this many lighter selective variants per segment (Note [Lighter selective]).
@@ -299,7 +305,7 @@ def selective_variants(
     full = fields(chosen)
     if len(chosen) < 2 or full[0] <= 0:
         return ()
-    density = {op: call_ms[op] / max(sum(b for k, b in ops[op][1].items() if k not in boundary), 1) for op in chosen}
+    density = {op: call_ms[op] / max(_own_bytes(ops[op][1], boundary), 1) for op in chosen}
     order = sorted(chosen, key=lambda op: (density[op], op))
     kept_sets = {tuple(sorted(order[drop:])) for drop in range(1, len(chosen))}
     kept_sets |= {tuple(op for op in chosen if op != dropped) for dropped in chosen}
