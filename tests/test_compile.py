@@ -576,21 +576,23 @@ def test_offload_engine_offloads_what_the_compiled_graphs_save():
 # -- the session (policy "auto" driven directly) ------------------------------------------------------
 def _session_steps(session, compiled, optimizer, backend, steps: int) -> tuple[list, list]:
     """``steps`` training steps driven through ``session`` as the adapters drive it: each step's
-    kind and the compiled graph runs it made."""
+    kind and the compiled graph runs its forward and backward made (not the profile's timing
+    runs after an observed step: Note [Compiled segments are timed compiled])."""
     kinds, runs = [], []
     for x, y in _batches(steps):
-        before = backend.runs
         states = [optimizer.state]
         kinds.append(session.before_step(x, [x, y, states], states))
+        before = backend.runs
         loss = nn.functional.mse_loss(compiled(x), y)
         session.backward_begins()
         loss.backward()
+        ran = backend.runs - before
         session.backward_done()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         session.end_step()
         session.step_done()
-        runs.append(backend.runs - before)
+        runs.append(ran)
     return kinds, runs
 
 
@@ -857,3 +859,64 @@ def test_a_compiled_policy_counts_calls_as_the_trace_did():
                                                          ("aten.addmm.default#1",), ()))
     assert first == every and second == none
     assert every - none >= 3 * 256 * 128 * 4  # each block's fc1 output
+
+
+def _observed_profile(model, x, y):
+    """The profile auto plans from (an observed plain step, then each segment timed alone)."""
+    from lightning_swap.core.measure.observe import ObservedStep
+
+    observed = ObservedStep(model, find_segments(model), device=torch.device("cpu"), batch=x, track=[x, y], min_offload_bytes=0)
+    observed.begin()
+    loss = nn.functional.mse_loss(model(x), y)
+    observed.backward_begins()
+    loss.backward()
+    observed.backward_done()
+    observed.close()
+    return observed
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "regional", None])
+@pytest.mark.parametrize("cls", [Net, NormNet])
+def test_compiled_segments_are_timed_compiled(how, cls):
+    """Note [Compiled segments are timed compiled]: a compiled segment is timed as the runtime runs
+    it, through the user's compiled code (graphs run while timing), and its selective, where it
+    recomputes inside its graph (no buffers), is priced as measured there, not floored at the
+    eager forward of the ops it reruns; a BatchNorm block (eager recomputation) and an eager model
+    keep the floor. Timing leaves the weights and gradients as they were. Selective there saves
+    the compute-heavy calls' outputs (Note [Selective under compile chooses compute-heavy
+    calls] in ``measure/profiler.py``)."""
+    from lightning_swap.core.decide.costmodel import MIN_ACTION_MS, recompute_ms
+
+    if how is None:
+        torch.manual_seed(0)
+        backend, model = Counting(), cls()
+        compiled = model
+    else:
+        backend, model, _, compiled = _fresh(how, cls, False)
+    x, y = _batches(1)[0]
+    nn.functional.mse_loss(compiled(x), y).backward()  # compiled (and warm) before the profile, as in training
+    model.zero_grad(set_to_none=True)
+    observed = _observed_profile(compiled, x, y)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    runs = backend.runs
+    prof = observed.finish()
+    timed_runs = backend.runs - runs
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())
+    assert all(torch.equal(g, p.grad) for (n, p), g in zip(model.named_parameters(), grads.values()))
+    blocks = [s for s in prof.segments if s.name.startswith("blocks.")]
+    assert len(blocks) == 3
+    in_graph = how is not None and cls is Net
+    if how is None:
+        assert timed_runs == 0
+    else:
+        assert timed_runs >= 3  # kept: a warm-up and three timed runs of the compiled forward
+    for s in blocks:
+        assert s.selective_floor is not in_graph
+        if in_graph:
+            assert s.selective_ms is not None and not s.refused
+            assert recompute_ms(s, Action.SELECTIVE) == max(s.selective_ms, MIN_ACTION_MS)
+            # Note [Selective under compile chooses compute-heavy calls]: the matmuls, nothing else
+            assert s.selective_ops and all(op.startswith("aten.addmm.default#") for op in s.selective_ops)
+        elif s.selective_ms is not None:
+            assert recompute_ms(s, Action.SELECTIVE) >= s.forward_ms - s.heavy_forward_ms

@@ -142,6 +142,27 @@ def test_calls_of_one_op_are_choices_of_their_own_and_calls_past_the_last_saved_
     assert selective_choice(ops, set())[0] == ("mm#0", "mm#2")
 
 
+def test_in_a_compiled_graph_selective_saves_every_compute_heavy_call_and_nothing_else():
+    """Note [Selective under compile chooses compute-heavy calls]: inside a compiled graph the
+    recomputation of pointwise ops and norms is fused into the backward's kernels, so their eager
+    times do not decide: every matmul and attention call is saved (a cheap-per-byte one too, and
+    whatever a GELU measured), none of the rest; the early-stop cut still applies."""
+    mm, sdpa = "aten.mm.default", "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    ops = {
+        f"{mm}#0": [30.0, {1: MiB}],
+        "aten.gelu.default#0": [90.0, {2: MiB}],  # a noisy eager time: dearer than any matmul
+        f"{mm}#1": [2.0, {3: 4 * MiB}],  # cheap per byte: eager selective would not save it
+        f"{sdpa}#0": [20.0, {4: MiB}],
+        "aten.native_layer_norm.default#0": [5.0, {5: MiB}],
+        f"{mm}#2": [50.0, {6: MiB}],  # after the last storage saved for backward
+    }
+    saved = {1, 2, 3, 4, 5}
+    assert selective_choice(ops, set(), frozenset(), saved)[0] == (f"{sdpa}#0", "aten.gelu.default#0", f"{mm}#0")
+    chosen, heavy, share = selective_choice(ops, set(), frozenset(), saved, in_graph=True)
+    assert chosen == (f"{sdpa}#0", f"{mm}#0", f"{mm}#1")
+    assert heavy == {1: MiB, 3: 4 * MiB, 4: MiB} and share == pytest.approx(52 / 197)
+
+
 def test_an_ops_measured_time_is_shared_among_its_calls_by_their_estimates():
     """Note [Selective saves per call]: one call's own time is noise on a busy machine; the op's
     total is measured, and its calls get it in proportion to their estimates."""
@@ -338,3 +359,39 @@ def test_selective_is_timed_saving_real_ops_under_a_plan():
             runtime.remove()
         prof = obs.finish()
     assert timed and all(timed[s.name] for s in prof.segments if s.selective_ops)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_descent_spreads_lighter_choices_over_segments_where_that_is_faster(fused, monkeypatch):
+    """Note [Lighter selective, as a descent] (``decide/solver.py``): across budgets from the least
+    to plain's peak, the plan is never slower than the one without the descent (the DP, then one
+    segment's lighter choice at a time), and somewhere faster, by moving down the ladders of
+    several segments; each plan within its budget, its prediction what ``simulate`` gives it.
+    ``fused``: selective priced as measured inside a compiled graph (Note [Compiled segments are
+    timed compiled]: near nothing, no eager floor), where the descent matters most."""
+    import dataclasses
+
+    from lightning_swap.core import solve
+    from lightning_swap.core.decide import solver
+    from lightning_swap.core.decide.solver import min_budget_bytes
+
+    *_, prof = _profile("gpt", batch=16)
+    if fused:
+        prof = dataclasses.replace(prof, segments=tuple(
+            dataclasses.replace(s, selective_ms=0.2, selective_floor=False) for s in prof.segments
+        ))
+    acts = (Action.KEEP, Action.RECOMPUTE, Action.SELECTIVE)
+    least = min_budget_bytes(prof, actions=acts)
+    plans = {}
+    for budget in range(least, prof.peak_bytes, max((prof.peak_bytes - least) // 40, 1)):
+        plans[budget] = solve(prof, budget_bytes=budget, actions=acts)
+    monkeypatch.setattr(solver, "_selective_descent", lambda *args: None)
+    faster = []
+    for budget, plan in plans.items():
+        without = solve(prof, budget_bytes=budget, actions=acts)
+        assert plan.predicted_peak_bytes <= budget and plan.predicted_step_ms <= without.predicted_step_ms + 1e-9
+        again = simulate(prof, plan.actions, outside=plan.outside, selective_ops=plan.selective_ops)
+        assert (again.peak_bytes, again.step_ms) == (plan.predicted_peak_bytes, pytest.approx(plan.predicted_step_ms))
+        if plan.predicted_step_ms < without.predicted_step_ms - 1e-9:
+            faster.append(budget)
+    assert faster

@@ -158,8 +158,10 @@ def copied_bytes(s: SegmentProfile, a: Action) -> int:
 #: bookkeeping, a copy's launch). Measured costs are differences of two noisy timings and came
 #: out at 0 (issue 20: ``selective`` chosen at a budget everything fits, its row ``+0.00 ms``):
 #: recomputation is floored at the forward of the ops it runs again (the whole segment's for
-#: ``RECOMPUTE``; the ops outside the heavy ones for ``SELECTIVE``), and every action at this,
-#: so that among plans of equal predicted time the one that does less (keep first) wins.
+#: ``RECOMPUTE``; the ops outside the heavy ones for ``SELECTIVE``, unless measured inside a
+#: compiled graph, whose backward fuses them: Note [Compiled segments are timed compiled] in
+#: ``measure/action_costs.py``), and every action at this, so that among plans of equal
+#: predicted time the one that does less (keep first) wins.
 MIN_ACTION_MS = 0.01
 
 
@@ -170,6 +172,8 @@ def recompute_ms(s: SegmentProfile, a: Action) -> float:
     if a in (Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD):
         return max(s.recompute_ms or 0.0, s.forward_ms, MIN_ACTION_MS)
     if a is Action.SELECTIVE:
+        if s.selective_ms is not None and not s.selective_floor:  # fused in a compiled backward: as measured
+            return max(s.selective_ms, MIN_ACTION_MS)
         return max(s.selective_ms or 0.0, s.forward_ms - s.heavy_forward_ms, MIN_ACTION_MS)
     if a is Action.OFFLOAD:
         return MIN_ACTION_MS

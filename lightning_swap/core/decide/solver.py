@@ -25,6 +25,20 @@ and ``min_budget_bytes`` also try the uniform plans and, when the DP found nothi
 least-peak plan, each checked by :func:`~.costmodel.simulate` (exact for any window), and keep
 the best that fits. With both settings at most one (the runtime's defaults) the state sees
 every segment the windows reach and the DP is exact as before.
+
+Note [Lighter selective, as a descent]: the DP sees one selective per segment, its full choice
+(Note [Lighter selective] in ``measure/profiler.py``); the lighter choices are tried after it.
+Replacing, one segment at a time, a whole recomputation the DP chose by a lighter choice
+(:func:`_lighter_selective`) misses the plan that spreads the bytes over several segments: on
+the GPT of ``benchmarks/compile_budget.py`` at the compiler's 0.7 budget the DP kept one block
+and recomputed another whole, the one-segment step then put that block on its lightest choice
+(two of its four matmuls recomputed, +24 ms a step) where every block on its full choice but
+one, which recomputes its smallest matmul (+4 ms), fits. So :func:`_selective_descent` also
+starts from the DP's plan with every whole recomputation on the full choice and, until the plan
+fits, takes a step down the ladder (kept, full choice, lighter ones, whole recomputation) of one
+segment the DP keeps or recomputes: the cheapest in milliseconds of those that free the bytes
+still missing, else the cheapest per byte freed, as a greedy knapsack does. Simulated (the peak
+is not a sum), the result is taken where it is faster than the one-segment steps' plan.
 """
 
 from __future__ import annotations
@@ -410,7 +424,13 @@ def _fastest_fitting(
         candidate = simulate_chain(profile, plan, costs, **window)
         if candidate.peak_bytes <= budget_bytes and (best is None or candidate.step_ms < best[1].step_ms - 1e-9):
             best = (plan, candidate)
-    return None if best is None else _lighter_selective(profile, costs, chain, *best, budget_bytes)
+    if best is None:
+        return None
+    found = _lighter_selective(profile, costs, chain, *best, budget_bytes)
+    descent = _selective_descent(profile, costs, chain, best[0], budget_bytes)
+    if descent is not None and descent[1].step_ms < found[1].step_ms - 1e-9:
+        return descent
+    return found
 
 
 def _lighter_selective(
@@ -450,6 +470,91 @@ def _lighter_selective(
                 chosen[e.name] = ops
                 break
     return picks, prediction, priced
+
+
+def _selective_ladder(e: SegmentProfile, kept: bool) -> list[tuple[Action, Optional[tuple[str, ...]], float, float]]:
+    """Note [Lighter selective, as a descent]: segment ``e``'s rungs, from keeping it (where
+    ``kept``) through selective's full choice and its lighter ones down to whole recomputation:
+    each (action, ops selective keeps, bytes kept inside the segment, milliseconds recomputation
+    adds, as the cost model prices them)."""
+    ladder: list[tuple[Action, Optional[tuple[str, ...]], float, float]] = []
+    if kept:
+        ladder.append((Action.KEEP, None, float(e.internal_saved_bytes), 0.0))
+    ladder.append((Action.SELECTIVE, e.selective_ops, float(e.heavy_bytes), recompute_ms(e, Action.SELECTIVE)))
+    for k, v in enumerate(e.selective_variants):
+        lighter = e.lighter(k)
+        ladder.append((Action.SELECTIVE, v[0], float(lighter.heavy_bytes), recompute_ms(lighter, Action.SELECTIVE)))
+    ladder.append((Action.RECOMPUTE, None, 0.0, recompute_ms(e, Action.RECOMPUTE)))
+    return ladder
+
+
+def _next_step(chain: _Transitions, ladders: dict, level: dict[int, int], missing: float) -> Optional[tuple[int, int]]:
+    """Note [Lighter selective, as a descent]: the next step, (segment, rung): the cheapest in
+    milliseconds of those that free the ``missing`` bytes, else the cheapest per byte freed."""
+    covering: Optional[tuple[float, int, int]] = None  # (ms, segment, rung)
+    cheapest: Optional[tuple[float, int, int]] = None  # (ms per byte, segment, rung)
+    for i, ladder in ladders.items():
+        at = level[i]
+        for rung in range(at + 1, len(ladder)):
+            gained = ladder[at][2] - ladder[rung][2]
+            if gained > 0 and chain.may[i][chain.acts.index(ladder[rung][0])]:
+                added = max(ladder[rung][3] - ladder[at][3], 0.0)
+                if gained >= missing and (covering is None or added < covering[0]):
+                    covering = (added, i, rung)
+                if cheapest is None or added / gained < cheapest[0]:
+                    cheapest = (added / gained, i, rung)
+    step = covering or cheapest
+    return None if step is None else (step[1], step[2])
+
+
+def _selective_descent(
+    profile: ModelProfile, costs: SegmentCosts, chain: _Transitions, picks: list[Action], budget_bytes: int,
+) -> Optional[tuple[list[Action], Prediction, ModelProfile]]:
+    """Note [Lighter selective, as a descent]: the DP's plan with every segment it recomputes whole
+    on selective's full choice instead, then, until the plan fits, a step down the ladder of one
+    segment the DP keeps or recomputes (:func:`_selective_ladder`): the step adding the fewest
+    milliseconds of those that free the bytes still missing, else the fewest per byte freed;
+    simulated once the bytes freed reach the excess. ``None`` where the DP recomputes nothing
+    whole that selective may take, or nothing fits."""
+    if Action.SELECTIVE not in chain.acts or Action.RECOMPUTE not in chain.acts:
+        return None
+    selective = chain.acts.index(Action.SELECTIVE)
+    movable = [
+        i for i, (e, a) in enumerate(zip(chain.segs, picks))
+        if not chain.outside[i] and a in (Action.KEEP, Action.RECOMPUTE, Action.SELECTIVE) and chain.may[i][selective]
+        and e.selective_ops is not None
+    ]
+    if not any(picks[i] is Action.RECOMPUTE for i in movable):
+        return None
+    window = chain.window.keywords()
+    acts = list(picks)
+    ladders = {i: _selective_ladder(chain.segs[i], picks[i] is Action.KEEP) for i in movable}
+    level = {i: 0 for i in movable}
+    for i in movable:
+        acts[i] = ladders[i][0][0]
+    chosen: dict[str, tuple[str, ...]] = {}
+    freed, excess = 0.0, None
+    for _ in range(sum(len(ladder) for ladder in ladders.values())):
+        if excess is None or freed >= excess:
+            trial = profile.with_selective_ops(chosen)
+            prediction = simulate_chain(trial, acts, costs, **window)
+            if prediction.peak_bytes <= budget_bytes:
+                return acts, prediction, trial
+            excess, freed = float(prediction.peak_bytes - budget_bytes), 0.0
+        step = _next_step(chain, ladders, level, excess - freed)
+        if step is None:
+            return None
+        i, rung = step
+        freed += ladders[i][level[i]][2] - ladders[i][rung][2]
+        level[i] = rung
+        action, ops = ladders[i][rung][0], ladders[i][rung][1]
+        acts[i] = action
+        chosen.pop(chain.segs[i].name, None)
+        if action is Action.SELECTIVE and ops != chain.segs[i].selective_ops:
+            chosen[chain.segs[i].name] = ops
+    trial = profile.with_selective_ops(chosen)
+    prediction = simulate_chain(trial, acts, costs, **window)
+    return (acts, prediction, trial) if prediction.peak_bytes <= budget_bytes else None
 
 
 def solve(

@@ -31,6 +31,24 @@ the rest (the windows' levels, which storage is whose input and output, what the
 the segments save), and ``decide/under_plan.py`` turns the windows measured under the plan into
 plain's (Note [A step measured under a plan]). The run is under the same protections as the
 timing runs (Note [Timing a segment leaves no trace]).
+
+Note [Compiled segments are timed compiled]: a segment under ``torch.compile`` (the whole model
+compiled, or the segment: :func:`~..compiled.compile_context`) is timed as the runtime will run
+it, not as its eager forward: kept, its forward compiled in the user's context; under
+``SELECTIVE``, where it recomputes inside its graph (Note [Recomputation inside the compiled
+graph] in ``compiled.py``), the checkpoint compiled with the plan's policy, after two warm-up
+calls (the eager first call that checks its input, the call that compiles), in turn with the
+kept forward, the median of as many runs as kept. Eager timings priced a compiled plan wrongly: on the 6-block GPT of
+``benchmarks/compile_budget.py`` (CPU, one thread) a block's selective was priced at 24 ms (the
+eager forward of the ops it reruns: layer norms, GELU, adds) where the compiled one adds 3-6 ms
+(Inductor fuses those ops into the backward's kernels), so the planner kept whole blocks and
+recomputed matmuls elsewhere to pay for them. So a selective time measured in the graph is not
+floored at the eager forward of the ops it reruns (``SegmentProfile.selective_floor``; Note [An
+action is never free] in ``decide/costmodel.py``): only at ``MIN_ACTION_MS``, which keeps
+``KEEP`` first among plans of equal time. Compiling costs the profile one graph per distinct
+segment (identical blocks are timed once) and action timed. The difference of two timings is
+noisy (a block's compiled selective measured 0 to 18 ms in separate processes, 3-6 ms timed
+apart in one): where it comes out at 0 the planner counts ``MIN_ACTION_MS``.
 """
 
 from __future__ import annotations
@@ -49,7 +67,7 @@ from torch.utils._pytree import tree_leaves
 from ..actions import Action
 from ..engine.recompute import RecomputeTimer, checkpointed
 from ..engine.streams import StreamOps, Timing
-from ..compiled import is_compiled
+from ..compiled import compile_context, is_compiled, recomputes_in_graph
 from .model_profile import SELECTIVE_REFUSAL
 from .trace import CapturedCall, StepTrace, StepTracer
 
@@ -75,6 +93,9 @@ class ActionCosts:
     #: Why an action cannot run on this segment as planned, "" if all ran (Note [Refused actions]
     #: in ``model_profile.py``): the first refusal seen.
     refusal: str = ""
+    #: ``selective_ms`` was measured recomputing inside the compiled graph (Note [Compiled
+    #: segments are timed compiled]): no eager floor applies to it.
+    selective_in_graph: bool = False
 
 
 def measure_released_working(module: nn.Module, call: CapturedCall, device: torch.device) -> int:
@@ -152,14 +173,25 @@ def trace_alone(module: nn.Module, call: CapturedCall, device: torch.device, *, 
 
 
 def _timed(
-    module: nn.Module, forward: Any, call: CapturedCall, ops: StreamOps, runs: int, warm: bool, failed: Optional[list[str]] = None,
+    module: nn.Module, forward: Any, call: CapturedCall, ops: StreamOps, runs: int, warm: int, failed: Optional[list[str]] = None,
 ) -> Optional[tuple[float, float]]:
-    """The median (forward ms, backward ms) of ``runs`` runs (after one warm-up if ``warm``);
+    """The median (forward ms, backward ms) of ``runs`` runs (after ``warm`` warm-up runs);
     ``None`` when the action cannot run here (why, appended to ``failed``)."""
+    found = _timed_in_turn(module, (forward,), call, ops, runs, warm, failed)
+    return None if found is None else found[0]
+
+
+def _timed_in_turn(
+    module: nn.Module, forwards: tuple[Any, ...], call: CapturedCall, ops: StreamOps, runs: int, warm: int,
+    failed: Optional[list[str]] = None,
+) -> Optional[list[tuple[float, float]]]:
+    """:func:`_timed` of each of ``forwards``, run in turn (a drift of the machine's speed falls on
+    all of them alike)."""
     try:
-        if warm:
-            _run(module, forward, call, ops)
-        timed = [_run(module, forward, call, ops) for _ in range(runs)]
+        for _ in range(warm):
+            for forward in forwards:
+                _run(module, forward, call, ops)
+        timed = [[_run(module, forward, call, ops) for forward in forwards] for _ in range(runs)]
     except Exception as exc:  # noqa: BLE001 - an action that cannot run here is not timed, nor planned
         log.debug("timing %s failed: %s", getattr(module, "_get_name", lambda: "segment")(), exc)
         if failed is not None:
@@ -167,7 +199,7 @@ def _timed(
         return None
     # Medians, not minima: a minimum of a shared machine's timings is its luckiest run, and a
     # lucky KEEP against an unlucky RECOMPUTE misprices both (issue 20).
-    return statistics.median(r[0] for r in timed), statistics.median(r[1] for r in timed)
+    return [(statistics.median(r[k][0] for r in timed), statistics.median(r[k][1] for r in timed)) for k in range(len(forwards))]
 
 
 def _worst(refusals: list[str]) -> str:
@@ -178,14 +210,18 @@ def _worst(refusals: list[str]) -> str:
 
 def _refusals(
     name: str, module: nn.Module, call: CapturedCall, ops: StreamOps, warm: bool, save_ops: Optional[tuple[str, ...]] = None,
-) -> tuple[Optional[tuple[float, float]], list[str]]:
+    compiled: "_Compiled | None" = None, repeats: int = 1,
+) -> tuple[Optional[tuple[float, float]], Optional[tuple[float, float]], list[str]]:
     """``SELECTIVE`` run once through the runtime's own wrapper, saving ``save_ops`` as the plan
     will run it (Note [Which ops selective recomputation saves] in ``profiler.py``): (its
     (forward ms, backward ms), ``None`` where it failed; the refusals heard). Note [Refused
     actions] in ``model_profile.py``: a write into the segment's input is heard by the wrapper
     (every recomputing action refused); where selective fails, ``RECOMPUTE`` is run once too, to
     tell a failure of selective alone from one of every recomputing action (their only run:
-    recomputation is priced, not timed)."""
+    recomputation is priced, not timed). ``compiled``: the segment's forward under compile, run
+    as the runtime runs it (Note [Compiled segments are timed compiled]): recomputing inside its
+    graph, timed ``repeats`` times in turn with the kept compiled forward, whose times come second
+    (``None`` otherwise)."""
     timer, refusals, failed = RecomputeTimer(ops), [], []
 
     def refuse(segment: str, why: str) -> None:
@@ -193,29 +229,50 @@ def _refusals(
 
     def wrapped(action: Action) -> Any:
         chosen = save_ops if action is Action.SELECTIVE else None
-        return checkpointed(module, module.forward, action, timer, name=name, on_refuse=refuse, save_ops=chosen)
+        if compiled is None:
+            return checkpointed(module, module.forward, action, timer, name=name, on_refuse=refuse, save_ops=chosen)
+        return checkpointed(
+            module, compiled.forward, action, timer, name=name, on_refuse=refuse, save_ops=None if chosen is None else frozenset(chosen),
+            compiled=True, graph=compiled.graph,
+        )
 
-    selective = _timed(module, wrapped(Action.SELECTIVE), call, ops, 1, warm, failed)
+    selective = kept = None
+    if compiled is not None and compiled.graph is not None:
+        # In its graph, a segment's first call runs the eager checkpoint (its input check) and its
+        # second compiles: both are warm-up (Note [Recomputation inside the compiled graph]).
+        found = _timed_in_turn(module, (wrapped(Action.SELECTIVE), compiled.forward), call, ops, repeats, 2, failed)
+        if found is not None:
+            selective, kept = found
+    else:
+        selective = _timed(module, wrapped(Action.SELECTIVE), call, ops, repeats, int(warm), failed)
     if selective is None and failed:
         recomputed: list[str] = []
-        if _timed(module, wrapped(Action.RECOMPUTE), call, ops, 1, False, recomputed) is None and recomputed:
+        if _timed(module, wrapped(Action.RECOMPUTE), call, ops, 1, 0, recomputed) is None and recomputed:
             refusals.append(f"recompute failed: {recomputed[0]}"[:300])
         refusals.append(f"{SELECTIVE_REFUSAL} selective failed: {failed[0]}"[:300])
-    return selective, refusals
+    return selective, kept, refusals
 
 
 def _segment_costs(
     name: str, module: nn.Module, call: CapturedCall, ops: StreamOps, device: torch.device, *, repeats: int, warm: bool,
-    alone: bool, min_offload_bytes: int, save_ops: Optional[tuple[str, ...]] = None,
+    alone: bool, min_offload_bytes: int, save_ops: Optional[tuple[str, ...]] = None, compiled: "_Compiled | None" = None,
 ) -> Optional[ActionCosts]:
     """One segment's :class:`ActionCosts` (Note [Planning costs a few steps] in ``observe.py``):
     kept, the median of ``repeats`` runs; ``SELECTIVE`` once, after them, saving ``save_ops``
     (and what it refused: :func:`_refusals`); ``RECOMPUTE`` priced from the kept forward (Note
-    [An action is never free])."""
-    keep = _timed(module, module.forward, call, ops, repeats, warm)
-    if keep is None:
+    [An action is never free]); under compile, both compiled, and where selective recomputes
+    inside the graph, the two in turn, ``repeats`` times (Note [Compiled segments are timed
+    compiled])."""
+    in_graph = compiled is not None and compiled.graph is not None
+    kept_forward = module.forward if compiled is None else compiled.forward
+    keep = None if in_graph else _timed(module, kept_forward, call, ops, repeats, int(warm))
+    if keep is None and not in_graph:
         return None
-    selective, refusals = _refusals(name, module, call, ops, warm, save_ops)
+    selective, beside, refusals = _refusals(name, module, call, ops, warm, save_ops, compiled, repeats if in_graph else 1)
+    if in_graph:  # timed in turn with selective, or, where that failed, on its own
+        keep = beside if beside is not None else _timed(module, kept_forward, call, ops, repeats, int(warm))
+        if keep is None:
+            return None
     try:
         working = measure_released_working(module, call, device)
     except Exception as exc:  # noqa: BLE001
@@ -230,12 +287,32 @@ def _segment_costs(
             return None
     return ActionCosts(
         keep[0], keep[1], recompute_ms=keep[0], selective_ms=None if selective is None else max(0.0, sum(selective) - sum(keep)),
-        released_working_bytes=working, alone=traced, refusal=_worst(refusals),
+        released_working_bytes=working, alone=traced, refusal=_worst(refusals), selective_in_graph=in_graph and selective is not None,
     )
 
 
 def _shapes(module: nn.Module) -> tuple:
     return tuple((n, tuple(t.shape), t.dtype) for n, t in (*module.named_parameters(), *module.named_buffers()))
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """A segment under ``torch.compile`` as the runtime runs it (Note [Compiled segments are timed
+    compiled]): its forward compiled in the user's context, and (context, forward) where it
+    recomputes inside its graph (``None``: it recomputes eagerly)."""
+
+    forward: Any
+    graph: Optional[tuple[Any, Any]]
+
+
+def _compiled(model: nn.Module, name: str, module: nn.Module) -> Optional[_Compiled]:
+    """Note [Compiled segments are timed compiled]: segment ``name`` of ``model`` as the runtime
+    compiles it (``runtime._install``), ``None`` where it is not under ``torch.compile``."""
+    found = compile_context(model, name)
+    if found is None:
+        return None
+    forward = module.forward
+    return _Compiled(found[1](forward), (found[1], forward) if recomputes_in_graph(module) else None)
 
 
 def measure_action_costs(
@@ -272,7 +349,7 @@ def measure_action_costs(
             if key not in measured:
                 measured[key] = _segment_costs(
                     name, module, call, ops, device, repeats=repeats, warm=warm, alone=name in alone,
-                    min_offload_bytes=min_offload_bytes, save_ops=chosen,
+                    min_offload_bytes=min_offload_bytes, save_ops=chosen, compiled=_compiled(model, name, module),
                 )
             if measured[key] is not None:
                 out[name] = measured[key]

@@ -95,6 +95,11 @@ class SegmentProfile:
     #: segment under them (:mod:`.costs`); ``None``: estimated from the forward's time.
     recompute_ms: Optional[float] = None
     selective_ms: Optional[float] = None
+    #: Whether ``SELECTIVE``'s time is floored at the forward of the ops it runs again (Note [An
+    #: action is never free] in ``decide/costmodel.py``); ``False`` where ``selective_ms`` was
+    #: measured recomputing inside the compiled graph, whose backward kernels fuse those ops
+    #: (Note [Compiled segments are timed compiled] in ``action_costs.py``).
+    selective_floor: bool = True
     #: The ops whose outputs ``SELECTIVE`` saves, decided from this segment's measured forward
     #: (Note [Which ops selective recomputation saves] in ``profiler.py``); ``None``: the fixed
     #: rule (compute-heavy ops: ``engine/recompute.py``), which ``heavy_*`` then describe.

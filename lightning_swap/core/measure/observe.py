@@ -71,7 +71,7 @@ from torch import nn
 from ..actions import Action
 from ..compiled import compile_context, is_compiled, recomputes_in_graph
 from ..engine.streams import StreamOps, default_ops
-from ..segments import split_call
+from ..segments import named_modules, split_call
 from ..sharded import is_sharded
 from ..tensors import infer_batch_size, tensors_in
 from .action_costs import ActionCosts, measure_action_costs
@@ -118,7 +118,7 @@ class ObservedStep:
         self.min_offload_bytes = min_offload_bytes
         self.batch_size = infer_batch_size(batch)  # the batch itself is not kept (Note [An observed step holds no batch])
         self.ops = ops if ops is not None else default_ops(device)
-        self.modules = modules if modules is not None else dict(model.named_modules())
+        self.modules = modules if modules is not None else dict(named_modules(model))  # canonical names, compiled or not
         self.time_actions = time_actions and not is_sharded(model)  # Note [Observe every rank]
         self.under = None if under is None else dict(under)
         self.costs = costs
@@ -177,16 +177,22 @@ class ObservedStep:
     def _modules_of(self, names: list[str]) -> dict[str, nn.Module]:
         return {name: self.modules.get(name) or self.modules[split_call(name)[0]] for name in names}
 
+    def _in_graph(self, name: str) -> bool:
+        """Whether segment ``name`` recomputes inside a compiled graph (Note [Recomputation inside
+        the compiled graph])."""
+        module_name = split_call(name)[0]
+        module = self.modules.get(module_name)
+        return module is not None and recomputes_in_graph(module) and compile_context(self.model, module_name) is not None
+
     def _compiled(self, name: str) -> str:
         """Note [Selective under compile]: the selective of a compiled segment that does not
         recompute inside its graph (Note [Recomputation inside the compiled graph]) is refused
         for planning."""
         module_name = split_call(name)[0]
         module = self.modules.get(module_name)
-        found = compile_context(self.model, module_name)
-        if found is not None and module is not None and recomputes_in_graph(module):
+        if self._in_graph(name):
             return ""  # Note [Recomputation inside the compiled graph]
-        if found is not None or (module is not None and is_compiled(module)):
+        if compile_context(self.model, module_name) is not None or (module is not None and is_compiled(module)):
             return f"{SELECTIVE_REFUSAL} compiled, it would recompute everything (Note [Selective under compile])"
         return ""
 
@@ -203,7 +209,7 @@ class ObservedStep:
             save_ops = {
                 names[i]: selective_choice(
                     trace.ops[i], set(boundary_keys(trace, order, i)), frozenset(trace.mutated),
-                    None if names[i] in acting else trace.saved.get(i, {}),
+                    None if names[i] in acting else trace.saved.get(i, {}), in_graph=i in trace.in_graph,
                 )[0]
                 for i in trace.inputs if trace.ops.get(i)
             }
@@ -229,16 +235,18 @@ class ObservedStep:
         outside = max(marks.get("stop", end) - sum(fwd.values()) - sum(bwd.values()), 0.0)
         order = [names.index(name) for name in trace.order]
         regions = region_times(marks, order, end)
+        # Note [Selective under compile chooses compute-heavy calls] in ``profiler.py``.
+        trace.in_graph = {i for i, name in enumerate(names) if self._in_graph(name)}
         costs = self._measured_costs(trace, names, order)
         if any(costs.get(name) is None or costs[name].alone is None for name in self.acting):
             log.debug("observed a step under a plan, but not every segment it does not keep was measured alone")
             return None
-        measured: dict[int, tuple[Optional[float], Optional[float], int, str]] = {}
+        measured: dict[int, tuple[Optional[float], Optional[float], int, str, bool]] = {}
         for i, name in enumerate(names):
             c = costs.get(name)
             if c is not None:
                 fwd[i], bwd[i] = c.forward_ms, c.backward_ms
-                measured[i] = (c.recompute_ms, c.selective_ms, c.released_working_bytes, c.refusal or self._compiled(name))
+                measured[i] = (c.recompute_ms, c.selective_ms, c.released_working_bytes, c.refusal or self._compiled(name), not c.selective_in_graph)
         alone = {name: costs[name].alone for name in self.acting}
         _splice_alone(trace, {names.index(name): own for name, own in alone.items()})
         heavy = {i: fwd[i] * trace.heavy_op_ms.get(i, 0.0) / max(trace.all_op_ms.get(i, 0.0), 1e-9) for i in range(n)}

@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..engine.meter import host_allocation, mark_host
+from ..engine.recompute import compute_heavy_ops
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
 from ..segments import PREFIX_REGION, SegmentSpec, find_segments, region_after, resolve_modules, split_call
 from ..sharded import is_sharded, like_shard, world_size
@@ -222,6 +223,7 @@ def _call_ms(ops: dict[str, list]) -> dict[str, float]:
 
 def selective_choice(
     ops: dict[str, list], boundary: set, mutated: frozenset = frozenset(), saved: Optional[Iterable[int]] = None,
+    in_graph: bool = False,
 ) -> tuple[tuple[str, ...], dict[int, int], float]:
     """Note [Which ops selective recomputation saves]: ``SELECTIVE`` checkpoints a segment but
     saves the outputs of some of its ops, so that recomputing it costs less; which ops is decided
@@ -243,13 +245,28 @@ def selective_choice(
     backward when kept) rules out the calls after the last one that made any of them: the
     recomputation stops there (checkpoint's early stop), so their outputs, cached, would be
     bytes held for nothing (a block's last projection, whose output only feeds the residual add:
-    2 MiB a block on the GPT of ``examples/``)."""
+    2 MiB a block on the GPT of ``examples/``).
+
+    Note [Selective under compile chooses compute-heavy calls]: a segment recomputed inside its
+    compiled graph (``in_graph``: Note [Recomputation inside the compiled graph] in
+    ``compiled.py``) saves every compute-heavy call's output (matmuls, convolutions, attention)
+    and nothing else. Inductor fuses the recomputation of pointwise ops and norms into the
+    backward's kernels, so their eager milliseconds, measured here, are not what recomputing
+    them costs there (every block of the GPT of ``benchmarks/compile_budget.py`` on selective
+    adds 3-6 ms compiled, its eager pricing 24), and eager timings of one step are noisy enough
+    to make a GELU look worth saving in one process and not in the next. That is the
+    partitioner's own default, which saves what it cannot fuse cheaply: the plan and the
+    compiler then agree on what a selective block saves, and the lighter choices (Note [Lighter
+    selective]) drop heavy calls from there, priced by their measured times."""
     call_ms = _call_ms(ops)
     total_ms = sum(call_ms.values())
     candidates = _selective_candidates(ops, call_ms, boundary, mutated, saved)
+    if in_graph:
+        heavy_names = {str(op) for op in compute_heavy_ops()}
+        candidates = {call: c for call, c in candidates.items() if split_call(call)[0] in heavy_names}
     if not candidates:
         return (), {}, 0.0
-    density = sum(ms for ms, _ in candidates.values()) / sum(b for _, b in candidates.values())
+    density = 0.0 if in_graph else sum(ms for ms, _ in candidates.values()) / sum(b for _, b in candidates.values())
     chosen = tuple(sorted(op for op, (ms, nbytes) in candidates.items() if ms >= density * nbytes))
     heavy = {k: b for op in chosen for k, b in ops[op][1].items()}
     return chosen, heavy, (sum(call_ms[op] for op in chosen) / total_ms if total_ms > 0 else 0.0)
@@ -333,7 +350,8 @@ def _element_profile(
     boundary = {in_key, out_key}
     save_ops, variants = None, ()
     if isinstance(e.key, int) and e.key >= 0 and trace.ops.get(e.key):  # Note [Which ops selective recomputation saves]
-        save_ops, heavy, share = selective_choice(trace.ops[e.key], boundary, frozenset(trace.mutated), saved)
+        save_ops, heavy, share = selective_choice(trace.ops[e.key], boundary, frozenset(trace.mutated), saved,
+                                                  in_graph=e.key in trace.in_graph)
         variants = selective_variants(trace.ops[e.key], save_ops, boundary, saved)
         heavy_ms = fwd_ms * share
     internal = {k: b for k, b in saved.items() if k not in boundary}
@@ -450,7 +468,7 @@ def _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_of
 
 
 def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_offload_bytes, rates) -> ModelProfile:
-    measured: dict[int, tuple[None, None, int]] = {}
+    measured: dict[int, tuple[None, None, int, str, bool]] = {}
     with _Snapshot(model, device):
         trace = _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_offload_bytes)
         names = trace.names  # one per call of a module run several times (Note [A segment per call])
@@ -461,7 +479,7 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
             modules = resolve_modules(model, names)  # canonical names, compiled or not
             # Note [A forward that does not keep]; never a sharded segment alone: Note [Observe every rank].
             for i, call in trace.inputs.items() if not is_sharded(model) else ():
-                measured[i] = (None, None, measure_released_working(modules[names[i]], call, device), "")
+                measured[i] = (None, None, measure_released_working(modules[names[i]], call, device), "", True)
             trace.inputs = {}
     n = len(names)
     if fake:
@@ -479,7 +497,7 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
 
 def _chain_profiles(
     trace: StepTrace, elements: list[_Element], *, fwd: dict[Any, float], bwd: dict[Any, float], heavy: dict[int, float],
-    min_offload_bytes: int, measured: dict[int, tuple[Optional[float], Optional[float], int, str]],
+    min_offload_bytes: int, measured: dict[int, tuple[Optional[float], Optional[float], int, str, bool]],
 ) -> list[tuple[_Element, SegmentProfile]]:
     """Each element of the chain with its profile (Note [Regions outside the segments]); a
     segment's with what :mod:`.costs` timed and refused (Note [Refused actions])."""
@@ -492,10 +510,10 @@ def _chain_profiles(
             min_offload_bytes=min_offload_bytes,
         )
         if isinstance(e.key, int) and e.key >= 0:
-            m = measured.get(e.key, (None, None, -1, ""))
+            m = measured.get(e.key, (None, None, -1, "", True))
             p = dataclasses.replace(
                 p, recompute_ms=m[0], selective_ms=m[1], released_forward_working_bytes=m[2],
-                refused=refused_actions(m[3]) if m[3] else (), refusal=m[3],
+                refused=refused_actions(m[3]) if m[3] else (), refusal=m[3], selective_floor=m[4],
             )
         profiles.append((e, p))
     return profiles
@@ -509,12 +527,12 @@ def _saved_bytes(trace: StepTrace, regions: Callable[[Any], bool]) -> int:
 def assemble(
     trace: StepTrace, model: nn.Module, names: list[str], *, batch_size: int, device: torch.device, fake: bool, min_offload_bytes: int,
     fwd: dict[Any, float], bwd: dict[Any, float], heavy: dict[int, float], step_ms: float,
-    measured: Optional[dict[int, tuple[Optional[float], Optional[float], int, str]]] = None,
+    measured: Optional[dict[int, tuple[Optional[float], Optional[float], int, str, bool]]] = None,
 ) -> ModelProfile:
     """A :class:`ModelProfile` from a step's trace and its times (``fwd`` / ``bwd``: per segment
     index, and per region outside the segments, ``PREFIX`` or ``("after", i)``, where known;
     ``measured``: per segment index the recompute and selective costs, the released forward's
-    working bytes and what was refused, timed and measured by :mod:`.costs`)."""
+    working bytes, the refusal and whether selective's time is floored, from :mod:`.costs`)."""
     order = [names.index(name) for name in trace.order]
     elements = _chain_elements(trace, names, order)
     profiles = _chain_profiles(trace, elements, fwd=fwd, bwd=bwd, heavy=heavy, min_offload_bytes=min_offload_bytes, measured=measured or {})

@@ -131,6 +131,9 @@ class StepTrace:
     #: The storages an op of the forward wrote in place (any region's: a later segment's or the
     #: glue's write changes what an earlier segment would have saved).
     mutated: set = field(default_factory=set)
+    #: The segments recomputed inside a compiled graph (Note [Selective under compile chooses
+    #: compute-heavy calls] in ``profiler.py``); set by whoever knows the model is compiled.
+    in_graph: set = field(default_factory=set)
     all_op_ms: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     est_heavy_ms: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     est_all_ms: dict[Any, float] = field(default_factory=lambda: defaultdict(float))
