@@ -11,10 +11,12 @@ fraction ``f``, in fresh processes:
 - ``compile``: the model under ``torch.compile`` at budget ``f``; warm-up (compilation, AdamW's
   state), then ``--steps`` timed steps: its rise in memory and its time alone;
 - ``ours``: the same ``torch.compile(model)`` at the compiler's default budget with our ``auto``
-  plan on it (restricted to keep / recompute / selective), planned for the same rise in memory
-  (the budget set so our step's rise matches the compiled step's: the yardsticks differ by a
-  constant), its first step measured as the strategy runs it, then, where its compiled step
-  rises above the compiler's (its plan priced from eager measurements), planned again that much
+  plan on it (restricted to keep / recompute / selective), planned from the profile ``auto``
+  plans from (an observed step of the compiled model, its segments then timed compiled: Note
+  [Compiled segments are timed compiled] in ``core/measure/action_costs.py``) for the same rise
+  in memory (the budget set so our step's rise matches the compiled step's: the yardsticks differ
+  by a constant), its first step measured as the strategy runs it, then, where its compiled step
+  rises above the compiler's (its bytes priced from the eager trace), planned again that much
   lower (at most twice: what auto does on CUDA, whose allocator measures compiled steps; the
   plan column says so); its rise and time alone; then, in
   the same process, beside a fresh ``compile`` model at budget ``f`` (its ``forward`` a new code
@@ -125,7 +127,8 @@ def _worker(kind: str, fraction: float, size: dict, steps: int, target_rise: int
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from lightning_swap.core import Action, InfeasibleBudgetError, SwapRuntime, profile, solve
+    from plan_quality import observed_profile
+    from lightning_swap.core import Action, InfeasibleBudgetError, SwapRuntime, solve
 
     model = _gpt(size)
     idx = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=torch.Generator().manual_seed(0))
@@ -143,7 +146,8 @@ def _worker(kind: str, fraction: float, size: dict, steps: int, target_rise: int
         step()
         plain_rise = _status("VmHWM") - base
         state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        prof = profile(model, idx, step_fn=_loss, track=state, scale=False, device="cpu")
+        # The profile auto plans from, our segments timed as the runtime runs them: compiled.
+        prof = observed_profile(net, idx, _loss, torch.device("cpu"), track=state)
         budget = prof.peak_bytes - (plain_rise - target_rise)
         own = {s.name: s.selective_ops for s in prof.segments}
         correction = 0

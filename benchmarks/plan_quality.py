@@ -43,9 +43,7 @@ import torch
 import torchvision
 from torch.nn import functional as F
 
-from lightning_swap.core import InfeasibleBudgetError, SwapRuntime, find_segments, min_budget_bytes, profile, solve
-from lightning_swap.core.config import DEFAULT_MIN_OFFLOAD_BYTES
-from lightning_swap.core.measure.observe import ObservedStep
+from lightning_swap.core import InfeasibleBudgetError, SwapRuntime, min_budget_bytes, profile, solve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: examples/
 from examples.models import GPT  # noqa: E402 - the repository's one GPT (GPT-2 small by default)
@@ -133,14 +131,23 @@ def _plans(prof, budgets: int):
     return lo, out
 
 
-def observed_profile(model, batch, device):
-    """The profile ``policy="auto"`` plans from when plain fits: one plain step observed while it
-    runs, then each segment timed on its own kept and under ``selective`` (medians), recomputation
-    priced at its forward (Note [Planning costs a few steps] in ``core/measure/observe.py``)."""
-    observed = ObservedStep(model, find_segments(model), device=device, batch=batch, track=[], min_offload_bytes=DEFAULT_MIN_OFFLOAD_BYTES)
+def observed_profile(model: nn.Module, batch: Any, loss_of: Callable[[nn.Module, Any], torch.Tensor], device: torch.device, *,
+                     track: Sequence[torch.Tensor] = ()) -> Any:
+    """The profile ``policy="auto"`` plans from when plain fits: one plain step (``loss_of(model,
+    batch)`` and its backward) observed while it runs, then each segment timed on its own kept and
+    under ``selective`` (medians; as the runtime runs it, compiled, for a compiled model: Note
+    [Compiled segments are timed compiled] in ``core/measure/action_costs.py``), recomputation
+    priced at its forward (Note [Planning costs a few steps] in ``core/measure/observe.py``).
+    ``track``: tensors alive besides the model and batch (optimizer state)."""
+    from lightning_swap.core import find_segments
+    from lightning_swap.core.config import DEFAULT_MIN_OFFLOAD_BYTES
+    from lightning_swap.core.measure.observe import ObservedStep
+
+    observed = ObservedStep(model, find_segments(model), device=device, batch=batch, track=list(track),
+                            min_offload_bytes=DEFAULT_MIN_OFFLOAD_BYTES)
     observed.begin()
     try:
-        loss = step_fn(model, batch)
+        loss = loss_of(model, batch)
         observed.backward_begins()
         loss.backward()
         observed.backward_done()
@@ -167,7 +174,7 @@ def report(name, model, batch, device, args) -> tuple[float, float, float, bool]
     fake = profile(model, batch, step_fn=step_fn, fake=True, scale=False)
     fake_s = time.perf_counter() - start
     start = time.perf_counter()
-    prof = observed_profile(model, batch, device)
+    prof = observed_profile(model, batch, step_fn, device)
     real_s = time.perf_counter() - start
     lo, solved = _plans(prof, args.budgets)
     plain = prof.peak_bytes

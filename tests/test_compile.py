@@ -920,3 +920,68 @@ def test_compiled_segments_are_timed_compiled(how, cls):
             assert s.selective_ops and all(op.startswith("aten.addmm.default#") for op in s.selective_ops)
         elif s.selective_ms is not None:
             assert recompute_ms(s, Action.SELECTIVE) >= s.forward_ms - s.heavy_forward_ms
+
+
+class _MlpBlock(nn.Module):
+    """A residual MLP: its eager selective choice (the first matmul) is also its compiled one."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(d, 4 * d), nn.ReLU(), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class _MlpNet(Net):
+    def __init__(self, d: int = 64, n: int = 3) -> None:
+        super().__init__(d, n)
+        self.blocks = nn.ModuleList(_MlpBlock(d) for _ in range(n))
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_identical_blocks_compiled_and_not_are_timed_apart(index):
+    """Note [Compiled segments are timed compiled]: identical blocks are timed once, but a compiled
+    block and an eager one are not identical: one compiled block (regional) among eager ones is
+    priced in its graph, the others as eager (found by a second reader: whichever came first
+    priced all of them)."""
+    torch._dynamo.reset()
+    backend = Counting()
+    torch.manual_seed(0)
+    model = _MlpNet()
+    model.blocks[index].compile(backend=backend)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(256, 8, generator=g), torch.randn(256, 1, generator=g)
+    nn.functional.mse_loss(model(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    prof = _observed_profile(model, x, y).finish()
+    floors = {s.name: s.selective_floor for s in prof.segments if s.name.startswith("blocks.")}
+    assert floors == {f"blocks.{i}": i != index for i in range(3)}
+
+
+class _TwiceNet(nn.Module):
+    """One block called twice, the second time on half the batch: two segments, ``blocks.0#1``."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.inp, self.blocks, self.out = nn.Linear(8, d), nn.ModuleList([_MlpBlock(d)]), nn.Linear(d, 1)
+
+    def forward(self, x):
+        x = self.blocks[0](self.inp(x))
+        return self.out(self.blocks[0](x[: x.shape[0] // 2]))
+
+
+def test_every_call_of_a_compiled_block_is_timed_compiled():
+    """Note [Compiled segments are timed compiled] for Note [A segment per call]: the second call's
+    segment (``blocks.0#1``) finds its module's compilation, as the runtime does (found by a
+    second reader: it was timed eagerly, its choice made for the graph)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TwiceNet()
+    model.blocks[0].compile(backend=Counting())
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(256, 8, generator=g), torch.randn(128, 1, generator=g)
+    nn.functional.mse_loss(model(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    prof = _observed_profile(model, x, y).finish()
+    assert {s.name: s.selective_floor for s in prof.segments} == {"blocks.0": False, "blocks.0#1": False}

@@ -38,7 +38,10 @@ it, not as its eager forward: kept, its forward compiled in the user's context; 
 ``SELECTIVE``, where it recomputes inside its graph (Note [Recomputation inside the compiled
 graph] in ``compiled.py``), the checkpoint compiled with the plan's policy, after two warm-up
 calls (the eager first call that checks its input, the call that compiles), in turn with the
-kept forward, the median of as many runs as kept. Eager timings priced a compiled plan wrongly: on the 6-block GPT of
+kept forward, the median of as many runs as kept. A compiled segment that recomputes eagerly
+(buffers; its selective is refused) gets two warm-ups too, so that no timed run compiles.
+Identical blocks share one timing only when compiled alike (one block compiled on its own among
+eager ones is timed apart), and a call's segment (``name#k``) is its module's, compiled or not. Eager timings priced a compiled plan wrongly: on the 6-block GPT of
 ``benchmarks/compile_budget.py`` (CPU, one thread) a block's selective was priced at 24 ms (the
 eager forward of the ops it reruns: layer norms, GELU, adds) where the compiled one adds 3-6 ms
 (Inductor fuses those ops into the backward's kernels), so the planner kept whole blocks and
@@ -68,6 +71,7 @@ from ..actions import Action
 from ..engine.recompute import RecomputeTimer, checkpointed
 from ..engine.streams import StreamOps, Timing
 from ..compiled import compile_context, is_compiled, recomputes_in_graph
+from ..segments import split_call
 from .model_profile import SELECTIVE_REFUSAL
 from .trace import CapturedCall, StepTrace, StepTracer
 
@@ -243,8 +247,8 @@ def _refusals(
         found = _timed_in_turn(module, (wrapped(Action.SELECTIVE), compiled.forward), call, ops, repeats, 2, failed)
         if found is not None:
             selective, kept = found
-    else:
-        selective = _timed(module, wrapped(Action.SELECTIVE), call, ops, repeats, int(warm), failed)
+    else:  # around compiled code, the first timed run would compile a graph: two warm-ups
+        selective = _timed(module, wrapped(Action.SELECTIVE), call, ops, repeats, 2 if compiled is not None else int(warm), failed)
     if selective is None and failed:
         recomputed: list[str] = []
         if _timed(module, wrapped(Action.RECOMPUTE), call, ops, 1, 0, recomputed) is None and recomputed:
@@ -345,11 +349,13 @@ def measure_action_costs(
             # one of each is run.
             module = modules[name]  # a call's segment (``name#1``) is its module's: Note [A segment per call]
             chosen = (save_ops or {}).get(name)
-            key = (type(module), repr(module), _shapes(module), call.signature(), name in alone, chosen)
+            compiled = _compiled(model, split_call(name)[0], module)  # a call's context is its module's
+            how = None if compiled is None else compiled.graph is not None  # Note [Compiled segments are timed compiled]
+            key = (type(module), repr(module), _shapes(module), call.signature(), name in alone, chosen, how)
             if key not in measured:
                 measured[key] = _segment_costs(
                     name, module, call, ops, device, repeats=repeats, warm=warm, alone=name in alone,
-                    min_offload_bytes=min_offload_bytes, save_ops=chosen, compiled=_compiled(model, name, module),
+                    min_offload_bytes=min_offload_bytes, save_ops=chosen, compiled=compiled,
                 )
             if measured[key] is not None:
                 out[name] = measured[key]
