@@ -74,8 +74,8 @@ from torch import nn
 from .segments import canonical_name
 
 __all__ = [
-    "compile_context", "dynamo_context", "dynamo_disable", "eager_stance", "force_eager", "fullgraph", "is_compiled",
-    "recomputes_in_graph",
+    "compile_context", "compiled_forward", "dynamo_context", "dynamo_disable", "eager_stance", "force_eager", "fullgraph",
+    "is_compiled", "recomputes_in_graph",
 ]
 
 
@@ -114,6 +114,17 @@ def recomputes_in_graph(module: nn.Module) -> bool:
     torch >= 2.6) and a module with no buffers (a BatchNorm's running statistics would be
     updated inside the traced checkpoint)."""
     return hasattr(torch.compiler, "set_stance") and next(module.buffers(), None) is None
+
+
+def compiled_forward(
+    ctx: Any, forward: Callable[..., Any], module: nn.Module,
+) -> tuple[Callable[..., Any], Optional[tuple[Any, Callable[..., Any]]]]:
+    """Segment ``module``'s ``forward`` as the runtime runs it under the Dynamo context ``ctx``:
+    compiled, and (``ctx``, ``forward``) where it recomputes inside its graph (Note
+    [Recomputation inside the compiled graph]; ``None``: it recomputes eagerly). The runtime
+    installs these; ``measure/action_costs.py`` times them (Note [Compiled segments are timed
+    compiled] there)."""
+    return ctx(forward), ((ctx, forward) if recomputes_in_graph(module) else None)
 
 
 def _dynamo() -> Any:

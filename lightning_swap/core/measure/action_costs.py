@@ -41,9 +41,10 @@ calls (the eager first call that checks its input, the call that compiles), in t
 kept forward, the median of as many runs as kept. A compiled segment that recomputes eagerly
 (buffers; its selective is refused) gets two warm-ups too, so that no timed run compiles.
 Identical blocks share one timing only when compiled alike (one block compiled on its own among
-eager ones is timed apart), and a call's segment (``name#k``) is its module's, compiled or not. Eager timings priced a compiled plan wrongly: on the 6-block GPT of
+eager ones is timed apart), and a call's segment (``name#k``) is its module's, compiled or not.
+Eager timings priced a compiled plan wrongly: on the 6-block GPT of
 ``benchmarks/compile_budget.py`` (CPU, one thread) a block's selective was priced at 24 ms (the
-eager forward of the ops it reruns: layer norms, GELU, adds) where the compiled one adds 3-6 ms
+eager forward of the ops it reruns: layer norms, GELU, adds) where the compiled one adds 0-6 ms
 (Inductor fuses those ops into the backward's kernels), so the planner kept whole blocks and
 recomputed matmuls elsewhere to pay for them. So a selective time measured in the graph is not
 floored at the eager forward of the ops it reruns (``SegmentProfile.selective_floor``; Note [An
@@ -70,7 +71,7 @@ from torch.utils._pytree import tree_leaves
 from ..actions import Action
 from ..engine.recompute import RecomputeTimer, checkpointed
 from ..engine.streams import StreamOps, Timing
-from ..compiled import compile_context, is_compiled, recomputes_in_graph
+from ..compiled import compile_context, compiled_forward, is_compiled
 from ..segments import split_call
 from .model_profile import SELECTIVE_REFUSAL
 from .trace import CapturedCall, StepTrace, StepTracer
@@ -311,12 +312,9 @@ class _Compiled:
 
 def _compiled(model: nn.Module, name: str, module: nn.Module) -> Optional[_Compiled]:
     """Note [Compiled segments are timed compiled]: segment ``name`` of ``model`` as the runtime
-    compiles it (``runtime._install``), ``None`` where it is not under ``torch.compile``."""
+    compiles it (:func:`~..compiled.compiled_forward`), ``None`` where it is not under ``torch.compile``."""
     found = compile_context(model, name)
-    if found is None:
-        return None
-    forward = module.forward
-    return _Compiled(found[1](forward), (found[1], forward) if recomputes_in_graph(module) else None)
+    return None if found is None else _Compiled(*compiled_forward(found[1], module.forward, module))
 
 
 def measure_action_costs(

@@ -246,7 +246,8 @@ class ObservedStep:
             c = costs.get(name)
             if c is not None:
                 fwd[i], bwd[i] = c.forward_ms, c.backward_ms
-                measured[i] = (c.recompute_ms, c.selective_ms, c.released_working_bytes, c.refusal or self._compiled(name), not c.selective_in_graph)
+                refusal = c.refusal or self._compiled(name)
+                measured[i] = (c.recompute_ms, c.selective_ms, c.released_working_bytes, refusal, not c.selective_in_graph)
         alone = {name: costs[name].alone for name in self.acting}
         _splice_alone(trace, {names.index(name): own for name, own in alone.items()})
         heavy = {i: fwd[i] * trace.heavy_op_ms.get(i, 0.0) / max(trace.all_op_ms.get(i, 0.0), 1e-9) for i in range(n)}

@@ -253,7 +253,7 @@ def selective_choice(
     and nothing else. Inductor fuses the recomputation of pointwise ops and norms into the
     backward's kernels, so their eager milliseconds, measured here, are not what recomputing
     them costs there (every block of the GPT of ``benchmarks/compile_budget.py`` on selective
-    adds 3-6 ms compiled, its eager pricing 24), and eager timings of one step are noisy enough
+    adds 0-6 ms compiled, its eager pricing 24), and eager timings of one step are noisy enough
     to make a GELU look worth saving in one process and not in the next. That is the
     partitioner's own default, which saves what it cannot fuse cheaply: the plan and the
     compiler then agree on what a selective block saves, and the lighter choices (Note [Lighter

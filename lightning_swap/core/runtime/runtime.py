@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from ..actions import Action
-from ..compiled import compile_context, dynamo_disable, fullgraph, is_compiled, recomputes_in_graph
+from ..compiled import compile_context, compiled_forward, dynamo_disable, fullgraph, is_compiled
 from ..engine.meter import DeviceMemoryMeter
 from ..engine.offload import OffloadEngine
 from ..decide.plan import Plan
@@ -344,8 +344,7 @@ class SwapRuntime:
         if found is not None:
             if regional:
                 self._set_aside_compilation(module_name)
-            graph = (found[1], forward) if recomputes_in_graph(module) else None
-            forward = found[1](forward)
+            forward, graph = compiled_forward(found[1], forward, module)
         compiled = found is not None or is_compiled(module)
         variants = {}
         for (call, name, index), action in zip(entries, actions):
