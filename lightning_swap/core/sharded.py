@@ -34,10 +34,27 @@ happened to match). So ``SELECTIVE`` is not used on a segment that holds an FSDP
 own: a forced plan is refused naming the segment and its units, and ``auto`` and the batch-size
 search plan without it (:func:`units_inside`). A segment that is one unit (its hooks run
 around the region, not in it) and an unsharded model keep every action.
+
+Note [A sharded segment's forward alone]: the profiler measures what a segment's forward holds
+when autograd saves nothing (Note [A forward that does not keep] in ``decide/costmodel.py``) by
+running the segment alone. Under FSDP2 that forward gathers the unit's parameters, a
+collective, so it runs only where every process runs the same segments in the same order:
+:func:`~.measure.profiler.profile` is called on every rank for the same model, and its
+segments' calls are the model's, so they are. FSDP2 records each forward for the next
+backward's prefetches (``post_forward_order``), which the last backward left empty; the lone
+forwards' records are dropped again, so the next step prefetches what it runs. A unit's
+parameters are gathered before its lone forward is measured (:func:`unsharded`): gathered
+inside it, the all-gather's own buffers (about 130 KiB more on the tests' GPT) would count as
+the forward's working set, which in the step they are not; the gathered parameters themselves
+are added back from the step's trace. Unmeasured, an offloading segment's forward was priced
+as kept: on the tests' GPT at batch 8 per rank 11% over the measured peak (torch 2.14.1).
+FSDP1 units keep that price: their forward outside the root's checks the execution order and
+is not run alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Iterable
 
@@ -46,7 +63,7 @@ from torch import nn
 
 from .tensors import local_tensor
 
-__all__ = ["gathered_bytes", "gathered_parameters", "is_sharded", "like_shard", "units_inside", "world_size"]
+__all__ = ["gathered_bytes", "gathered_parameters", "is_sharded", "like_shard", "lone_forwards", "unsharded", "units_inside", "world_size"]
 
 _FSDP2 = ("torch.distributed.fsdp", "FSDPModule")
 _FSDP1 = ("torch.distributed.fsdp", "FullyShardedDataParallel")
@@ -113,3 +130,41 @@ def like_shard(shard: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda local: local
     cls, mesh, placements, shape, stride = type(shard), shard.device_mesh, shard.placements, shard.shape, shard.stride()
     return lambda local: cls.from_local(local, mesh, placements, shape=shape, stride=stride, run_check=False)
+
+
+@contextlib.contextmanager
+def lone_forwards(model: nn.Module):
+    """Whether ``model``'s segments may run their forward alone (Note [A sharded segment's forward
+    alone]): unsharded, or FSDP2 only; FSDP2's records of the forwards run inside are dropped."""
+    fsdp1, fsdp2 = _class(_FSDP1), _class(_FSDP2)
+    if not is_sharded(model):
+        yield True
+        return
+    if (fsdp1 is not None and any(isinstance(m, fsdp1) for m in model.modules())) or fsdp2 is None:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        for m in model.modules():
+            if isinstance(m, fsdp2):
+                state = m._get_fsdp_state()
+                groups = getattr(state, "_fsdp_param_groups", None) or [g for g in [getattr(state, "_fsdp_param_group", None)] if g]
+                for group in groups:
+                    group._post_forward_indices.clear()
+                    group.comm_ctx.post_forward_order.clear()
+
+
+@contextlib.contextmanager
+def unsharded(module: nn.Module):
+    """An FSDP2 unit's parameters gathered for the body and resharded after (every rank in
+    lockstep: Note [A sharded segment's forward alone]); anything else as it is."""
+    fsdp2 = _class(_FSDP2)
+    if fsdp2 is None or not isinstance(module, fsdp2):
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()

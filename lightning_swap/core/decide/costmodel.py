@@ -135,14 +135,16 @@ def forward_own(s: SegmentProfile, a: Action, *, overlap: bool) -> int:
     measured, by running the segment with nothing saved (:mod:`.costs`). With ``W`` that
     working set, ``S`` the saved bytes and ``w`` the kept forward's working bytes, the window's
     peak is its start level plus ``W``, i.e. the base plus ``S - w + W``; plus what the action
-    keeps. Not measured (a fake profile): as kept, which never under-predicts. Offloaded with
-    copies beside compute (CUDA), the sources stay until their copies are waited for (Note
-    [Stream protocol], rule 2): all of it, as kept.
+    keeps. Not measured (a fake profile): as kept, which never under-predicts, and never more
+    than kept (a segment's forward that saves less holds no more than the kept one; ``W`` and
+    ``w`` come from different runs, and under FSDP ``W`` from a forward run alone: Note [A
+    sharded segment's forward alone]). Offloaded with copies beside compute (CUDA), the sources
+    stay until their copies are waited for (Note [Stream protocol], rule 2): all of it, as kept.
     """
     if a is Action.KEEP or (a is Action.OFFLOAD and overlap) or s.released_forward_working_bytes < 0:
         return s.internal_saved_bytes
     own = s.internal_saved_bytes - s.forward_working_bytes + s.released_forward_working_bytes
-    return max(0, own) + internal_kept(s, a)
+    return min(s.internal_saved_bytes, max(0, own) + internal_kept(s, a))
 
 
 def copied_bytes(s: SegmentProfile, a: Action) -> int:

@@ -73,6 +73,7 @@ from ..engine.recompute import RecomputeTimer, checkpointed
 from ..engine.streams import StreamOps, Timing
 from ..compiled import compile_context, compiled_forward, is_compiled
 from ..segments import split_call
+from ..sharded import unsharded
 from .model_profile import SELECTIVE_REFUSAL
 from .trace import CapturedCall, StepTrace, StepTracer
 
@@ -105,16 +106,18 @@ class ActionCosts:
 
 def measure_released_working(module: nn.Module, call: CapturedCall, device: torch.device) -> int:
     """Note [A forward that does not keep] in ``costmodel.py``: the most bytes the segment's
-    forward holds above its start (its arguments already made) when autograd saves nothing."""
+    forward holds above its start (its arguments already made, an FSDP2 unit's parameters
+    gathered: Note [A sharded segment's forward alone]) when autograd saves nothing."""
     from ..engine.meter import DeviceMemoryMeter
 
     args, kwargs = call.make()
     autocast = torch.autocast(call.autocast[0], dtype=call.autocast[1]) if call.autocast else contextlib.nullcontext()
     meter = DeviceMemoryMeter(device)
-    start = torch.cuda.memory_allocated(device) if meter.is_cuda else 0
-    with meter, autocast, torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda packed: packed):
-        out = module(*args, **kwargs)
-        del out
+    with unsharded(module):
+        start = torch.cuda.memory_allocated(device) if meter.is_cuda else 0
+        with meter, autocast, torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda packed: packed):
+            out = module(*args, **kwargs)
+            del out
     return max(0, meter.peak_bytes - start)
 
 

@@ -41,7 +41,7 @@ from ..engine.meter import host_allocation, mark_host
 from ..engine.recompute import compute_heavy_ops
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
 from ..segments import PREFIX_REGION, SegmentSpec, find_segments, region_after, resolve_modules, split_call
-from ..sharded import is_sharded, like_shard, world_size
+from ..sharded import is_sharded, like_shard, lone_forwards, world_size
 from ..tensors import infer_batch_size, local_tensor, loss_of, storage_bytes
 from .model_profile import _SCALED_INT_FIELDS, _SCALED_MS_FIELDS, ModelProfile, SegmentProfile, refused_actions
 from .trace import PREFIX, StepTrace, run_timing, run_trace
@@ -473,14 +473,17 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
         trace = _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_offload_bytes)
         names = trace.names  # one per call of a module run several times (Note [A segment per call])
         if not fake:
+            modules = resolve_modules(model, names)  # canonical names, compiled or not
+            # Note [A forward that does not keep]; a sharded segment only where every rank runs
+            # it in lockstep: Note [A sharded segment's forward alone] in ``sharded.py``.
+            with lone_forwards(model) as alone:
+                for i, call in trace.inputs.items() if alone else ():
+                    working = measure_released_working(modules[names[i]], call, device) + trace.gathered_bytes.get(i, 0)
+                    measured[i] = (None, None, working, "", True)
+            trace.inputs = {}
             fwd, bwd, step_ms, regions = run_timing(model, names, lambda: loss_of(step_fn(model, batch)), device)
             fwd = {**fwd, **{k: v[0] for k, v in regions.items()}}
             bwd = {**bwd, **{k: v[1] for k, v in regions.items()}}
-            modules = resolve_modules(model, names)  # canonical names, compiled or not
-            # Note [A forward that does not keep]; never a sharded segment alone: Note [Observe every rank].
-            for i, call in trace.inputs.items() if not is_sharded(model) else ():
-                measured[i] = (None, None, measure_released_working(modules[names[i]], call, device), "", True)
-            trace.inputs = {}
     n = len(names)
     if fake:
         fwd = {i: trace.est_all_ms.get(i, 0.0) for i in range(n)}
