@@ -73,7 +73,17 @@ class _ProgressBarLog(logging.Handler):
 
 
 class _SwapStrategyMixin:
-    """Wires a :class:`SwapSession` into a Lightning strategy's hooks."""
+    """Wires a :class:`SwapSession` into a Lightning strategy's hooks.
+
+    Note [Lightning's step]: a step is everything from a training batch's start to its end. Under
+    automatic optimization Lightning runs ``optimizer_step(closure)``, and the optimizer calls the
+    closure (``training_step`` then ``backward``) once, or several times (LBFGS; a SAM-style
+    optimizer calls it twice): the step opens at the first ``training_step`` of the batch and
+    closes when ``optimizer_step`` returns (a batch that only accumulates, at the next batch's
+    start). Under manual optimization everything (each ``manual_backward``, each ``opt.step()``,
+    two optimizers) happens inside the user's ``training_step``, which therefore is the step. A
+    step of several backward passes is measured whole (Note [A step of several passes] in
+    ``core/scale/auto.py``)."""
 
     _stats_callback_class: type = None  # set per Lightning package
 
@@ -199,6 +209,8 @@ class _SwapStrategyMixin:
     def setup(self, trainer: Any) -> None:
         self._pick_device(trainer)
         super().setup(trainer)
+        if getattr(trainer.state, "fn", "fit") != "fit":
+            return  # validate / test / predict train nothing: the last fit's session and statistics stay
         module = self.lightning_module
         self._bar_log = _ProgressBarLog.install(trainer)
         self._session = SwapSession(
@@ -278,9 +290,20 @@ class _SwapStrategyMixin:
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Note [Lightning's step]: the first call of a batch opens the step; a closure called
+        again inside its optimizer step (LBFGS, SAM) is part of it; under manual optimization the
+        user's ``training_step`` is the whole step, so its end closes it."""
         session = self._session
-        if session is None:
+        if session is None or self._step_open:
             return super().training_step(*args, **kwargs)
+        out = self._open_step(session, args, kwargs)
+        if not self.lightning_module.automatic_optimization:
+            self._end_swap_step()
+        return out
+
+    def _open_step(self, session: SwapSession, args: tuple, kwargs: dict) -> Any:
+        """The step's first ``training_step``, its window opened around it (``auto`` guards,
+        observes or plans first)."""
         batch = args[0] if args else kwargs.get("batch")
         states = _optimizer_states(self.optimizers)
         track = [args, kwargs, states]
@@ -307,7 +330,7 @@ class _SwapStrategyMixin:
             session.abort_step()
             if kind is StepKind.OBSERVE and is_out_of_memory(exc):
                 self._plan_after_out_of_memory(exc)
-                return self.training_step(*args, **kwargs)
+                return self._open_step(session, args, kwargs)
             raise
 
     def _plan_after_out_of_memory(self, exc: BaseException) -> None:
@@ -378,7 +401,7 @@ class _SwapStrategyMixin:
                 p.grad = None  # what the failed backward accumulated
             self._plan_after_out_of_memory(exc)
             args_, kwargs_ = self._step_call
-            loss = self.training_step(*args_, **kwargs_)
+            loss = self._open_step(session, args_, kwargs_)
             loss = loss["loss"] if isinstance(loss, dict) else loss
             return self.backward(loss, optimizer, *args, **kwargs)
         if session is not None:
@@ -390,7 +413,8 @@ class _SwapStrategyMixin:
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         out = super().optimizer_step(*args, **kwargs)
-        self._end_swap_step()  # the closure (forward, backward) and the optimizer step are over
+        if self.lightning_module.automatic_optimization:
+            self._end_swap_step()  # the closure (every call of it) and the optimizer step are over
         return out
 
     @override
@@ -646,3 +670,5 @@ _check_option_table()
 CPUSwapStrategy, DDPCPUSwapStrategy = _classes_for(_lightning_pytorch, "")
 _pl = _pytorch_lightning()
 PLCPUSwapStrategy, PLDDPCPUSwapStrategy = _classes_for(_pl, "PL") if _pl is not None else (None, None)
+
+from . import fsdp as _fsdp  # noqa: E402,F401  the sharded strategies, registered with these (Note [Strategies registered when Lightning is imported])

@@ -151,6 +151,36 @@ def test_core_imports_neither_lightning_nor_accelerate():
     assert not {k: v for k, v in offenders.items() if v}
 
 
+@pytest.mark.parametrize("module", ["lightning_swap", "lightning_swap.core", "lightning_swap.core.decide.solver", "accelerate_swap"])
+def test_importing_loads_no_lightning(module):
+    """Issue 35: in a fresh interpreter, the package, the core (anything under it) and the
+    Accelerate front end import no Lightning (Note [Strategies registered when Lightning is
+    imported]); the core imports no Accelerate either."""
+    import subprocess
+    import sys
+
+    code = (
+        f"import sys, {module}\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'lightning', 'pytorch_lightning', 'lightning_fabric', 'accelerate'}))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == ("['accelerate']" if module == "accelerate_swap" else "[]"), (module, loaded)
+
+
+def test_strategies_are_registered_when_lightning_comes_after():
+    """``import lightning_swap`` first, Lightning later: ``Trainer(strategy="cpu_swap")`` resolves."""
+    import subprocess
+    import sys
+
+    code = (
+        "import lightning_swap\nimport lightning as L\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "print(sorted(n for n in StrategyRegistry if 'cpu_swap' in n))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(sorted(["cpu_swap", "ddp_cpu_swap", "fsdp_cpu_swap", "model_parallel_cpu_swap"]))
+
+
 def test_graph_is_read_from_every_layer():
     graph = _core_import_graph()
     assert {layer_of(m) for m in graph} == {VOCABULARY, *LAYERS}

@@ -149,6 +149,15 @@ def guard_action(device_type: str, config: SwapConfig = SwapConfig()) -> Action:
 # lowest-memory plan stays. Either way the guard's measured peak is within the budget, or
 # InfeasibleBudgetError names it: nothing known uses less. ``training_step`` still runs once
 # per step: the guard step is an ordinary step of training.
+# Note [A step of several passes]: a step is everything from a training batch's start to its end
+# (every forward, backward, closure call and optimizer step of that batch), and its window
+# measures all of it. The profile and the cost model know one forward and one backward; a step
+# that runs several backward passes (LBFGS or a SAM-style optimizer calling its closure again,
+# two optimizers stepping in one manual ``training_step``, a second backward) is not predicted by
+# them. So when a guard step ran several, the lowest-memory plan, measured over the whole step,
+# is what ``auto`` keeps for that shape: guarded until the state is steady (the infeasible check
+# applies to that steady peak), then run, with one WARNING that says why. Planning such steps
+# pass by pass is future work (issue 33).
 @dataclass
 class _Guard:
     """The guard steps on one batch shape (Note [Observe only what fits])."""
@@ -166,6 +175,7 @@ class _Guard:
     plan: Plan = field(default_factory=lambda: Plan(actions={}))  # the lowest-memory plan it ran (Note [Refused actions])
     decision: Optional[StepKind] = None
     open: bool = False
+    passes: int = 1  # the most backward passes a guard step ran (Note [A step of several passes])
     #: The steady guard step's profile as plain's (the largest of every process's; None: not made)
     profile: Optional[ModelProfile] = None
 
@@ -236,6 +246,7 @@ class AutoPlanner:
         self.device_type = device_type
         self.guard_action = guard_action(device_type, config)
         self.profile: Optional[ModelProfile] = None
+        self._warned_passes = False
         self._profile_shape: Optional[tuple] = None
         self._profile_batch = 0
         self._scalable = False  # the profile predicts other batch sizes (a batch-size search's)
@@ -362,6 +373,10 @@ class AutoPlanner:
         """The guard step's peak up to the start of its backward (the loss computed)."""
         self._guard.forward_peak = max(self._guard.forward_peak or 0, peak_bytes)
 
+    def guard_passes(self, passes: int) -> None:
+        """How many backward passes the guard step ran (Note [A step of several passes])."""
+        self._guard.passes = max(self._guard.passes, passes)
+
     def guard_backward_done(self, peak_bytes: int) -> None:
         """The guard step's peak up to the end of its backward (its optimizer step not yet run)."""
         self._guard.backward_peak = max(self._guard.backward_peak or 0, peak_bytes)
@@ -428,6 +443,8 @@ class AutoPlanner:
             least = max(guard.peak, backward + guard.grown, forward + guard.grown_forward)
         if guard.peak > budget or (plain is not None and least > budget):
             raise InfeasibleBudgetError(budget_bytes=budget, min_budget_bytes=least, batch_size=guard.batch.size)
+        if guard.passes > 1:  # Note [A step of several passes]: guarded until steady, then kept
+            return Verdict(StepKind.GUARD if plain is None else StepKind.RUN, None, least)
         if plain is None:
             # The same bound on the predicted steady peak: when even that fits, plain is observed
             # at once rather than after a second guard step (a budget far above plain's peak runs
@@ -467,6 +484,8 @@ class AutoPlanner:
                 "step measured under the lowest-memory plan (%s).", format_bytes(verdict.plain_bound_bytes),
                 format_bytes(self.budget_bytes), format_bytes(verdict.least_bytes),
             )
+        elif decision is StepKind.RUN and verdict.plain_bound_bytes is None:
+            self._warn_passes(verdict.least_bytes)
         elif decision is StepKind.RUN:
             log.info(
                 "lightning-swap: plain training may need up to %s, over the budget of %s: every segment stays "
@@ -474,6 +493,18 @@ class AutoPlanner:
                 format_bytes(verdict.plain_bound_bytes), format_bytes(self.budget_bytes), self.guard_action.value,
                 format_bytes(verdict.least_bytes),
             )
+
+    def _warn_passes(self, least: Optional[int]) -> None:
+        if self._warned_passes:
+            return
+        self._warned_passes = True
+        log.warning(
+            "lightning-swap: a training step ran %d backward passes (a closure optimizer such as LBFGS or SAM, several "
+            "optimizers, a second backward): policy='auto' plans one forward and one backward, so it keeps the "
+            "lowest-memory plan (every segment %s, measured %s over the whole step, within the budget of %s). "
+            "A forced policy may be faster: e.g. policy='offload'.", self._guard.passes, self.guard_action.value,
+            format_bytes(least or 0), format_bytes(self.budget_bytes),
+        )
 
     def _adopt(self, batch: BatchKey, state: StateSizes) -> None:
         """Every process: plans are made from now on from a profile of a step on ``batch`` that

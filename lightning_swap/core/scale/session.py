@@ -30,7 +30,7 @@ from ..engine.unified.memory import UnifiedMemory
 from ..errors import is_out_of_memory
 from ..measure.model_profile import ModelProfile, max_profile
 from ..measure.observe import ObservedStep
-from ..measure.profiler import profile as profile_step
+from ..measure.profiler import measure_bandwidth, profile as profile_step
 from ..measure.timeline import Timeline
 from ..runtime.runtime import SwapRuntime
 from ..runtime.stats import StatsHistory, StepRecord, StepStats
@@ -119,6 +119,7 @@ class SwapSession:
         self.records = StatsHistory()
         self._measured: Optional[ModelProfile] = None
         self._pinned = False
+        self._backwards = 0  # backward passes of the running step
         self._warned_no_budget = False
         self._state: Optional[StateSizes] = None
         self._guard_states: Any = None
@@ -139,6 +140,10 @@ class SwapSession:
         self._measured_logged = False
         if self.auto is not None and self._budget_bytes is None and self.segments and collectives.is_main:
             self.warn_no_budget()  # now, before training starts: not in the middle of a progress bar
+        if self.auto is not None and self.segments:
+            # The copy rates the profiles price offloads with, probed now (two 32 MiB buffers,
+            # cached per process), not inside a training step where a meter of the user's sees them.
+            measure_bandwidth(self.device)
 
     def _new_planner(self) -> AutoPlanner:
         planner = AutoPlanner(
@@ -215,6 +220,7 @@ class SwapSession:
         Every process calls it for every step (decisions are broadcast from the main process).
         Returns what the step does (Note [Auto: observe, plan, check])."""
         self._observed_call = None
+        self._backwards = 0
         if self.auto is None or self._pinned:
             self.begin_step(track, measure=measure)
             return StepKind.RUN
@@ -335,7 +341,8 @@ class SwapSession:
         return self.apply(self._received(self.collectives.on_main(self.forced_plan)))
 
     def backward_begins(self) -> None:
-        """The loss exists and its backward is about to run."""
+        """The loss exists and its backward is about to run (once per backward pass of the step)."""
+        self._backwards += 1
         if self.auto is not None and self.auto.guarding and self.runtime is not None and self.runtime.measuring:
             self.auto.guard_forward_done(self.runtime.meter.peak_bytes)
         for observation in (self.observation, self._under):
@@ -346,6 +353,7 @@ class SwapSession:
         """The whole step (optimizer step included) is over: an observed step becomes the profile,
         a guard step's measurements bound plain's peak (Note [Observe only what fits])."""
         if self.auto is not None and self.auto.guarding and self.runtime is not None:
+            self.auto.guard_passes(self.collectives.largest(self._backwards) or 1)  # Note [A step of several passes]
             self._end_guard()
         elif self._under is not None:
             self.auto.refine(self._profile_under())
