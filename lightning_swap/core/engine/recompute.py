@@ -5,9 +5,19 @@ state (dropout masks repeat) and the autocast state for the recomputation. ``SEL
 ``create_selective_checkpoint_contexts``: outputs of compute-heavy ops are saved, the rest is
 recomputed.
 
-Note [Recompute leaves buffers alone]: plain ``torch.utils.checkpoint`` runs the segment's
-forward twice, so BatchNorm's running statistics (and ``num_batches_tracked``) are updated
-twice per step, and the model drifts from plain training. During the recomputation each
+Note [Recompute leaves buffers alone]: a recomputation reruns the segment against the state its
+forward saw, and leaves every buffer as plain training leaves it (updated once). Plain
+``torch.utils.checkpoint`` restores the RNG and autocast state only: it reruns the forward in
+the modules' mode at backward time (a pass in ``eval()`` whose backward runs after
+``model.train()``: other ops, checkpoint or selective refuse them) and against buffers the
+forward already updated (spectral norm's power iteration, a quantization observer's moving
+average, a call counter, an EMA written through ``.data``: other values, silently), then updates
+them a second time. So each call records its modules' training flags, and copies the buffers it
+or a later call changes from before they change (Note [Buffers are kept from before they change]
+in ``forward_state.py``); its recomputation runs with those flags and values, and then puts back
+the flags and the buffers' values of that moment.
+BatchNorm's running statistics (and ``num_batches_tracked``) are the one exception: they are not
+copied, since the forward reads them only in ``eval()``. During the recomputation each
 BatchNorm layer of the segment that tracks statistics in training mode runs with ``momentum``
 0 and no ``num_batches_tracked``: the batch is not counted and the running statistics are
 updated by a factor of 0 (``r * 1 + 0 * m``), which leaves them equal. The layer is still given
@@ -18,10 +28,8 @@ launched to save or restore anything.
 Under ``torch.compile`` the segment's graph specialises on ``momentum`` and on
 ``num_batches_tracked`` being ``None``, so the recomputation runs a second graph (compiled once per
 block class, then reused) with the same effect (``tests/test_compile.py`` checks the statistics).
-Any other buffer the real forward mutates (its version counter moves; norm layers whose
-``forward`` is not torch's BatchNorm one are listed by type, since ``native_batch_norm``
-writes statistics without bumping the version) is snapshot when the recomputation starts and
-copied back when it ends.
+Norm layers whose ``forward`` is not torch's BatchNorm one are copied as other buffers are; they
+are listed by type, since ``native_batch_norm`` writes statistics without bumping the version.
 
 Note [Checkpointed segments must not modify their input]: the recomputation reruns the
 segment on its saved input; if the forward changed that input in place (DenseNet's stem
@@ -33,7 +41,11 @@ when one is about to write into the storage of an input checkpoint saved, the in
 first and the recomputation reruns on the copy, so the step is exact. The segment is then
 reported (``on_refuse``: ``auto`` plans no recomputation for it) and warned about once, naming the
 op and the module; its later calls copy their inputs when checkpoint saves them (the copy is what
-the recomputation needs; it costs the input's bytes until the segment's backward). A write the
+the recomputation needs; it costs the input's bytes until the segment's backward). The
+recomputation writes into its input again, so it runs on a copy of what was held (the input's
+bytes once more, while it runs): a second backward reruns on the value the first saw, and no
+offload copy still reading the held tensor is written under; for the same reason the first call
+gives its input to the offload hooks only when its forward ends. A write the
 watch cannot see (inside a compiled kernel) still moves the input's version counter: that
 raises :class:`InputMutatedError`, naming the segment and the op, rather than train wrongly.
 
@@ -60,6 +72,15 @@ would. Ops that write into a buffer given to
 them (``mm.out``: the ``out=`` overloads) are not cached at all: the buffer belongs to the caller.
 Entries never mutated are replayed as before, so the policy is narrowed per op and per call.
 
+Note [A second backward through selective]: torch marks a cached entry consumed once a
+recomputation replayed it, so that its memory goes with the first backward; a second backward
+over the segment's retained graph (``retain_graph=True``; a gradient penalty's
+``create_graph=True``) recomputes the segment again, and torch then refuses ("Trying to
+backward an extra time"). So when a recomputation starts, every consumed entry becomes the
+recompute marker (:class:`_DropMutated`): the op runs again on recomputed inputs, as under
+``RECOMPUTE``, against the same state (Note [Recompute leaves buffers alone]), and gives the
+values it gave the forward. The first backward keeps its memory behaviour; no action is refused.
+
 Note [Selective under compile]: a segment whose forward is compiled (regional, or inside a
 compiled model) runs, under Inductor, generated code that calls a few ops through the
 dispatcher (matmuls, convolutions) and reuses their output buffers for later kernels that write
@@ -83,7 +104,6 @@ from typing import Any, Callable, Optional
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 from torch import nn
-from torch.nn.modules.batchnorm import SyncBatchNorm, _BatchNorm, _NormBase
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 from torch.utils._pytree import tree_leaves
@@ -91,6 +111,7 @@ from torch.utils._pytree import tree_leaves
 from ..actions import Action
 from ..compiled import eager_stance
 from ..errors import InputMutatedError
+from .forward_state import ForwardState, written_args
 from .streams import StreamOps, Timing
 
 __all__ = ["RecomputeTimer", "checkpointed", "compute_heavy_ops", "written_args"]
@@ -241,78 +262,30 @@ class _Named:
             exc.add_note(self._note)
 
 
-def _plain_batch_norm(m: nn.Module) -> bool:
-    """A BatchNorm whose ``forward`` is torch's, which reads ``momentum`` and ``num_batches_tracked``
-    as Note [Recompute leaves buffers alone] needs."""
-    return isinstance(m, _BatchNorm) and type(m).forward in (_BatchNorm.forward, SyncBatchNorm.forward)
-
-
-class _BufferGuard:
-    """Note [Recompute leaves buffers alone]."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self._batch_norms = [m for m in module.modules() if _plain_batch_norm(m)]
-        flipped = {id(b) for m in self._batch_norms for b in m.buffers(recurse=False)}
-        self._other_norms = [m for m in module.modules() if isinstance(m, _NormBase) and not _plain_batch_norm(m)]
-        self._others = [b for b in module.buffers() if b is not None and id(b) not in flipped]
-        self.mutated: list[torch.Tensor] = []
-
-    @contextlib.contextmanager
-    def watch_forward(self):
-        if not self._others:
-            yield
-            return
-        versions = [b._version for b in self._others]
-        yield
-        mutated = {id(b): b for b, v in zip(self._others, versions) if b._version != v}
-        for m in self._other_norms:
-            if m.training and m.track_running_stats:
-                for b in (m.running_mean, m.running_var, m.num_batches_tracked):
-                    if b is not None:
-                        mutated[id(b)] = b
-        self.mutated = list(mutated.values())
-
-    @contextlib.contextmanager
-    def preserve(self):
-        frozen = [(m, m.momentum, m.num_batches_tracked) for m in self._batch_norms if m.training and m.track_running_stats]
-        for m, _, _ in frozen:
-            m.momentum = 0.0
-            m.num_batches_tracked = None
-        with torch.no_grad():
-            saved = [b.clone() for b in self.mutated]
-        try:
-            yield
-        finally:
-            for m, momentum, count in frozen:
-                m.momentum = momentum
-                m.num_batches_tracked = count
-            with torch.no_grad():
-                for b, s in zip(self.mutated, saved):
-                    b.copy_(s)
-
-
 class _DropMutated:
     """Note [Selective never replays a mutated tensor]: turns every cache entry written into since
     it was cached into a recompute marker, when the forward ends (``at_exit``: the cache lets the
     written tensor go) and again when the recomputation starts, before torch's replaying mode
     (a write after the forward: the next segment's). Without the torch internals it reads
     (``_VersionWrapper``, ``_RECOMPUTE``; torch >= 2.4), the policy caches nothing
-    (:func:`_selective_contexts`)."""
+    (:func:`_selective_contexts`). When the recomputation starts, an entry an earlier one replayed
+    (torch's ``_CONSUMED``) becomes a recompute marker too (Note [A second backward through
+    selective])."""
 
     def __init__(self, storage: dict, *, at_exit: bool = False) -> None:
         self._storage = storage
         self._at_exit = at_exit
 
-    def drop(self) -> None:
+    def drop(self, consumed: Any = None) -> None:
         for entries in self._storage.values():
             for index, entry in list(entries.items()):
                 leaves = tree_leaves(entry, is_leaf=lambda x: isinstance(x, _torch_checkpoint._VersionWrapper))
-                if any(_written_since_cached(x) for x in leaves):
+                if (consumed is not None and entry is consumed) or any(_written_since_cached(x) for x in leaves):
                     entries[index] = _torch_checkpoint._RECOMPUTE
 
     def __enter__(self) -> None:
         if not self._at_exit:
-            self.drop()
+            self.drop(getattr(_torch_checkpoint, "_CONSUMED", None))
 
     def __exit__(self, *exc: Any) -> None:
         if self._at_exit:
@@ -413,35 +386,31 @@ def _checkpoint_options() -> dict:
     return {"respect_saved_tensors_hooks": False} if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {}
 
 
-def written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors an op writes into (its schema's mutable arguments)."""
-    schema = getattr(func, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return []
-    written = []
-    for i, arg in enumerate(schema.arguments):
-        info = arg.alias_info
-        if info is None or not info.is_write:
-            continue
-        value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
-        written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-    return written
+_UNPACKED: Any = object()
 
 
 class _Held:
     """An input checkpoint saved, as the saved-tensor hooks around it hold it: what the outer
     hooks (offload; none: the tensor itself) made of it, or of a copy taken before the segment
     wrote into it, which then replaces it (the written tensor is not what backward needs, and
-    offload's unpack refuses it as modified, as autograd does)."""
+    offload's unpack refuses it as modified, as autograd does). Under the watch the outer hooks
+    get the input when the forward ends (:meth:`release`), unless it was copied first: an offload
+    copy started with the forward would read the input while the segment writes into it."""
 
     __slots__ = ("tensor", "packed", "pack", "written")
 
-    def __init__(self, tensor: torch.Tensor, pack: Callable[[torch.Tensor], Any]) -> None:
+    def __init__(self, tensor: torch.Tensor, pack: Callable[[torch.Tensor], Any], *, watched: bool = False) -> None:
         #: Only while the segment's forward runs (the watch reads it): never kept for backward.
         self.tensor: Optional[torch.Tensor] = tensor
         self.pack = pack
-        self.packed = pack(tensor)
+        self.packed = _UNPACKED if watched else pack(tensor)
         self.written = False
+
+    def release(self) -> None:
+        """The forward ended: the input goes to the outer hooks if the watch held it back."""
+        if self.packed is _UNPACKED:
+            self.packed = self.pack(self.tensor)
+        self.tensor = None
 
     def before_write(self) -> None:
         """The input is about to be written: backward gets a copy taken now, packed as the input
@@ -563,15 +532,17 @@ class _InputGuard:
         if self.verdict == "":
             return outer() if outer is not None else contextlib.nullcontext()
         pack_outer, unpack_outer = _outer_functions(outer)
-        copy = bool(self.verdict)
+        copy, watched = bool(self.verdict), self.verdict is None
 
         def pack(t: torch.Tensor) -> _Held:
-            h = _Held(t.detach().clone() if copy else t, pack_outer)
+            h = _Held(t.detach().clone() if copy else t, pack_outer, watched=watched)
             held.append(h)
             return h
 
         def unpack(h: _Held) -> torch.Tensor:
-            return unpack_outer(h.packed)
+            # The recomputation writes into its input again: into a copy, so a second backward
+            # reruns on the value the first saw, and no offload copy still reading it races.
+            return unpack_outer(h.packed).clone() if self.verdict else unpack_outer(h.packed)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
@@ -646,7 +617,7 @@ def checkpointed(
     by name, as the plan chose them (Note [Who decides under compile]); ``None``: the
     compute-heavy ops. ``graph``: (Dynamo context, uncompiled forward) of a segment recomputed
     in its compiled graph (Note [Recomputation inside the compiled graph] in ``compiled.py``)."""
-    guard = _BufferGuard(module)
+    state = ForwardState(module, name)
     inputs_guard = _InputGuard(module, name, on_refuse)
     selective = _caches(action, compiled and graph is None, name, on_refuse)
     in_graph = _in_graph(graph, action, outer, save_ops)
@@ -654,16 +625,16 @@ def checkpointed(
     def context_fn():
         caching = selective and (graph is None or inputs_guard.verdict in (None, ""))  # see _caches
         fwd, rec = _selective_contexts(save_ops) if caching else (contextlib.nullcontext(), contextlib.nullcontext())
-        # Entered lazily: checkpoint enters the first now and the second only in backward.
-        return (
-            _Chain(_Named(name, "forward"), fwd, guard.watch_forward),
-            _Chain(_Named(name, "recomputation"), lambda: timer.measure(name), guard.preserve, rec),
-        )
+        # Eager: a first call (_InputGuard.watched). The state's copies are no ops of the segment (outside
+        # selective's modes). Checkpoint enters the first context now, the second in each backward.
+        on_forward, on_recompute = state.call(eager=not compiled or inputs_guard.verdict is None)
+        around_forward = _Chain(_Named(name, "forward"), on_forward, fwd)
+        return around_forward, _Chain(_Named(name, "recomputation"), lambda: timer.measure(name), on_recompute, rec)
 
     @functools.wraps(forward, updated=())  # not a compiled forward's Dynamo attributes (compiled.py)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
+            return state.unchecked(forward, *args, **kwargs)
         args, kwargs = _without_caches(name, args, kwargs)
         if in_graph is not None and inputs_guard.verdict == "" and not eager_stance():
             return in_graph(*args, **kwargs)
@@ -676,7 +647,7 @@ def checkpointed(
                 fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=context_fn, **_checkpoint_options(), **kwargs
             )
         for h in held:
-            h.tensor = None  # the watch is over; what backward needs is in ``packed`` (offloaded, maybe)
+            h.release()  # the watch is over; what backward needs is in ``packed`` (offloaded, maybe)
         inputs_guard.check(inputs, versions)
         return out
 
