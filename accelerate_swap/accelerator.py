@@ -2,49 +2,18 @@
 
 Thin by design: every decision lives in :mod:`lightning_swap.core`; this module only calls
 it from the places an Accelerate training loop already goes through. ``prepare_model``
-builds a :class:`~lightning_swap.core.scale.session.SwapSession` on the user's (unwrapped) model
-and applies the plan; a forward pre-hook on that model opens each step's window and
-``backward`` closes it.
-
-Note [Accelerate step window]: the core measures one training step between
-``begin_step`` (before the forward) and ``end_step`` (after the optimizer step). An Accelerate
-loop has no step hook, so the window opens in a forward pre-hook on the unwrapped model, only
-when autograd is recording and the model is in training mode (an evaluation forward never
-opens it), and closes after the step of any prepared optimizer (a step post-hook on the
-user's optimizer) that follows :meth:`SwapAccelerator.backward`, or, when none follows
-(gradient accumulation), at the next forward. The batch (the forward's arguments) and every
-prepared optimizer's state are tracked as alive before the step, as the Lightning strategy
-does. A loop that calls ``loss.backward()`` itself leaves the window open; the next training
-forward restarts it, so only that step's statistics are lost. A failed backward (for instance
-out of memory) also leaves it open, for the same reason: closing it would report a step that
-did not happen.
+builds a :class:`~lightning_swap.core.HookedSwapSession` on the user's (unwrapped) model and
+applies the plan; the session's hooks find each step (Note [Hooked step window] in
+``lightning_swap/core/scale/hooked.py``: a forward pre-hook opens the window, a step post-hook on
+every prepared optimizer closes it after :meth:`SwapAccelerator.backward`), and the observed
+step's out-of-memory fallback is the session's too (Note [Out of memory in the observed step],
+same file): one implementation, shared with Lightning Fabric's strategies.
 
 Note [Auto policy in Accelerate]: a forced policy needs no batch, so its plan is made in
 ``prepare``. ``policy="auto"`` plans from the training steps themselves, as the Lightning
-strategy does (Note [Auto: observe, plan, check] in ``lightning_swap/core/scale/auto.py``): the
-forward pre-hook asks the session what the step does; the first steps run under the
-lowest-memory plan and are observed under it on every process (the profiles merge by their
-largest values: Note [Decide from the largest measurement]), from their forward to the next
-training forward (the user's loss, ``accelerator.backward`` and the optimizer step included: the
-real step, not a stand-in for it); from the steady one the processes predict plain's peak, and
-either observe a plain step (when it fits) or plan a mix at once; each new plan's first step is
-checked against its measured peak. The decisions depend only on what every process sees alike
-(the batch key is agreed across processes: two reductions per step), so all of them enter the
-plan's broadcast (the session's ``Collectives``, :meth:`SwapAccelerator._swap_collectives`)
-together. Nothing runs the model or the user's code an extra time, but for one last resort:
-Note [Out of memory in the observed step].
-
-Note [Out of memory in the observed step]: the observed step runs without a plan, and only
-once the guard steps bound its peak within the budget; when it is out of memory all the same,
-in the model's forward (seen by a forward hook that runs when the forward raises) or in
-:meth:`SwapAccelerator.backward`, the core's fallback profiles the step on fake tensors (the
-model's forward once more, with :func:`model_output_loss` standing for the user's loss), plans
-it, and sets the RNG back to the step's start (Note [The observed step does not fit] in
-``lightning_swap/core/scale/fallback.py``); a failed backward's gradients are discarded when the
-step began without any. The loop is the user's, so the library cannot run the step again as the
-Lightning strategy does: the error is raised as it was, with a warning, and a loop that runs the
-step again (catching ``torch.OutOfMemoryError``) runs it under the plan and trains as plain
-training would have.
+strategy does (Note [Auto: observe, plan, check] in ``lightning_swap/core/scale/auto.py``), in
+the session's forward pre-hook (Note [Hooked step window]); the processes agree through
+Accelerate's ``broadcast_object_list`` and ``gather`` (:meth:`SwapAccelerator._swap_collectives`).
 
 Note [Accelerate leaves no trace]: the runtime is applied to ``unwrap_model(model)``, never
 to the DDP wrapper, so segment names are the user's and ``state_dict`` keys do not change.
@@ -56,31 +25,24 @@ The session owns its forward pre-hook handle; ``swap_session.close()``,
 from __future__ import annotations
 
 import logging
-import sys
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, DynamoBackend, broadcast_object_list, gather_object
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_swap.core import Collectives
-from lightning_swap.core import is_out_of_memory
+from lightning_swap.core import HookedSwapSession, model_output_loss
 from lightning_swap.core import Plan
 from lightning_swap.core import StepStats
-from lightning_swap.core import tensors_in
-from lightning_swap.core import SwapConfig
-from lightning_swap.core import StepKind, SwapSession
 from lightning_swap.core import UnifiedMemory, unified_memory_for
 
 from .plugin import SwapPlugin
 
-__all__ = ["AcceleratedSwapSession", "SwapAccelerator"]
+__all__ = ["AcceleratedSwapSession", "SwapAccelerator", "model_output_loss"]
 
 log = logging.getLogger(__name__)
 
@@ -91,159 +53,13 @@ log = logging.getLogger(__name__)
 _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP)
 
 
-class AcceleratedSwapSession(SwapSession):
-    """A :class:`SwapSession` that also owns the forward hooks opening each step's window
-    (Note [Accelerate step window]) and watching the observed step's forward (Note [Out of
-    memory in the observed step]); :meth:`close` removes them with the runtime.
+#: Note [Hooked step window]: the session that finds Accelerate's steps in hooks is the core's, shared
+#: with Lightning Fabric (one implementation of the window and the out-of-memory fallback); the
+#: name stays for the users and tests that know it.
+AcceleratedSwapSession = HookedSwapSession
 
-    ``states()`` gives the prepared optimizers' states; ``collectives``: how the processes agree
-    (Note [Auto policy in Accelerate]).
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        config: SwapConfig,
-        device: torch.device | str,
-        *,
-        states: Callable[[], list] = list,
-        collectives: Collectives = Collectives(),
-        unified: Optional[UnifiedMemory] = None,
-    ) -> None:
-        super().__init__(model, config, device, unified=unified, collectives=collectives)
-        self._states = states
-        self._planning_suspended = False
-        self._pre_hook: Optional[RemovableHandle] = None
-        self._post_hook: Optional[RemovableHandle] = None
-        #: The running forward began an observed step (its failure is the fallback's business).
-        self._observed_forward = False
-        #: The fallback's own failure in the forward hook, where torch only warns: the next
-        #: training forward raises it.
-        self._fallback_error: Optional[BaseException] = None
-        self._optimizer_hooks: dict[int, RemovableHandle] = {}
-        #: A step's backward is over; the step ends after the optimizer step (a post-hook on each
-        #: prepared optimizer) or, without one (accumulation), at the next forward.
-        self.step_pending = False
-        #: Called with each finished step's statistics (``None`` for an observed step's).
-        self.on_step_end: Callable[[Optional[StepStats]], None] = lambda stats: None
-
-    @property
-    def hooked(self) -> bool:
-        return self._pre_hook is not None
-
-    def install_hook(self) -> None:
-        if self._pre_hook is None:
-            self._pre_hook = self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
-            self._post_hook = self.model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True)
-
-    @contextmanager
-    def planning_suspended(self) -> Iterator[None]:
-        """No planning from the hook inside (the batch-size search); windows still open whenever
-        a runtime is installed."""
-        previous, self._planning_suspended = self._planning_suspended, True
-        try:
-            yield
-        finally:
-            self._planning_suspended = previous
-
-    def hook_optimizer(self, optimizer: Any) -> None:
-        """End each step after ``optimizer``'s step (the user's torch optimizer, inside
-        Accelerate's wrapper)."""
-        inner = getattr(optimizer, "optimizer", optimizer)
-        if id(inner) not in self._optimizer_hooks and hasattr(inner, "register_step_post_hook"):
-            self._optimizer_hooks[id(inner)] = inner.register_step_post_hook(lambda *_: self.finish_pending_step())
-
-    def finish_pending_step(self) -> None:
-        """The step is over: its window closes (the optimizer step inside it), an observed step
-        becomes the profile."""
-        if self.step_pending:
-            self.step_pending = False
-            stats = self.end_step()
-            self.step_done()
-            self.on_step_end(stats)
-
-    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.finish_pending_step()
-        if not (module.training and torch.is_grad_enabled()):
-            return None
-        if self._fallback_error is not None:
-            error, self._fallback_error = self._fallback_error, None
-            raise error
-        states = self._states()
-        track = [args, kwargs, states]
-        if self.auto is not None and not self._planning_suspended:
-            self._observed_forward = self.before_step((args, kwargs), track, states) is StepKind.OBSERVE
-        elif self.runtime is not None:
-            self.begin_step(track)
-        return None
-
-    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        """After every forward, also one that raised (``always_call``): torch calls this hook
-        while handling the error, so ``sys.exc_info()`` holds it (Note [Out of memory in the
-        observed step])."""
-        observed, self._observed_forward = self._observed_forward, False
-        error = sys.exc_info()[1]
-        if observed and output is None and error is not None:
-            self.abort_step()
-            if is_out_of_memory(error):
-                try:
-                    self.plan_after_observed_out_of_memory(error)
-                except RuntimeError as failed:  # fake mode failed too (its message says what to do)
-                    self._fallback_error = failed
-        return None
-
-    def plan_after_observed_out_of_memory(self, exc: BaseException) -> None:
-        """Note [Out of memory in the observed step]: plan from a fake-mode profile, warn; the
-        caller raises ``exc`` as it was."""
-        previous, self._planning_suspended = self._planning_suspended, True  # the fake forward is not a step
-        try:
-            self.plan_after_out_of_memory(
-                exc, lambda model, call: model_output_loss(model(*call[0], **call[1])),
-                advice="Choose a policy for it instead, e.g. SwapPlugin(policy='recompute_offload'), or a smaller batch.",
-            )
-        finally:
-            self._planning_suspended = previous
-        if self.collectives.is_main:
-            warnings.warn(
-                "lightning-swap: the observed training step is out of memory without a plan; it was profiled on fake "
-                "tensors (the model's forward ran once more) and planned. The error is raised as it was: run the step "
-                "again (catch torch.OutOfMemoryError) and it runs under the plan, from the RNG state it started with.",
-                UserWarning, stacklevel=2,
-            )
-
-    @override
-    def close(self) -> None:
-        """Remove the hooks and the runtime. (:meth:`remove`, which the core calls to swap one
-        plan for another or to profile, removes the runtime only.)"""
-        self.abort_step()
-        self.step_pending = False
-        for handle in (self._pre_hook, self._post_hook, *self._optimizer_hooks.values()):
-            if handle is not None:
-                handle.remove()
-        self._pre_hook = self._post_hook = None
-        self._optimizer_hooks.clear()
-        super().close()
-
-
-def _optimizer_states(optimizers: Iterable[Any]) -> list[Any]:
-    # AcceleratedOptimizer wraps the user's optimizer; its state is the wrapped one's.
-    return [getattr(opt, "optimizer", opt).state for opt in optimizers]
-
-
-def model_output_loss(output: Any) -> torch.Tensor:
-    """A scalar standing for the user's loss when only the model's output is known
-    (Note [Auto policy in Accelerate]): ``output["loss"]`` (or ``.loss``) when it is a tensor,
-    else the sum of every floating-point tensor in the output that requires grad."""
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        return loss if loss.dim() == 0 else loss.float().sum()
-    parts = [t.float().sum() for t in tensors_in(output) if t.is_floating_point() and t.requires_grad]
-    if not parts:
-        raise ValueError(
-            "policy='auto' profiles the model's forward and needs its output to hold a floating-point "
-            f"tensor that requires grad; got {type(output).__name__}."
-        )
-    return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
+#: What the fallback's error tells an Accelerate user to do (Note [Out of memory in the observed step]).
+_ADVICE = "Choose a policy for it instead, e.g. SwapPlugin(policy='recompute_offload'), or a smaller batch."
 
 
 class SwapAccelerator(Accelerator):
@@ -374,12 +190,8 @@ class SwapAccelerator(Accelerator):
                 "call `accelerator.free_memory()` before preparing another model, or prepare it "
                 "with `evaluation_mode=True`."
             )
-        session = AcceleratedSwapSession(
-            module,
-            self.swap_plugin.to_config(),
-            self.device,
-            states=lambda: _optimizer_states(self._optimizers),
-            collectives=self._swap_collectives(),
+        session = HookedSwapSession(
+            module, self.swap_plugin.to_config(), self.device, advice=_ADVICE, collectives=self._swap_collectives(),
             unified=self.swap_unified_memory,
         )
         session.on_step_end = self._after_swap_step
@@ -420,25 +232,8 @@ class SwapAccelerator(Accelerator):
     @override
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         session = self.swap_session
-        observing = session is not None and session.observing
-        # Only a backward that starts without gradients can have a failed attempt's discarded.
-        fresh = observing and all(p.grad is None for p in session.model.parameters())
-        if session is not None:
-            session.backward_begins()
-        try:
+        with session.backward() if session is not None else nullcontext():  # Note [Hooked step window]
             super().backward(loss, **kwargs)
-        except BaseException as exc:
-            if session is not None:
-                session.abort_step()
-                if fresh and is_out_of_memory(exc):  # Note [Out of memory in the observed step]
-                    for p in session.model.parameters():
-                        p.grad = None  # what the failed backward accumulated
-                    session.plan_after_observed_out_of_memory(exc)
-            raise
-        if session is None:
-            return
-        session.backward_done()  # Note [Accelerate step window]: the step ends after the optimizer's
-        session.step_pending = True
 
     @override
     def prepare_optimizer(self, optimizer: Any, device_placement: Optional[bool] = None) -> Any:
@@ -449,8 +244,6 @@ class SwapAccelerator(Accelerator):
 
     def _after_swap_step(self, stats: Optional[StepStats]) -> None:
         session = self._swap_session
-        if stats is None and session is not None:
-            stats = session.records.newest()  # an observed step's own record
         if stats is None or self._swap_searching:
             return
         self.swap_step_stats = stats
@@ -464,10 +257,9 @@ class SwapAccelerator(Accelerator):
     # -- teardown -----------------------------------------------------------------------
     def _close_swap(self) -> None:
         if self._swap_session is not None:
-            self._swap_session.finish_pending_step()
-            if self.swap_step_stats is not None:  # training is over: the host may wait now
-                self.swap_step_stats = self._swap_session.stats(wait=True)
-            self._swap_session.close()
+            last = self._swap_session.end_training()  # training is over: the host may wait now
+            if self.swap_step_stats is not None:
+                self.swap_step_stats = last
             self._swap_session = None
 
     @override

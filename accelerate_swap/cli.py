@@ -14,8 +14,9 @@ import argparse
 import os
 import shlex
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import Field, fields
 from pathlib import Path
 from typing import Optional
 
@@ -51,53 +52,32 @@ def _add_config_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     _flag(parser, "config_file", default=DEFAULT_CONFIG_FILE, help=f"where to write (default: ./{DEFAULT_CONFIG_FILE})")
-    for name in OPTIONS:
-        switch = _switch_flag(name)
+    for f in fields(SwapPlugin):  # Note [One option table]: a flag per option, its help the option's
+        help = f.metadata["help"].replace("``", "").replace("%", "%%")
+        switch = _switch_flag(f)
         if switch is not None:  # a yes/no option: one flag that turns its default over
-            _flag(parser, switch, action="store_true", help=_OPTION_HELP[name])
+            _flag(parser, switch, action="store_true", help=f"turn {f.name} {'off' if f.default else 'on'}: {help}")
         else:
-            _flag(parser, name, help=_OPTION_HELP[name])
+            _flag(parser, f.name, help=help)
     _flag(parser, "disabled", action="store_true", help="write `enabled: false` (keep the options, switch the plugin off)")
 
 
-#: Note [One option table]: one flag per option of the plugin (``OPTIONS``, which follows
-#: ``SwapConfig``'s fields); an option without help here fails when the parser is built.
-_OPTION_HELP = {
-    "policy": "auto (default: the planner, under --budget_bytes) | keep | offload | recompute | selective | recompute_offload, or 'segment.name=action,...'",
-    "segments": "comma-separated qualified module names or 'package.module:BlockClass' (default: repeated blocks)",
-    "min_offload_bytes": "saved tensors smaller than this stay on the device (e.g. 16KiB)",
-    "budget_bytes": "device memory budget for the planner (e.g. 12GiB)",
-    "prefetch_segments": "segments prefetched ahead in backward (default: 1 on CUDA, 0 on CPU)",
-    "inflight_segments": "segments whose copies to the host may still run while later segments compute (default 1)",
-    "prefetch_bytes": "bytes fetched ahead in backward instead of segments, 0: per saved tensor (default: the planner's choice)",
-    "inflight_bytes": "bytes of copies to the host in flight during the forward (default: the planner's choice)",
-    "log_plan": "do not log the plan table",
-    "log_stats": "do not send per-step statistics to accelerator.log",
-    "um": "CUDA unified memory: off (default) | offload | all",
-    "um_max_bytes": "cap on managed memory with --um on (default: the GPU's free memory)",
-}
-_DEFAULTS = SwapPlugin()
-
-
-def _switch_flag(option: str) -> Optional[str]:
+def _switch_flag(option: Field) -> Optional[str]:
     """The flag of a yes/no option (``no_log_plan`` for one on by default), or ``None``."""
-    default = getattr(_DEFAULTS, option)
-    if not isinstance(default, bool):
+    if not isinstance(option.default, bool):
         return None
-    return f"no_{option}" if default else option
+    return f"no_{option.name}" if option.default else option.name
 
 
 def _config_from_args(args: argparse.Namespace) -> SwapPlugin:
     options = {}
-    for name in OPTIONS:
-        switch = _switch_flag(name)
+    for f in fields(SwapPlugin):
+        switch = _switch_flag(f)
         if switch is not None:
             if getattr(args, switch):
-                options[name] = not getattr(_DEFAULTS, name)
-            continue
-        raw = getattr(args, name)
-        if raw is not None:
-            options[name] = parse_option(name, raw, f"--{name}")
+                options[f.name] = not f.default
+        elif getattr(args, f.name) is not None:
+            options[f.name] = parse_option(f.name, getattr(args, f.name), f"--{f.name}")
     return SwapPlugin(**options)
 
 
@@ -196,7 +176,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
         raise ValueError(f"`--margin` got {args.margin!r}; allowed: a number in [0, 1).")
     budget = parse_option("budget_bytes", args.budget, "--budget") if args.budget is not None else None
     policy = parse_option("policy", args.policy, "--policy")
-    if not isinstance(policy, str):
+    if isinstance(policy, Mapping):
         raise ValueError(f"`--policy` got {args.policy!r}; allowed: auto or one action for every segment.")
     segments = parse_option("segments", args.segments, "--segments") if args.segments is not None else None
     spec, source = (args.model, "--model") if args.model is not None else (args.model_name, "model_name")
@@ -207,7 +187,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
         input_shape=input_shape,
         input_dtype=args.input_dtype,
         budget_bytes=budget,
-        policy=policy.strip().lower(),
+        policy=policy,
         segments=segments,
         margin=margin,
         max_batch_size=max_batch_size,

@@ -3,7 +3,7 @@
 In the manner of ``accelerate estimate-memory``: nothing is trained and no weights are
 downloaded (torchvision models are built with ``weights=None``). One training step is profiled
 in fake mode (``FakeTensorMode``: shapes and storages, no arithmetic; Note [Fake-mode times are
-estimates] in ``lightning_swap/core/profiler.py``) at the given batch and at twice it, which
+estimates] in ``lightning_swap/core/measure/profiler.py``) at the given batch and at twice it, which
 fixes how every byte count grows with the batch (Note [Batch scaling]). Then, by predictions
 only, ``solve`` gives the plan at that batch, and the bisection of the batch-size search
 (:func:`lightning_swap.core.scale.batch_search.predict_batch_size`) the largest batch with a plan under the
@@ -41,9 +41,7 @@ from lightning_swap.core import DEFAULT_MIN_OFFLOAD_BYTES
 from lightning_swap.core import ScaleConfig, predict_batch_size
 from lightning_swap.core import SegmentSpec
 from lightning_swap.core import min_budget_bytes, solve
-from lightning_swap.core import ByteSize, parse_bytes
-
-from .plugin import import_object
+from lightning_swap.core import ByteSize, import_object, parse_bytes
 
 __all__ = ["Estimate", "build_model", "estimate"]
 

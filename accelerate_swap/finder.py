@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_map
 
 from lightning_swap.core import is_out_of_memory
 from lightning_swap.core import StepStats
-from lightning_swap.core import BatchSearchError, ScaleConfig, ScaleResult
+from lightning_swap.core import BatchSearchError, ScaleConfig, ScaleResult, build_options, describe_options
 from lightning_swap.core import adopt_search_profile, search_for_loop
 from lightning_swap.core import ByteSize, parse_bytes
 
@@ -67,14 +67,8 @@ def find_batch_size(
     make_batch: Callable[[int], Any],
     step_fn: Callable[[nn.Module, Any], torch.Tensor],
     budget_bytes: Optional[ByteSize] = None,
-    mode: str = "max",
-    margin: float = 0.05,
-    min_batch_size: int = 1,
-    max_batch_size: int = 8192,
-    steps_per_trial: int = 2,
-    max_trials: int = 6,
-    candidates: int = 3,
     profile_batch_size: Optional[int] = None,
+    **search_options: Any,
 ) -> Callable[..., Any]:
     """Decorate ``train(batch_size, *args, **kwargs)``; calling ``train(*args, **kwargs)``
     searches the batch size, then calls ``train`` with it (Note [Out of memory after the search]).
@@ -96,25 +90,26 @@ def find_batch_size(
         budget_bytes: the device budget, bytes as an ``int`` or a size string (``"12GiB"``; not a
             fraction of device memory). Default: the plugin's ``budget_bytes``, else the free
             CUDA memory less 10%. Required on CPU, where it is the simulated capacity.
-        mode, margin, min_batch_size, max_batch_size, steps_per_trial, max_trials, candidates:
-            as for :class:`~lightning_swap.SwapBatchSizeFinder`; ``max_trials`` also bounds the
-            calls of ``train`` after out-of-memory errors.
         profile_batch_size: the batch the step is warmed up and profiled at (default 8,
             clipped to ``[min_batch_size, max_batch_size]``); pass the batch you train with.
             In ``mode="throughput"`` it is also the base batch: plain training at it is
             measured, and the batch found runs at least as many samples/s
             (``wrapper.result.render()`` states the comparison).
+        **search_options: the search's options, ``ScaleConfig``'s fields, as for
+            :class:`~lightning_swap.SwapBatchSizeFinder` (``max_trials`` also bounds the calls of
+            ``train`` after out-of-memory errors):
+{search_options}
     """
-    config = ScaleConfig(
-        mode=mode, margin=margin, min_batch_size=min_batch_size, max_batch_size=max_batch_size,
-        steps_per_trial=steps_per_trial, max_trials=max_trials, candidates=candidates,
-    )
+    config = build_options(ScaleConfig, search_options, owner="find_batch_size")
     budget_bytes = parse_bytes(budget_bytes, field="budget_bytes", allow_none=True)
     _check_arguments(accelerator, model, optimizer, make_batch, step_fn)
     profile_batch_size = _profile_batch_size(profile_batch_size, config)
     search = functools.partial(_search, accelerator, model, optimizer, make_batch, step_fn, budget_bytes, config, profile_batch_size)
     decorate = functools.partial(_decorate, search=search, accelerator=accelerator, config=config)
     return decorate if function is None else decorate(function)
+
+
+find_batch_size.__doc__ = find_batch_size.__doc__.replace("{search_options}", describe_options(ScaleConfig, "            "))
 
 
 def _decorate(train: Callable[..., Any], *, search: Callable[[], ScaleResult], accelerator: SwapAccelerator, config: ScaleConfig) -> Callable[..., Any]:

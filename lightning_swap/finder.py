@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from .core import adopt_search_profile, search_for_loop
-from .core import ScaleConfig, ScaleResult
+from .core import ScaleConfig, ScaleResult, build_options, describe_options
 from .core import ByteSize, parse_bytes
 from .strategy import _SwapStrategyMixin
 
@@ -46,22 +46,18 @@ class SwapBatchSizeFinder(BatchSizeFinder):
     In ``mode="throughput"`` one trial is plain training at the model's current ``batch_size``
     (clipped to the searched range) when it is predicted to fit, and the answer's measured
     samples/s is at least plain's; ``result.render()`` says by how much, or why plain was not
-    the reference (Note [A throughput search that can only win] in ``core/scale.py``). Trials
+    the reference (Note [A throughput search that can only win] in ``core/scale/batch_search.py``). Trials
     are short: ``steps_per_trial`` of 4 or more gives a steadier median step time.
 
     Args:
-        mode: ``"max"`` or ``"throughput"``.
-        margin: fraction of the budget held back, in [0, 1).
-        min_batch_size / max_batch_size: the range searched.
-        steps_per_trial: real steps per confirming trial run.
-        max_trials: trial runs before giving up.
-        candidates: trial runs timing the best predictions in ``mode="throughput"``.
         budget_bytes: the device budget, bytes as an ``int`` or a size string (``"12GiB"``); not
             a fraction of device memory (for 80% of a GPU pass
             ``int(0.8 * torch.cuda.get_device_properties(0).total_memory)``). Default: the
             strategy's ``budget_bytes``, else the free CUDA memory less 10%. Required on CPU,
             where it is the simulated capacity.
         batch_arg_name: the attribute holding the batch size, as for ``BatchSizeFinder``.
+        **search_options: the search's options, ``ScaleConfig``'s fields (Note [One option table]):
+{search_options}
 
     Needs ``strategy="cpu_swap"`` or ``"ddp_cpu_swap"``. Under DDP every rank runs the same
     search (every rank profiles, the profiles merged by their largest values, measurements reduced
@@ -72,35 +68,18 @@ class SwapBatchSizeFinder(BatchSizeFinder):
     SUPPORTED_MODES = ("max", "throughput")
 
     def __init__(
-        self,
-        mode: str = "max",
-        *,
-        margin: float = 0.05,
-        min_batch_size: int = 1,
-        max_batch_size: int = 8192,
-        steps_per_trial: int = 2,
-        max_trials: int = 6,
-        candidates: int = 3,
-        budget_bytes: Optional[ByteSize] = None,
-        batch_arg_name: str = "batch_size",
+        self, mode: str = "max", *, budget_bytes: Optional[ByteSize] = None, batch_arg_name: str = "batch_size", **search_options: Any,
     ) -> None:
-        self.scale_config = ScaleConfig(
-            mode=mode,
-            margin=margin,
-            min_batch_size=min_batch_size,
-            max_batch_size=max_batch_size,
-            steps_per_trial=steps_per_trial,
-            max_trials=max_trials,
-            candidates=candidates,
-        )
+        config = build_options(ScaleConfig, {"mode": mode, **search_options}, owner="SwapBatchSizeFinder")
+        self.scale_config = config
         super().__init__(
-            mode=self.scale_config.mode,
-            steps_per_trial=steps_per_trial,
-            init_val=min_batch_size,
-            max_trials=max_trials,
+            mode=config.mode,
+            steps_per_trial=config.steps_per_trial,
+            init_val=config.min_batch_size,
+            max_trials=config.max_trials,
             batch_arg_name=batch_arg_name,
-            margin=margin,
-            max_val=max_batch_size,
+            margin=config.margin,
+            max_val=config.max_batch_size,
         )
         self.budget_bytes = parse_bytes(budget_bytes, field="budget_bytes", allow_none=True)
         self.result: Optional[ScaleResult] = None
@@ -144,6 +123,9 @@ class SwapBatchSizeFinder(BatchSizeFinder):
     @override
     def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
         return None
+
+
+SwapBatchSizeFinder.__doc__ = SwapBatchSizeFinder.__doc__.replace("{search_options}", describe_options(ScaleConfig, "            "))
 
 
 def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:

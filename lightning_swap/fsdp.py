@@ -27,7 +27,7 @@ import lightning.pytorch as _lightning_pytorch
 import torch
 from typing_extensions import override
 
-from .strategy import _SWAP_ARGS_DOC, _SwapStrategyMixin, _finish, _pytorch_lightning, swap_options
+from .strategy import _SwapStrategyMixin, _finish, _pytorch_lightning, swap_options
 
 __all__ = ["FSDPCPUSwapStrategy", "ModelParallelCPUSwapStrategy", "with_cpu_swap"]
 
@@ -118,7 +118,7 @@ def _build_fsdp(base: type, callback_base: type, name: str) -> type:
         "Lightning's FSDP (FSDP1) with the same runtime on every rank; the plan is agreed by every rank.\n\n"
         "        Runs on CUDA and, unlike Lightning's ``FSDPStrategy``, on the CPU (gloo). Refuses\n"
         "        ``activation_checkpointing_policy`` (Note [One activation policy] in ``lightning_swap/fsdp.py``).\n\n"
-        "        Args:" + _SWAP_ARGS_DOC + "\n"
+        "        Args:\n{swap_options}\n"
         "            **strategy_kwargs: passed to Lightning's ``FSDPStrategy`` (``auto_wrap_policy``,\n"
         "                ``sharding_strategy``, ``state_dict_type``, ...).\n"
     )
@@ -152,7 +152,7 @@ def _build_model_parallel(base: type, callback_base: type, name: str) -> type:
         "Lightning's ModelParallelStrategy (FSDP2: ``fully_shard`` in ``configure_model``) with the same runtime on every rank.\n\n"
         "        Defaults to FSDP2 over every process (``data_parallel_size`` = all processes,\n"
         "        ``tensor_parallel_size=1``); tensor parallelism is refused.\n\n"
-        "        Args:" + _SWAP_ARGS_DOC + "\n"
+        "        Args:\n{swap_options}\n"
         "            **strategy_kwargs: passed to Lightning's ``ModelParallelStrategy``\n"
         "                (``data_parallel_size``, ``save_distributed_checkpoint``, ...).\n"
     )
@@ -207,12 +207,12 @@ def with_cpu_swap(strategy: Any, **options: Any) -> Any:
         raise ValueError("`strategy` is already in use by a Trainer; pass the strategy before Trainer(strategy=...) sees it.")
     if getattr(strategy, "_activation_checkpointing_kwargs", None):
         _refuse_activation_checkpointing({"activation_checkpointing_policy": True})
-    config, adapter = swap_options(options)
+    swap = swap_options(options)
     swapped = cls.__new__(cls)
     swapped.__dict__.update(strategy.__dict__)
     if "_tensor_parallel_size" in swapped.__dict__ and swapped._tensor_parallel_size == "auto":
         swapped._tensor_parallel_size = 1  # as ModelParallelCPUSwapStrategy's default
-    swapped._init_swap(config, device_given=True, **adapter)
+    swapped._init_swap(swap, device_given=True)
     return swapped
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 from contextlib import contextmanager
-from dataclasses import MISSING, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,17 +20,13 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from .core import AUTO, PolicyLike
 from .core import Collectives
 from .core import is_out_of_memory
 from .core import Plan
-from .core import DEFAULT_MIN_OFFLOAD_BYTES
 from .core import StepStats
-from .core import SegmentSpec
-from .core import SwapConfig
+from .core import SwapConfig, build_options, check_bool, describe_options, option, split_options
 from .core import StepKind, SwapSession
 from .core import Timeline, TimelineRecorder
-from .core import ByteSize
 from .core import UnifiedMemory, unified_memory_for
 from .report import plot_timelines
 
@@ -72,6 +68,19 @@ class _ProgressBarLog(logging.Handler):
             sys.stderr.write(text + "\n")
 
 
+@dataclass(frozen=True, kw_only=True)
+class _StrategyOptions(SwapConfig):
+    """The strategies' swap options: ``SwapConfig``'s and the adapter's own (Note [One option table])."""
+
+    log_stats: bool = option(
+        True, "send ``swap/...`` metrics (plain floats) to the loggers every ``log_every_n_steps`` (default on).", check=check_bool,
+    )
+    report: bool = option(
+        False, "once training is in its steady state, draw one plain and one planned step's device memory on "
+        "``swap_memory_timeline.png`` in the trainer's log directory (``strategy.report_path``; default off).", check=check_bool,
+    )
+
+
 class _SwapStrategyMixin:
     """Wires a :class:`SwapSession` into a Lightning strategy's hooks.
 
@@ -87,62 +96,42 @@ class _SwapStrategyMixin:
 
     _stats_callback_class: type = None  # set per Lightning package
 
-    def __init__(
-        self,
-        policy: PolicyLike = AUTO,
-        segments: SegmentSpec = None,
-        min_offload_bytes: ByteSize = DEFAULT_MIN_OFFLOAD_BYTES,
-        budget_bytes: Optional[ByteSize] = None,
-        prefetch_segments: Optional[int] = None,
-        log_stats: bool = True,
-        report: bool = False,
-        um: str = "off",
-        um_max_bytes: Optional[ByteSize] = None,
-        inflight_segments: int = 1,
-        log_plan: bool = True,
-        prefetch_bytes: Optional[ByteSize] = None,
-        inflight_bytes: Optional[ByteSize] = None,
-        **strategy_kwargs: Any,
-    ) -> None:
-        """The swap options of both strategies, defined once (Note [One option table]: every
-        ``SwapConfig`` field, plus the adapter's own ``log_stats`` and ``report``; checked at
-        import by :func:`_check_option_table`); ``strategy_kwargs`` go to Lightning's strategy
-        (:meth:`_strategy_kwargs` says how)."""
+    def __init__(self, **options: Any) -> None:
+        """Note [One option table]: the swap options are ``_StrategyOptions``' fields, given as
+        keywords (the signature shown is generated from them: :func:`_finish`); every other
+        keyword goes to Lightning's strategy (:meth:`_strategy_kwargs` says how)."""
+        swap, strategy_kwargs = split_options(options, _StrategyOptions)
+        swap = _StrategyOptions(**swap)  # checked before Lightning's strategy is built
+        self._refuse_unknown(strategy_kwargs)
         base_kwargs, device_given = self._strategy_kwargs(strategy_kwargs)
         super().__init__(**base_kwargs)
-        config = SwapConfig(
-            policy=policy,
-            segments=segments,
-            min_offload_bytes=min_offload_bytes,
-            budget_bytes=budget_bytes,
-            prefetch_segments=prefetch_segments,
-            inflight_segments=inflight_segments,
-            prefetch_bytes=prefetch_bytes,
-            inflight_bytes=inflight_bytes,
-            log_plan=log_plan,
-            um=um,
-            um_max_bytes=um_max_bytes,
-        )
-        self._init_swap(config, log_stats=log_stats, report=report, device_given=device_given)
+        self._init_swap(swap, device_given=device_given)
+
+    @classmethod
+    def _refuse_unknown(cls, options: dict[str, Any]) -> None:
+        """A name that is neither a swap option nor Lightning's strategy's is refused, naming both
+        (unless that strategy passes unknown names on: DDP gives them to ``DistributedDataParallel``)."""
+        base = next(c for c in cls.__mro__ if c.__module__.startswith(("lightning.", "pytorch_lightning.")))
+        params = inspect.signature(base.__init__).parameters
+        unknown = sorted(set(options) - set(params))
+        if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            allowed = sorted({f.name for f in fields(_StrategyOptions)} | set(params) - {"self"})
+            raise ValueError(f"{cls.__name__}: unknown options {unknown}; allowed: {allowed}.")
 
     @staticmethod
     def _strategy_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """Lightning's strategy's keyword arguments, and whether the user chose the device."""
         raise NotImplementedError  # each strategy class says
 
-    def _init_swap(self, config: SwapConfig, *, log_stats: bool, report: bool, device_given: bool) -> None:
+    def _init_swap(self, options: _StrategyOptions, *, device_given: bool) -> None:
         #: The session's options. Its ``log_plan`` is off: the strategy logs the plan itself, on
         #: rank zero only, when :attr:`log_plan` (the user's ``log_plan``) is on.
-        self.swap_config = config.with_options(log_plan=False)
-        self.log_plan = config.log_plan
-        self.unified_memory: Optional[UnifiedMemory] = None
-        if not isinstance(log_stats, bool):
-            raise ValueError(f"`log_stats` must be True or False; got {log_stats!r}.")
-        if not isinstance(report, bool):
-            raise ValueError(f"`report` must be True or False; got {report!r}.")
-        self.log_stats = log_stats
-        self.report = report
+        self.swap_config = options.to_config().with_options(log_plan=False)
+        self.log_plan = options.log_plan
+        self.log_stats = options.log_stats
+        self.report = options.report
         self.report_path: Optional[Path] = None
+        self.unified_memory: Optional[UnifiedMemory] = None
         self._recorder: Optional[TimelineRecorder] = None
         self._plain_timeline: Optional[Timeline] = None
         self._device_given = device_given
@@ -524,44 +513,6 @@ def _stats_callback_for(callback_base: type) -> type:
     return _SwapStatsLogger
 
 
-_SWAP_ARGS_DOC = """
-            policy: ``"auto"`` (default: profile the first batch and let the planner choose
-                the fastest plan within ``budget_bytes``), one action for every segment
-                (``"keep"``, ``"offload"``, ``"recompute"``, ``"selective"``,
-                ``"recompute_offload"``, case-insensitive, or an ``Action``), or a dict from
-                segment name to action.
-            segments: ``None`` to find the model's repeated blocks, or module classes /
-                qualified module names.
-            min_offload_bytes: saved tensors smaller than this stay on the device.
-            budget_bytes: the device memory budget for the planner; on CPU the simulated device
-                capacity (without it, ``"auto"`` keeps everything on CPU); on CUDA by default
-                the free device memory less 10%. Bytes, as an ``int`` or a size string
-                (``"12GiB"``, ``"500MB"``; as ``min_offload_bytes`` and ``um_max_bytes``), never
-                a fraction: for 80% of a GPU pass
-                ``int(0.8 * torch.cuda.get_device_properties(0).total_memory)``.
-            prefetch_segments: segments prefetched ahead in backward (default 1 on CUDA, 0 on CPU).
-            inflight_segments: segments whose copies to the host may still run while later
-                segments compute (default 1); their device memory is released after that.
-            prefetch_bytes: bytes fetched ahead in backward instead of whole segments (``0``:
-                each saved tensor when needed); default: the planner's choice under ``"auto"``.
-            inflight_bytes: bytes of copies to the host that may still run while the forward
-                goes on (``0``: each waited for when issued); default as ``prefetch_bytes``.
-            log_plan: log the plan table (on rank zero, through the progress bar when one
-                is drawing) when a plan is applied.
-            log_stats: send ``swap/...`` metrics (plain floats) to the loggers every
-                ``log_every_n_steps``.
-            report: once training is in its steady state, draw one plain and one planned
-                step's device memory on ``swap_memory_timeline.png`` in the trainer's log
-                directory (``strategy.report_path``).
-            um: CUDA unified memory: ``"off"`` (default), ``"offload"`` (offloaded
-                activations live in managed host buffers, prefetched to the GPU before their
-                backward, instead of pinned copies) or ``"all"`` (every CUDA allocation is
-                managed, so training that does not fit is slow instead of failing; installed
-                before the model reaches the GPU). Refused on CPU.
-            um_max_bytes: cap on managed memory, only with ``um`` on; default the device's
-                free memory (no oversubscription unless asked for)."""
-
-
 def _build_single(base: type, callback_base: type, name: str) -> type:
     class CPUSwapStrategy(_SwapStrategyMixin, base):
         strategy_name = "cpu_swap"
@@ -575,7 +526,7 @@ def _build_single(base: type, callback_base: type, name: str) -> type:
 
     CPUSwapStrategy.__doc__ = (
         "Single-device training with activations kept, offloaded to CPU RAM or recomputed.\n\n"
-        "        Args:" + _SWAP_ARGS_DOC + "\n"
+        "        Args:\n{swap_options}\n"
         "            **strategy_kwargs: passed to Lightning's ``SingleDeviceStrategy``: ``device`` (by default\n"
         "                ``cuda:<first device>`` with a CUDA accelerator, else CPU), ``accelerator``,\n"
         "                ``checkpoint_io``, ``precision_plugin``.\n"
@@ -593,7 +544,7 @@ def _build_ddp(base: type, callback_base: type, name: str) -> type:
 
     DDPCPUSwapStrategy.__doc__ = (
         "Lightning's DDP with the same runtime on every rank; the plan is solved on rank 0 and broadcast.\n\n"
-        "        Args:" + _SWAP_ARGS_DOC + "\n"
+        "        Args:\n{swap_options}\n"
         "            **strategy_kwargs: passed to Lightning's ``DDPStrategy``.\n"
     )
     return _finish(DDPCPUSwapStrategy, callback_base, name)
@@ -608,6 +559,13 @@ def _finish(cls: type, callback_base: type, name: str) -> type:
     cls._stats_callback_class = _stats_callback_for(callback_base)
     cls.__qualname__ = cls.__name__ = name
     cls.__module__ = __name__
+    # Note [One option table]: the swap options' documentation and signature, generated from the fields.
+    cls.__doc__ = cls.__doc__.replace("{swap_options}", describe_options(_StrategyOptions))
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    cls.__signature__ = inspect.Signature([
+        *(inspect.Parameter(f.name, keyword, default=f.default) for f in fields(_StrategyOptions)),
+        inspect.Parameter("strategy_kwargs", inspect.Parameter.VAR_KEYWORD),
+    ])
     return cls
 
 
@@ -629,44 +587,11 @@ def _pytorch_lightning() -> Any:
     return pytorch_lightning
 
 
-#: The strategies' own options beside ``SwapConfig``'s fields (Note [One option table]).
-_ADAPTER_OPTIONS = ("log_stats", "report")
+def swap_options(options: dict[str, Any]) -> _StrategyOptions:
+    """The strategies' swap options as given to ``with_cpu_swap`` (Note [One option table])."""
+    return build_options(_StrategyOptions, options, owner="cpu_swap")
 
 
-def swap_options(options: dict[str, Any]) -> tuple[SwapConfig, dict[str, Any]]:
-    """The strategies' swap keyword arguments (Note [One option table]) as given to
-    ``with_cpu_swap``: the ``SwapConfig`` and the adapter's own options, defaults filled in;
-    a name that is neither is a ``ValueError`` listing the allowed ones."""
-    names = {f.name for f in fields(SwapConfig)}
-    unknown = sorted(set(options) - names - set(_ADAPTER_OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown cpu_swap options {unknown}; allowed: {sorted(names | set(_ADAPTER_OPTIONS))}.")
-    params = inspect.signature(_SwapStrategyMixin.__init__).parameters
-    adapter = {k: options.get(k, params[k].default) for k in _ADAPTER_OPTIONS}
-    return SwapConfig(**{k: v for k, v in options.items() if k in names}), adapter
-
-
-def _check_option_table() -> None:
-    """Note [One option table]: the strategies' swap keyword arguments are ``SwapConfig``'s
-    fields, with its defaults, plus :data:`_ADAPTER_OPTIONS`; a field added to the config but
-    not here fails at import, naming it."""
-    params = dict(inspect.signature(_SwapStrategyMixin.__init__).parameters)
-    names = set(params) - {"self", "strategy_kwargs"}
-    expected = {f.name for f in fields(SwapConfig)} | set(_ADAPTER_OPTIONS)
-    if names != expected:
-        raise TypeError(
-            f"lightning_swap.strategy: the strategies' options disagree with SwapConfig's fields + {_ADAPTER_OPTIONS}: "
-            f"missing {sorted(expected - names)}, unknown {sorted(names - expected)}."
-        )
-    for f in fields(SwapConfig):
-        default = f.default if f.default is not MISSING else f.default_factory()
-        if params[f.name].default != default:
-            raise TypeError(
-                f"lightning_swap.strategy: `{f.name}` defaults to {params[f.name].default!r}; SwapConfig's default is {default!r}."
-            )
-
-
-_check_option_table()
 CPUSwapStrategy, DDPCPUSwapStrategy = _classes_for(_lightning_pytorch, "")
 _pl = _pytorch_lightning()
 PLCPUSwapStrategy, PLDDPCPUSwapStrategy = _classes_for(_pl, "PL") if _pl is not None else (None, None)

@@ -149,6 +149,7 @@ class RunsOutUnplanned(TinyGPT):
         return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_an_observed_step_out_of_memory_is_planned_in_fake_mode_and_its_retry_equals_plain(fresh_state, where):
     """Note [Out of memory in the observed step]: the error reaches the user's loop, which runs
@@ -257,6 +258,7 @@ def _assert_same(a, b):
         assert all(torch.equal(v, ob["state"][k][n]) for n, v in state.items())
 
 
+@pytest.mark.slow
 def test_find_batch_size_at_least_doubles_the_plain_batch_within_the_budget(fresh_state):
     batch = 256  # activations, not weights, dominate the plain peak (tests/test_scale.py)
     accelerator, model, optimizer = _prepared(SwapPlugin(policy="keep", min_offload_bytes=0))
@@ -292,6 +294,7 @@ def test_find_batch_size_at_least_doubles_the_plain_batch_within_the_budget(fres
     accelerator.free_memory()
 
 
+@pytest.mark.slow
 def test_find_batch_size_throughput_is_at_least_plain_at_the_profile_batch(fresh_state):
     accelerator, model, optimizer = _prepared(SwapPlugin(budget_bytes=1 << 30, min_offload_bytes=0))
     _train_more_mlp(accelerator, model, optimizer, [32])  # steady state: momentum exists
@@ -317,6 +320,7 @@ def _train_more_mlp(accelerator, model, optimizer, batches):
     return peaks
 
 
+@pytest.mark.slow
 def test_find_batch_size_falls_back_on_out_of_memory_in_train(fresh_state):
     accelerator, model, optimizer = _prepared(SwapPlugin(budget_bytes=1 << 40, min_offload_bytes=0))
     calls = []
@@ -368,6 +372,7 @@ def test_find_batch_size_falls_back_on_out_of_memory_in_train(fresh_state):
         ({"profile_batch_size": 9000}, "profile_batch_size"),
     ],
 )
+@pytest.mark.slow
 def test_find_batch_size_bad_arguments_name_the_argument(fresh_state, kwargs, name):
     accelerator, model, optimizer = _prepared(SwapPlugin(budget_bytes=1 << 30))
     args = dict(accelerator=accelerator, model=model, optimizer=optimizer, make_batch=_MLP_DATA, step_fn=_mlp_step)

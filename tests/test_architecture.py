@@ -151,6 +151,7 @@ def test_core_imports_neither_lightning_nor_accelerate():
     assert not {k: v for k, v in offenders.items() if v}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["lightning_swap", "lightning_swap.core", "lightning_swap.core.decide.solver", "accelerate_swap"])
 def test_importing_loads_no_lightning(module):
     """Issue 35: in a fresh interpreter, the package, the core (anything under it) and the
@@ -167,6 +168,7 @@ def test_importing_loads_no_lightning(module):
     assert loaded == ("['accelerate']" if module == "accelerate_swap" else "[]"), (module, loaded)
 
 
+@pytest.mark.slow
 def test_strategies_are_registered_when_lightning_comes_after():
     """``import lightning_swap`` first, Lightning later: ``Trainer(strategy="cpu_swap")`` resolves."""
     import subprocess

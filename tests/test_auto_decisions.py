@@ -341,6 +341,19 @@ def test_a_plan_whose_steady_steps_are_slower_everywhere_is_repriced_not_replace
     assert [r for r in caplog.records if "it stays" in r.getMessage()]
 
 
+def test_a_revisit_does_not_reprice_from_steps_still_speeding_up(caplog):
+    """Note [Auto's times in a fresh model's first steps]: steps 2x slow and falling (a fresh
+    model's transient) are not read as the plan's cost; the same steps flat re-price it."""
+    caplog.set_level(logging.INFO, logger="lightning_swap")
+    auto, profile, plan = _recomputing_plan()
+    [auto.next_step(step()) for _ in range(REVISIT_AFTER_STEPS + 1)]
+    slow = _steady_times(profile, plan, recompute_factor=2.0, compute_factor=2.0)
+    falling = [(t[0] * f, t[1], t[2]) for t, f in zip(slow, (1.6, 1.45, 1.3, 1.15, 1.0))]
+    assert auto.plan(StateSizes(), plan.predicted_peak_bytes, falling) is plan
+    assert [r for r in caplog.records if "still changing: the plan is not re-priced" in r.getMessage()]
+    assert auto.plan(StateSizes(), plan.predicted_peak_bytes, slow).predicted_step_ms == pytest.approx(slow[0][0], rel=1e-6)
+
+
 # -- Collectives.on_main: the one way processes agree -----------------------------------------------
 def test_on_main_hands_every_process_the_main_result_or_its_error():
     sent = []

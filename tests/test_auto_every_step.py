@@ -47,6 +47,7 @@ def _forced(name, policy, accumulate=1):
     return max(_peaks(trainer))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
 def test_every_step_within_the_budget_from_the_smallest_to_above_plain(name):
     plain, least = _forced(name, "keep"), _least_forced(name)
@@ -59,6 +60,7 @@ def test_every_step_within_the_budget_from_the_smallest_to_above_plain(name):
                 assert row.added_ms > 0, row  # a segment that recomputes never costs 0 ms
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
 def test_plains_peak_is_predicted_from_the_guard_step_and_never_under(name):
     """Note [A step measured under a plan]: plain's peak, predicted from the steady guard step
@@ -107,6 +109,7 @@ def test_at_plains_peak_every_step_peaks_at_plains_whether_or_not_the_loop_keeps
     assert len(peaks) == 4 and peaks == plain, (peaks, plain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_a_budget_well_above_plain_keeps_everything(name):
     # Plain is observed only once a bound on its peak fits (Note [Observe only what fits]); the
@@ -123,6 +126,7 @@ def _least_forced(name):
     return min(_forced(name, policy) for policy in ("offload", "recompute", "selective", "recompute_offload"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "gpt", "cnn"])
 def test_the_minimum_is_the_lowest_memory_plans_peak_and_raised_before_a_step_is_over(name):
     """The lowest-memory plan (``Plan.lowest_memory``: every segment offloaded on CPU without a
@@ -143,6 +147,7 @@ def test_the_minimum_is_the_lowest_memory_plans_peak_and_raised_before_a_step_is
     assert abs(max(peaks[1:]) - least) <= 0.05 * least, (peaks, least)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulate", [2, 4])
 def test_accumulation_minimum_is_at_most_plains_peak(accumulate):
     """The minimum is at most plain's peak, and a budget between them is kept on every step.
@@ -241,6 +246,7 @@ def busy_cpu():
         proc.wait()
 
 
+@pytest.mark.slow
 def test_at_plains_peak_every_segment_is_kept_while_another_process_loads_the_cpu(busy_cpu):
     """Issue 20's Done-when: at a budget of plain's measured peak (and above) the plan is all
     keep, run after run, while the machine is loaded: plain's peak is predicted exactly from the
@@ -256,6 +262,7 @@ def test_at_plains_peak_every_segment_is_kept_while_another_process_loads_the_cp
         assert max(_peaks(trainer)) <= budget, (i, name, _peaks(trainer))
 
 
+@pytest.mark.slow
 def test_the_finders_batch_trains_within_the_budget_from_its_first_step():
     """Item 6: the batch ``SwapBatchSizeFinder`` returns runs within the same budget from its
     first step in a new Trainer (which guards it: Note [Observe only what fits])."""

@@ -101,6 +101,7 @@ class RunsOutOnce(LitModel):
         return loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_an_observed_step_out_of_memory_is_planned_in_fake_mode_and_run_again(where):
     """Note [The observed step does not fit]: the step is profiled on fake tensors, planned and
@@ -120,6 +121,7 @@ def test_an_observed_step_out_of_memory_is_planned_in_fake_mode_and_run_again(wh
     assert_same_state(module, plain)
 
 
+@pytest.mark.slow
 def test_the_batch_size_finder_works_with_item_in_training_step():
     """The finder profiles with fake tensors where it can; ``.item()`` makes it measure for real."""
     from lightning_swap import SwapBatchSizeFinder

@@ -116,6 +116,7 @@ def _gpt():
     return _GPT
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch_bytes, inflight_bytes", [(0, 0), (1 << 16, 0), (1 << 22, 1 << 22)])
 def test_byte_windows_are_predicted_on_cpu(prefetch_bytes, inflight_bytes):
     """A tight budget (a quarter of the way from the least to plain's peak) under each window:

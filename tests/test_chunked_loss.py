@@ -349,6 +349,7 @@ def _gpt_hidden(model, idx):
     return model.ln_f(x)
 
 
+@pytest.mark.slow
 def test_profiler_predicts_the_lower_peak_of_the_chunked_loss():
     """The planner knows the chunked loss's memory because the profiled step includes it. A
     tiny GPT with a 2048-word vocabulary at batch 8 x 32 tokens: logits L = 8 * 32 * 2048 * 4

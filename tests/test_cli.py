@@ -49,6 +49,7 @@ def test_subcommand_usage_names_the_subcommand(command, capsys):
     assert usage.startswith(f"usage: accelerate-swap {command} [-h]"), usage
 
 
+@pytest.mark.slow
 def test_readme_estimate_command_prints_a_plan():
     """The README's command, exactly, through the console script from the repository root."""
     done = _run(shlex.split(README_ESTIMATE)[1:], cwd=REPO)
@@ -64,6 +65,7 @@ def test_readme_estimate_command_prints_a_plan():
     assert "Largest batch for 24.0 GiB" in out
 
 
+@pytest.mark.slow
 def test_model_module_is_found_in_the_working_directory(tmp_path):
     """Note [Modules named on the command line]: a console script does not put the working
     directory on ``sys.path`` by itself (before the fix: "No module named 'my_models'")."""

@@ -1,6 +1,6 @@
 """``torch.compile`` under the runtime (Note [Actions around compiled segments] in
 ``core/compiled.py``, Notes [Regional compilation is taken over] and [No dispatch mode under
-compile] in ``core/runtime.py``): every way users compile (``torch.compile(model)``,
+compile] in ``core/runtime/runtime.py``): every way users compile (``torch.compile(model)``,
 ``model.compile()``, each block on its own, a LightningModule compiled before ``fit`` or in
 ``configure_model``) under ``keep``, ``offload``, ``recompute`` and ``auto`` trains to the same
 weights as the same compiled model without the library, Dynamo really compiles, the graph
@@ -236,6 +236,7 @@ for _row in EXPECTED.values():
     _row["selective"] = _row["recompute"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["keep", "offload", "recompute", "selective"])
 @pytest.mark.parametrize("how", sorted(EXPECTED))
 def test_runtime_equals_compiled_plain_and_compiles(how, policy):
@@ -261,6 +262,7 @@ def test_runtime_equals_compiled_plain_and_compiles(how, policy):
         ({"blocks.0": Action.RECOMPUTE, "blocks.1": Action.SELECTIVE, "blocks.2": Action.RECOMPUTE}, 0),
     ],
 )
+@pytest.mark.slow
 def test_one_graph_break_per_segment_that_acts(plan, resumed):
     """The offload engine's hooks are on every segment (Note [Stream protocol]): each call breaks;
     a recomputed segment is traced into the enclosing graph."""
@@ -319,6 +321,7 @@ def test_compiled_after_install_is_rewrapped(how):
         runtime.remove()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["torch.compile", "regional"])
 def test_recompute_of_compiled_batch_norm_updates_statistics_once(how):
     """Note [Recompute leaves buffers alone] in recompute.py, with the segment's graph compiled."""
@@ -367,6 +370,7 @@ def _worst_relative(ours: dict, plain: dict) -> float:
 _NEEDS_CC = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="Inductor on CPU needs a C compiler")
 
 
+@pytest.mark.slow
 @_NEEDS_CC
 def test_inductor_regional_recompute_matches_inductor_plain():
     """The backend users run (about 15 s here, compiling C++ once). Tolerance: the library's
@@ -377,6 +381,7 @@ def test_inductor_regional_recompute_matches_inductor_plain():
     assert _worst_relative(_inductor_train("regional", "recompute"), _inductor_train("regional", None)) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["regional", "torch.compile"])
 @pytest.mark.parametrize("action", [Action.RECOMPUTE, Action.SELECTIVE])
 def test_a_compiled_segment_recomputed_without_a_metered_step_equals_compiled_plain(action, how):
@@ -411,6 +416,7 @@ def test_a_compiled_segment_recomputed_without_a_metered_step_equals_compiled_pl
 
 
 # -- selective with in-place ops (issue 22) -----------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["eager", "regional", "torch.compile", "module.compile"])
 def test_selective_with_in_place_ops_equals_compiled_plain(how):
     """Notes [Selective never replays a mutated tensor] and [Selective under compile] in
@@ -425,6 +431,7 @@ def test_selective_with_in_place_ops_equals_compiled_plain(how):
 _WHOLE = ["torch.compile"] if os.environ.get("LIGHTNING_SWAP_ZOO", "").strip().lower() == "full" else []
 
 
+@pytest.mark.slow
 @_NEEDS_CC
 @pytest.mark.parametrize("how", ["regional", *_WHOLE])
 def test_inductor_selective_with_in_place_ops_matches_inductor_plain(how):
@@ -435,6 +442,7 @@ def test_inductor_selective_with_in_place_ops_matches_inductor_plain(how):
     assert _worst_relative(_inductor_train(how, "selective", InPlaceNet), _inductor_train(how, None, InPlaceNet)) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls, refused", [(InPlaceNet, ()), (NormNet, (Action.SELECTIVE,))])
 def test_auto_plans_selective_for_a_compiled_segment_only_where_it_recomputes_in_graph(cls, refused):
     """Note [Refused actions]: a compiled segment recomputes inside its graph (Note [Recomputation
@@ -495,6 +503,7 @@ def _saved_storage_bytes(forward, skip=frozenset()) -> int:
     return sum(storages.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["regional", "torch.compile"])
 def test_a_compiled_segment_recomputed_in_graph_saves_less(how):
     """Memory of Note [Recomputation inside the compiled graph]: recomputed, each block keeps its
@@ -596,6 +605,7 @@ def _session_steps(session, compiled, optimizer, backend, steps: int) -> tuple[l
     return kinds, runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["torch.compile", "regional"])
 def test_session_auto_plans_and_trains_compiled(how):
     steps = 6
@@ -695,6 +705,7 @@ _LIT_PLAIN: dict = {}
         ("configure_model regional", "auto"),
     ],
 )
+@pytest.mark.slow
 def test_lightning_compiled_equals_compiled_plain(compile_in, policy):
     if compile_in not in _LIT_PLAIN:
         _LIT_PLAIN[compile_in] = _fit(compile_in, "auto")
@@ -734,6 +745,7 @@ def _hf_causal(name: str):
                                             num_key_value_heads=1, max_position_embeddings=32, **common))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, policy", [("gpt2", "selective"), ("llama", "recompute")])
 def test_hugging_face_model_compiled_whole_recomputes_in_graph_to_the_same_weights(name, policy):
     """Note [Recomputation inside the compiled graph] on models users bring: blocks called in a
@@ -790,6 +802,7 @@ class InputWritingNet(Net):
         self.blocks = nn.ModuleList(InputWritingBlock(d) for _ in range(n))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["regional", "torch.compile"])
 def test_a_compiled_segment_writing_into_its_input_is_recomputed_eagerly_from_a_copy(how):
     """Such a segment never takes the traced checkpoint (Note [Recomputation inside the compiled
@@ -801,6 +814,7 @@ def test_a_compiled_segment_writing_into_its_input_is_recomputed_eagerly_from_a_
     assert backend.compiled > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", [(0, 1), (1, 0)])
 def test_compiled_segments_with_other_ops_saved_do_not_share_a_graph(order):
     """Dynamo caches compiled code per code object and does not guard on the policy a closure
@@ -828,6 +842,7 @@ def test_compiled_segments_with_other_ops_saved_do_not_share_a_graph(order):
     assert saved[0] > saved[1]  # blocks.0 keeps its matmuls' and norm's outputs; blocks.1 recomputes them
 
 
+@pytest.mark.slow
 def test_a_compiled_policy_counts_calls_as_the_trace_did():
     """Note [Selective saves per call] under compile: the policy sees the traced ops in the
     order the eager trace recorded them, its counts fresh for each trace, so ``addmm#0`` is each
@@ -875,6 +890,7 @@ def _observed_profile(model, x, y):
     return observed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["torch.compile", "regional", None])
 @pytest.mark.parametrize("cls", [Net, NormNet])
 def test_compiled_segments_are_timed_compiled(how, cls):
@@ -971,6 +987,7 @@ class _TwiceNet(nn.Module):
         return self.out(self.blocks[0](x[: x.shape[0] // 2]))
 
 
+@pytest.mark.slow
 def test_every_call_of_a_compiled_block_is_timed_compiled():
     """Note [Compiled segments are timed compiled] for Note [A segment per call]: the second call's
     segment (``blocks.0#1``) finds its module's compilation, as the runtime does (found by a

@@ -58,6 +58,7 @@ def test_cpu_copies_hold_nothing_in_flight_and_prefetch_brings_a_segment_back_at
     assert deeper == sorted(deeper) and deeper[3] > deeper[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 @pytest.mark.parametrize("window", WINDOWS)
 def test_solve_fits_its_window_and_is_optimal_where_the_dp_is_exact(device_type: str, window: tuple[int, int]) -> None:
@@ -136,6 +137,7 @@ def case(request) -> Case:
     return Case(request.param)
 
 
+@pytest.mark.slow
 def test_auto_measured_peak_stays_within_budget_for_every_window(case: Case) -> None:
     """The issue's criterion: ``prefetch_segments`` in 0..3, ``inflight_segments`` in 1..3, a
     tight budget (a quarter of the way from the least budget to plain's peak, for that window),
@@ -154,6 +156,7 @@ def test_auto_measured_peak_stays_within_budget_for_every_window(case: Case) -> 
     assert offloaded, "no plan offloaded: the windows were never exercised"
 
 
+@pytest.mark.slow
 def test_a_plan_made_for_no_prefetch_can_exceed_its_budget_under_a_deep_one() -> None:
     """Why the window is an input: the all-offload plan's peak on CPU with three segments of
     prefetch is far above what the same plan is predicted at without prefetch (measured)."""
@@ -177,6 +180,7 @@ def gpt_plain():
     return plain, max(s.peak_device_bytes for s in trainer.strategy.stats_history[1:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch, inflight", [(0, 1), (1, 2), (2, 3), (3, 1)])
 def test_strategy_auto_plans_for_its_window_and_stays_within_budget(gpt_plain, prefetch: int, inflight: int) -> None:
     """``CPUSwapStrategy(policy="auto", prefetch_segments=p, inflight_segments=i)``: the session

@@ -1,4 +1,4 @@
-"""``core/costs.py``: each segment timed kept, recomputed and selectively recomputed on the real
+"""``core/measure/action_costs.py``: each segment timed kept, recomputed and selectively recomputed on the real
 device, leaving no trace (Note [Timing a segment leaves no trace])."""
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ def _under_double(name, policy, *, mode="late", **kwargs):
 
 
 # -- exactness under late and reordered copies -----------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
 @pytest.mark.parametrize("policy", ["offload", "recompute_offload"])
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -64,6 +65,7 @@ def test_exact_when_copies_land_late(name, policy, prefetch):
     assert sum(d.copies_done for d in factory.doubles) > 0  # the copies did go through the double
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [1, 3])
 @pytest.mark.parametrize("policy", ["offload", "recompute_offload"])
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -74,6 +76,7 @@ def test_exact_when_copies_land_out_of_order(name, policy, prefetch):
     assert all(s.fetched_bytes + s.reused_bytes == s.offloaded_bytes for s in stats)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_each_offloaded_storage_comes_back_once(name, prefetch):
@@ -97,6 +100,7 @@ def _offloaded_per_segment(monkeypatch):
     return sizes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "cnn", "mlp"])
 def test_deeper_prefetch_costs_at_most_the_prefetched_segments(name, monkeypatch):
     """With ``k`` segments of prefetch, when segment ``i``'s backward runs, its own bytes
@@ -256,6 +260,7 @@ _KINDS = ["plain", "two_forwards", "retain_graph", "accumulate", "dropped_graph"
 _CASES = [(n, k, *d) for n in ("gpt", "cnn", "mlp") for k in _KINDS for d in _DEPTHS] + [("resnet18", k, 2, 2, "late") for k in _KINDS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kind,prefetch,inflight,mode", _CASES)
 def test_exact_under_the_strict_model(name, kind, prefetch, inflight, mode):
     """Note [Strict stream model]: every ordering the engine relies on is one CUDA promises."""
@@ -263,6 +268,7 @@ def test_exact_under_the_strict_model(name, kind, prefetch, inflight, mode):
     _assert_exact_under_strict_model(name, kind, policy, mode=mode, prefetch=prefetch, inflight=inflight)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", _KINDS)
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_exact_with_a_mixed_plan_under_the_strict_model(name, kind):
@@ -276,6 +282,7 @@ def test_exact_with_a_mixed_plan_under_the_strict_model(name, kind):
 _USER_CHECKPOINT_CASES = [("plain", *d) for d in _DEPTHS[:4]] + [(k, 1, 2, "late") for k in _KINDS[1:]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,prefetch,inflight,mode", _USER_CHECKPOINT_CASES)
 @pytest.mark.parametrize("user_checkpoint", ["reentrant", "non_reentrant"])
 @pytest.mark.parametrize("name", ["gpt", "cnn"])
@@ -355,6 +362,7 @@ def test_without_the_wait_that_replaces_record_stream_the_sources_are_freed_unde
     assert any("freed before the compute stream waited for the copy" in v for v in violations), violations[:3]
 
 
+@pytest.mark.slow
 def test_the_old_prefetch_orphans_copies(monkeypatch):
     """The engine as it ran on the H100 (issue 11): every unpack prefetched from its own segment
     on, re-fetching entries already consumed, and nobody waited for those copies. The double
@@ -518,6 +526,7 @@ def test_keep_dispatches_no_more_ops_than_plain_lightning(tmp_path):
     assert keep.steps == plain.steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 def test_lightning_steps_never_synchronise(policy, tmp_path):
     """No host synchronisation on the per-step path of any policy: the double counts none, and

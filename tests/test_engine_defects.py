@@ -215,6 +215,7 @@ class _Gated(nn.Module):
         return big[:, :64] * gate.repeat(1, 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["no_backward", "retain_graph"])
 def test_graphs_dropped_without_backward_are_freed(how):
     torch.manual_seed(0)
@@ -467,6 +468,7 @@ def _soak(steps):
         )]),
     ],
 )
+@pytest.mark.slow
 def test_host_pool_soak_batch_sizes_cycling(steps):
     offloaded, reserved, rss, pinned_bytes = _soak(steps)
     assert min(offloaded) > 0

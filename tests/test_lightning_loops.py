@@ -144,6 +144,7 @@ def test_every_policy_trains_these_loops_as_plain(loop):
         assert all(abs(p - m) <= 4096 for m, p in zip(measured, peaks)), (policy, measured, peaks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", sorted(BUILDERS))
 def test_auto_keeps_every_whole_step_within_its_budget(loop, caplog):
     plain, _, plain_peaks = _fit(BUILDERS[loop]())

@@ -42,6 +42,7 @@ def _state_bytes(model, opt) -> int:
     return sum(t.untyped_storage().nbytes() for t in {id(t): t for t in tensors if isinstance(t, torch.Tensor)}.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_lowest_memory_plan_leaves_at_most_1_2x_what_save_on_cpu_leaves(name):
     build, data, loss_fn, batch = CASES[name]

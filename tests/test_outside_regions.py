@@ -277,10 +277,12 @@ def test_a_step_observed_under_offloaded_regions_is_measured_as_if_they_were_kep
     )
     plain = _traced_under(name, None, hold=False)
     held, offloaded = _traced_under(name, regions, hold=True), _traced_under(name, regions, hold=False)
-    outside = [k for k in plain.saved if not (isinstance(k, int) and k >= 0)]
+    from lightning_swap.core.measure.trace import WindowKind, is_segment
+
+    outside = [k for k in plain.saved if not is_segment(k)]
     assert outside and all(sum(held.saved[k].values()) == sum(plain.saved[k].values()) > 0 for k in outside)
     assert offloaded.turnaround_bytes < plain.turnaround_bytes == held.turnaround_bytes
-    forward = [w for w in plain.window_peak if w == "prefix_fwd" or (isinstance(w, tuple) and w[0] in ("fwd", "after"))]
+    forward = [w for w in plain.window_peak if w.kind in (WindowKind.PREFIX_FORWARD, WindowKind.FORWARD, WindowKind.AFTER)]
     assert {w: held.window_peak[w] for w in forward} == {w: plain.window_peak[w] for w in forward}
     assert {w: held.window_start.get(w) for w in forward} == {w: plain.window_start.get(w) for w in forward}
 

@@ -55,6 +55,7 @@ def case(request) -> Case:
     return Case(request.param)
 
 
+@pytest.mark.slow
 def test_plain_step_is_predicted_exactly(case: Case) -> None:
     measured = case.measure([Action.KEEP] * len(case.profile.segments))
     assert simulate(case.profile, [Action.KEEP] * len(case.profile.segments)).peak_bytes == measured == case.profile.peak_bytes

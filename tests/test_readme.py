@@ -154,6 +154,15 @@ def _lightning(body, line, tmp_path, request):
     assert ns["trainer"].strategy.plan is not None and ns["trainer"].strategy.step_stats is not None
 
 
+def _fabric(body, line, tmp_path, request):
+    model = mlp_chain(width=16, depth=3)
+    ns = _exec(body, line, {
+        "model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "loader": DataLoader(_data(), batch_size=8),
+        "loss_fn": F.cross_entropy,
+    })
+    assert ns["fabric"].strategy.plan is not None and len(ns["fabric"].strategy.stats_history) == 8
+
+
 def _finder(body, line, tmp_path, request):
     request.getfixturevalue("quick_trainer")
     import lightning_swap
@@ -225,6 +234,16 @@ def _find_batch_size(body, line, tmp_path, request):
     assert ns["train"].result is not None
 
 
+def _hf_trainer(body, line, tmp_path, request):
+    """The tiny GPT-2 of tests/test_hf_trainer.py, two steps on the CPU."""
+    pytest.importorskip("transformers", reason="SwapTrainer needs transformers (the `test` extra)")
+    request.getfixturevalue("fresh_state")
+    from .test_hf_trainer import _Tokens, _args, _gpt2
+
+    ns = _exec(body, line, {"model": _gpt2(), "args": _args(tmp_path, max_steps=2), "dataset": _Tokens()})
+    assert ns["trainer"].accelerator.swap_plan is not None
+
+
 def _launch(body, line, tmp_path, request):
     """Both lines, the second from its comment; CPU variant: ``--cpu`` and three small steps."""
     commands = [ln.split("# without a GPU:", 1)[-1].strip() for ln in body.strip().splitlines()]
@@ -287,6 +306,7 @@ def _skip_unified(body, line, tmp_path, request):
 RUNNERS = {
     "python3 -m venv .venv": _two_commands,
     'trainer = L.Trainer(strategy="cpu_swap")': _lightning,
+    'fabric = Fabric(strategy="cpu_swap")': _fabric,
     "finder = lightning_swap.SwapBatchSizeFinder": _finder,
     "from lightning_swap import ChunkedCrossEntropy": _chunked_loss,
     'CPUSwapStrategy(um="all"': _skip_unified,
@@ -295,6 +315,7 @@ RUNNERS = {
     "accelerator = SwapAccelerator()": _accelerate,
     "ACCELERATE_CPU_SWAP=true ACCELERATE_CPU_SWAP_BUDGET_BYTES=12GiB accelerate launch": _launch,
     "accelerate-swap config --policy auto": _config_file,
+    "from accelerate_swap.hf import SwapTrainer": _hf_trainer,
     "@find_batch_size(": _find_batch_size,
     "accelerate-swap estimate resnet50": _estimate,
     "from lightning_swap import FSDPCPUSwapStrategy, ModelParallelCPUSwapStrategy, with_cpu_swap": _fsdp,
@@ -315,6 +336,7 @@ def test_every_block_has_a_runner():
     assert len(CODE) == len(RUNNERS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lang, body, line", CODE, ids=[f"line{line}" for _, _, line in CODE])
 def test_readme_block_runs(lang, body, line, tmp_path, request):
     runner = _runner(body)

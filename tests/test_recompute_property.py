@@ -220,6 +220,7 @@ def differences(seed: int) -> list[str] | None:
     return [f"seed {seed} {r}: {f}" for f in found]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_model_trains_as_plain_under_every_policy(seed):
     assert differences(seed) == []

@@ -193,6 +193,7 @@ def test_buffers_the_forward_updates_are_restored_for_the_recomputation(block, a
     assert_equal(train(build, action), train(build, None))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", [_eval_then_train, _eval_then_train_without_grad], ids=["with_grad", "without_grad"])
 @pytest.mark.parametrize("action", RECOMPUTING, ids=lambda a: a.value)
 @pytest.mark.parametrize("block", [NormBlock, OwnNormBlock, CountBlock, EMABlock, QuantBlock], ids=lambda b: b.__name__)

@@ -14,6 +14,7 @@ from lightning_swap.core import DeviceMemoryMeter, resolve_policy
 from .helpers import POLICIES, assert_same_state, plain_core, swap_runtime, train_core
 from .models import MODELS, mlp_chain
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_weights_buffers_and_grads_equalplain_core(name, policy):
@@ -104,6 +105,7 @@ def test_memory_drops_by_the_activation_sizes():
     assert keep - recompute_offload >= 0.95 * (depth * 9 - 10) * unit
 
 
+@pytest.mark.slow
 def test_memory_drops_on_resnet():
     _, keep, _ = train_core("resnet18", "keep", steps=1, batch=16)
     for policy in ("offload", "recompute", "recompute_offload"):

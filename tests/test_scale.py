@@ -65,6 +65,7 @@ class Loop:
 _BATCH = {"mlp": 256, "gpt": 16}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_max_mode_finds_at_least_twice_the_plain_batch(name):
     loop = Loop(name)
@@ -152,10 +153,14 @@ def test_throughput_prefers_plain_on_a_tie(mlp_profile):
 
 def test_throughput_returns_a_faster_candidate_and_the_ratio(mlp_profile):
     prof, budget = mlp_profile
-    trials = FakeTrials(lambda call, batch, plan: 150.0 if call == 2 else 100.0 if _is_plain(batch, plan) else 80.0)
+    trials = FakeTrials(
+        lambda call, batch, plan: 150.0 if call >= 2 and (batch, plan) == trials.calls[2] else 100.0 if _is_plain(batch, plan) else 80.0,
+    )
     result = _throughput(prof, budget, trials)
     batch, plan = trials.calls[2]
     assert (result.batch_size, result.plan) == (batch, plan)
+    assert trials.calls[4:] == [trials.calls[0], trials.calls[2]]  # plain, then the winner, timed again
+    assert result.chosen_trial is result.trials[-1] and result.plain_trial is result.trials[-2]
     assert result.chosen_trial.samples_per_s == pytest.approx(150.0)
     assert result.plain_trial.samples_per_s == pytest.approx(100.0) and result.speedup == pytest.approx(1.5)
     line = result.render().splitlines()[-1]
@@ -165,7 +170,8 @@ def test_throughput_returns_a_faster_candidate_and_the_ratio(mlp_profile):
 def test_throughput_never_returns_a_measurement_over_the_budget(mlp_profile):
     prof, budget = mlp_profile
     # The fastest candidate measures over the budget; so does, in the second search, plain.
-    trials = FakeTrials(lambda call, batch, plan: {1: 500.0, 2: 120.0}.get(call, 100.0), over_budget={1}, over=budget + 1)
+    trials = FakeTrials(lambda call, batch, plan: 500.0 if call == 1 else 120.0 if call >= 2 and (batch, plan) == trials.calls[2] else 100.0,
+                        over_budget={1}, over=budget + 1)
     result = _throughput(prof, budget, trials)
     assert result.trials[1].failed and result.trials[1].reason == "over budget"
     assert (result.batch_size, result.plan) == trials.calls[2] and result.speedup == pytest.approx(1.2)
@@ -179,6 +185,20 @@ def test_throughput_never_returns_a_measurement_over_the_budget(mlp_profile):
     trials = FakeTrials(lambda call, batch, plan: 100.0, oom={0})
     result = _throughput(prof, budget, trials)
     assert "plain at batch 64 does not fit the budget (out of memory)" in result.render()
+
+
+def test_a_candidate_faster_only_when_first_timed_is_not_returned(mlp_profile):
+    """Note [Confirm the winner in the same window]: the candidate that measured fastest is timed
+    again right after plain; slower than plain there, plain is returned, and the line says why."""
+    prof, budget = mlp_profile
+    trials = FakeTrials(lambda call, batch, plan: 150.0 if call == 2 else 100.0 if _is_plain(batch, plan) else 90.0)
+    result = _throughput(prof, budget, trials)
+    assert trials.calls[4:] == [trials.calls[0], trials.calls[2]]
+    assert result.chosen_trial.plain and result.batch_size == _BASE and result.speedup == pytest.approx(1.0)
+    assert [t.again for t in result.trials] == [False] * 4 + [True] * 2
+    line = result.render().splitlines()[-1]
+    assert "timed again right after plain, ran" in line and "0.90x" in line and "plain training at batch 64 is returned" in line
+    assert result.render().splitlines()[-4].rstrip().endswith("chosen (again)")
 
 
 def test_throughput_says_why_plain_is_not_the_reference(mlp_profile):
@@ -200,6 +220,35 @@ def test_throughput_says_why_plain_is_not_the_reference(mlp_profile):
         search_batch_size(prof, budget, FakeTrials(rate), ScaleConfig(mode="throughput", max_batch_size=32), base_batch_size=_BASE)
 
 
+def test_throughput_search_warms_up_until_the_step_time_is_steady():
+    """Note [Steady before timing]: ``mode="throughput"`` runs steps (``window`` at a time) until
+    their times settle before it profiles or times a trial; every process runs as many (the
+    steadiness is agreed by ``reduce_min``); the cap ends a series that never settles."""
+    from types import SimpleNamespace as StepStats  # a step's statistics: the warm-up reads its step_ms
+
+    from lightning_swap.core.scale import loop_search
+    from lightning_swap.core.scale.collectives import Collectives
+    from lightning_swap.core.scale.warmup import SteadyRule
+
+    falling = iter([616, 595, 583, 577, 562, 551, 532, 504, 448, 367, 288, 214, 156, 127, 115, 109, 114, 95, 94, 104, 99, 101, 97, 103])
+    calls = []
+
+    def run_steps(batch_size, steps):
+        calls.append((batch_size, steps))
+        return [StepStats(step_ms=float(next(falling))) for _ in range(steps)]
+
+    rule = SteadyRule(window=4, tolerance=0.05, max_steps=40)
+    assert loop_search._warm_up(run_steps, 8, rule, Collectives()) == 24  # steady once 23 ran: checked per chunk of 4
+    assert calls == [(8, 4)] * 6
+    other_not_yet = Collectives(reduce_min=lambda value: 0)  # another process is not steady: go on, to the cap
+    calls.clear()
+    flat = lambda b, n: calls.append(n) or [StepStats(step_ms=1.0)] * n  # noqa: E731
+    assert loop_search._warm_up(flat, 8, SteadyRule(max_steps=10), other_not_yet) == 10
+    assert calls == [4, 4, 2]
+    assert loop_search.THROUGHPUT_WARMUP == SteadyRule()
+
+
+@pytest.mark.slow
 def test_failed_trials_lower_the_estimate():
     loop = Loop("mlp")
     prof = loop.profile(16)
@@ -267,6 +316,7 @@ def _plain_peak(name, batch_size):
     return trainer.strategy.step_stats.peak_device_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_finder_callback_doubles_the_batch_within_the_budget(name, tmp_path):
     batch = _BATCH[name]
@@ -282,6 +332,7 @@ def test_finder_callback_doubles_the_batch_within_the_budget(name, tmp_path):
     assert not list(tmp_path.glob(".scale_batch_size_*.ckpt"))
 
 
+@pytest.mark.slow
 def test_finder_throughput_is_at_least_plain_at_the_base_batch(tmp_path):
     batch = _BATCH["mlp"]
     budget = int(1.5 * _plain_peak("mlp", batch))
@@ -321,6 +372,7 @@ class RecordingFinder(SwapBatchSizeFinder):
         self.after = (copy.deepcopy(pl_module.state_dict()), copy.deepcopy(trainer.optimizers[0].state_dict()))
 
 
+@pytest.mark.slow
 def test_injected_out_of_memory_converges_below_and_restores_state(tmp_path):
     L.seed_everything(0, verbose=False)
     module = OOMAbove("cnn", batch_size=4, samples=512)

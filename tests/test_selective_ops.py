@@ -173,10 +173,10 @@ def test_an_ops_measured_time_is_shared_among_its_calls_by_their_estimates():
 
 
 def test_lighter_choices_are_one_call_less_or_the_cheapest_per_byte_dropped_the_fastest_first():
-    from lightning_swap.core.measure.profiler import selective_variants
+    from lightning_swap.core.measure.profiler import lighter_choices
 
     ops = {"a#0": [10.0, {1: MiB}], "b#0": [12.0, {2: 4 * MiB}], "c#0": [30.0, {3: MiB}]}
-    variants = selective_variants(ops, ("a#0", "b#0", "c#0"), boundary=set(), saved={1, 3})
+    choices = lighter_choices(ops, ("a#0", "b#0", "c#0"), boundary=set(), saved={1, 3})
     # one call less: (b, c), (a, c), (a, b); the cheapest per byte dropped (b at 3 ms/MiB, then a
     # at 10): (a, c), (c,). As (ops, bytes, bytes not saved when kept, forward ms), of the full
     # choice's 6 MiB, 4 MiB not saved when kept (b's), 52 ms; the most ms first.
@@ -184,9 +184,9 @@ def test_lighter_choices_are_one_call_less_or_the_cheapest_per_byte_dropped_the_
         (("b#0", "c#0"), 5 / 6, 1.0, 42 / 52), (("a#0", "c#0"), 2 / 6, 0.0, 40 / 52), (("c#0",), 1 / 6, 0.0, 30 / 52),
         (("a#0", "b#0"), 5 / 6, 1.0, 22 / 52),
     ]
-    assert [v[0] for v in variants] == [e[0] for e in expected]
-    assert [v[1:] for v in variants] == [pytest.approx(e[1:]) for e in expected]
-    assert selective_variants(ops, ("c#0",), set(), set()) == ()  # nothing lighter but recomputation
+    assert [v[0] for v in choices] == [e[0] for e in expected]
+    assert [v[1:] for v in choices] == [pytest.approx(e[1:]) for e in expected]
+    assert lighter_choices(ops, ("c#0",), set(), set()) == ()  # nothing lighter but recomputation
 
 
 def test_a_lighter_choice_prices_fewer_bytes_and_more_recomputation():
@@ -365,8 +365,8 @@ def test_selective_is_timed_saving_real_ops_under_a_plan():
 def test_the_descent_spreads_lighter_choices_over_segments_where_that_is_faster(fused, monkeypatch):
     """Note [Lighter selective, as a descent] (``decide/solver.py``): across budgets from the least
     to plain's peak, the plan is never slower than the one without the descent (the DP, then one
-    segment's lighter choice at a time), and somewhere faster, by moving down the ladders of
-    several segments; each plan within its budget, its prediction what ``simulate`` gives it.
+    segment's lighter choice at a time), and somewhere faster, by moving several segments down
+    their choices; each plan within its budget, its prediction what ``simulate`` gives it.
     ``fused``: selective priced as measured inside a compiled graph (Note [Compiled segments are
     timed compiled]: near nothing, no eager floor), where the descent matters most."""
     import dataclasses

@@ -54,6 +54,7 @@ def random_chain(seed: int, n: int, *, device_type: str = "cpu") -> ModelProfile
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 @pytest.mark.parametrize("seed", range(12))
 def test_dp_matches_brute_force(seed: int, device_type: str) -> None:
@@ -97,6 +98,7 @@ def test_min_budget_equals_brute_force_minimum() -> None:
     assert min_budget_bytes(prof) == best
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_tighter_budget_is_never_faster(seed: int) -> None:
     prof = random_chain(seed, 40)
@@ -164,6 +166,7 @@ def test_plan_renders_a_table() -> None:
     assert "predicted peak" in text and "budget" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 @pytest.mark.parametrize("seed", range(16))
 def test_never_slower_than_the_fastest_uniform_plan_that_fits(seed: int, device_type: str) -> None:

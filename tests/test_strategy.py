@@ -15,6 +15,7 @@ from .helpers import POLICIES, assert_same_state, plain_fit
 from .lit import LitModel, fit
 from .models import MODELS
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_trainer_cpu_swap_equalsplain_fit(name, policy):

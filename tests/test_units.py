@@ -150,6 +150,7 @@ def test_strategy_takes_12gib_and_plans_with_it():
     assert trainer.strategy.plan.budget_bytes == 12 * GiB  # the planner's budget
 
 
+@pytest.mark.slow
 def test_lightning_finder_takes_12gib_and_searches_with_it(tmp_path):
     import lightning as L
 
@@ -200,6 +201,7 @@ def test_plugin_env_error_names_the_variable(fresh_state, monkeypatch):  # noqa:
         SwapAccelerator(cpu=True)
 
 
+@pytest.mark.slow
 def test_accelerate_find_batch_size_takes_12gib(fresh_state):  # noqa: F811
     build, data, loss = MODELS["mlp"]
     accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(min_offload_bytes=0))

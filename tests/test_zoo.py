@@ -176,7 +176,11 @@ def _train(name: str, plugin=None):
 _PLAIN: dict = {}
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+#: The fast tier (``-m "not slow"``) trains two architectures of the zoo, a transformer and a CNN.
+FAST_ZOO = ("gpt2", "convnext")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST_ZOO else pytest.mark.slow) for n in sorted(ZOO)])
 def test_every_policy_and_auto_train_as_plain(name, fresh_state):
     """Forced policies first; then ``auto`` with a budget between the lowest-memory plan's peak
     and plain's (Note [Refused actions]: what a segment refused is never planned)."""

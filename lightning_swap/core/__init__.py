@@ -19,7 +19,10 @@ finder, ``accelerate_swap``).
 
 from .actions import AUTO, Action, PolicyLike, resolve_policy
 from .chunked_loss import ChunkedCrossEntropy, chunked_cross_entropy, hf_causal_lm_loss
-from .config import DEFAULT_MIN_OFFLOAD_BYTES, SwapConfig, UMMode
+from .config import (
+    DEFAULT_MIN_OFFLOAD_BYTES, SwapConfig, UMMode, build_options, check_bool, describe_options, from_text, import_object, option,
+    parse_bool, split_options,
+)
 from .decide.costmodel import Prediction, simulate
 from .decide.plan import Plan, PlanRow, format_bytes
 from .decide.solver import brute_force, min_budget_bytes, solve
@@ -35,7 +38,8 @@ from .scale.batch_search import (
     BatchSearchError, ScaleConfig, ScaleResult, TrialMeasurement, predict_batch_size, search_batch_size,
 )
 from .scale.auto import StepKind
-from .scale.collectives import Collectives
+from .scale.collectives import Collectives, process_group_collectives
+from .scale.hooked import HookedSwapSession, model_output_loss
 from .scale.loop_search import adopt_search_profile, search_for_loop
 from .scale.session import SwapSession
 from .segments import SegmentSpec, find_segments, split_call
@@ -51,6 +55,7 @@ __all__ = [
     "Collectives",
     "DEFAULT_MIN_OFFLOAD_BYTES",
     "DeviceMemoryMeter",
+    "HookedSwapSession",
     "InfeasibleBudgetError",
     "InputMutatedError",
     "ModelProfile",
@@ -75,19 +80,28 @@ __all__ = [
     "UnifiedMemoryError",
     "UnifiedMemoryStats",
     "brute_force",
+    "build_options",
+    "check_bool",
     "chunked_cross_entropy",
+    "describe_options",
     "find_segments",
     "split_call",
     "format_bytes",
+    "from_text",
     "hf_causal_lm_loss",
     "host_allocation",
+    "import_object",
     "install_unified_memory",
     "is_out_of_memory",
     "mark_host",
     "measure_bandwidth",
     "min_budget_bytes",
+    "model_output_loss",
+    "option",
+    "parse_bool",
     "parse_bytes",
     "predict_batch_size",
+    "process_group_collectives",
     "profile",
     "resolve_policy",
     "search_batch_size",
@@ -95,6 +109,7 @@ __all__ = [
     "search_for_loop",
     "simulate",
     "solve",
+    "split_options",
     "tensors_in",
     "unified_memory_for",
 ]

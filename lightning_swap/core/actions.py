@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from .segments import canonical_name, split_call
 
-__all__ = ["AUTO", "Action", "PolicyLike", "allowed_actions", "resolve_policy"]
+__all__ = ["AUTO", "Action", "PolicyLike", "allowed_actions", "parse_policy", "policy_from_text", "resolve_policy"]
 
 #: The policy that profiles the first batch and lets the planner choose.
 AUTO = "auto"
@@ -56,6 +56,43 @@ class Action(enum.Enum):
 PolicyLike = Union[str, Action, Mapping[str, Union[str, Action]]]
 
 
+def _refuse_policy(value: Any, field: str) -> ValueError:
+    actions = ", ".join(repr(a.value) for a in Action)
+    return ValueError(
+        f"`{field}` got {value!r}; allowed: 'auto' (the planner chooses), one action for every segment (an Action or "
+        f"one of {actions}, case-insensitive), or a mapping from segment name to action (as text "
+        "'segment.name=action,other.name=action')."
+    )
+
+
+def parse_policy(value: Any, *, field: str = "policy") -> PolicyLike:
+    """A policy as every front end takes it, normalized: :data:`AUTO`, one :class:`Action`, or a
+    ``dict`` from segment name to ``Action`` (segments left out are kept). The one place a
+    policy is parsed; a ``ValueError`` names ``field`` and the forms allowed."""
+    if isinstance(value, Mapping):
+        for name in value:
+            if not isinstance(name, str):
+                raise ValueError(f"`{field}` keys must be segment names (str); got {name!r}.")
+        return {name: Action.parse(action, field=f"{field}[{name!r}]") for name, action in value.items()}
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return Action.parse(value, field=field)
+    except ValueError:
+        raise _refuse_policy(value, field) from None
+
+
+def policy_from_text(value: Any, field: str = "policy") -> Any:
+    """A per-segment policy written as text (an environment variable, a command-line flag):
+    ``name=action,name=action`` as a mapping; any other value as it is, for :func:`parse_policy`."""
+    if not isinstance(value, str) or "=" not in value:
+        return value
+    pairs = [item.partition("=") for item in value.split(",") if item.strip()]
+    if not pairs or any(not name.strip() or not action.strip() for name, _, action in pairs):
+        raise _refuse_policy(value, field)
+    return {name.strip(): action.strip() for name, _, action in pairs}
+
+
 def resolve_policy(policy: PolicyLike, segment_names: Sequence[str]) -> dict[str, Action]:
     """Expand a forced policy into one action per segment.
 
@@ -88,13 +125,12 @@ def allowed_actions(policy: PolicyLike) -> Optional[tuple[Action, ...]]:
     for a single forced action.
 
     A per-segment mapping fixes the plan, so it cannot be re-planned at another batch size:
-    ``ValueError``. Any other value is parsed as an action (``ValueError`` naming ``policy``).
+    ``ValueError``. Any other value is parsed by :func:`parse_policy` (``ValueError`` naming ``policy``).
     """
-    if isinstance(policy, str) and policy.strip().lower() == AUTO:
-        return None
+    policy = parse_policy(policy)
     if isinstance(policy, Mapping):
         raise ValueError(
             "`policy`: a per-segment mapping fixes the plan, so the batch-size search cannot re-plan "
             "it; use policy='auto' or a single action."
         )
-    return (Action.parse(policy, field="policy"),)
+    return None if policy == AUTO else (policy,)

@@ -1,37 +1,71 @@
-"""The options every front end shares, in one table: :class:`SwapConfig`, its defaults and validators.
+"""The options every front end shares, in one table: :class:`SwapConfig`, its defaults, checks and help.
 
-Note [One option table]: the Lightning strategies' signatures, the Accelerate plugin's fields, its
-environment variables and YAML keys, and the CLI flags are all derived from (or checked against)
-``SwapConfig``'s fields, so an option cannot be missing from one entry point. Constructing a config
-has no side effect: installing unified memory is the adapters' business
-(:func:`~lightning_swap.core.engine.unified.memory.install_unified_memory`).
+Note [One option table]: an option is declared once, as a field made by :func:`option`: its
+default, its help, the check that validates and normalizes a value (its errors naming the field
+and the values allowed) and, where text spells it differently (``false``, ``2``,
+``name=action,...``), how text becomes a value. Every front end derives its options from the
+fields, never from a list of its own:
+
+- the Lightning strategies take ``SwapConfig``'s fields (and their own ``log_stats`` and
+  ``report``, a subclass's fields) as keywords; their signatures and docstrings are generated;
+- the Accelerate ``SwapPlugin`` is ``SwapConfig`` plus its own ``log_stats`` (a subclass): its
+  fields are its ``ACCELERATE_CPU_SWAP_<NAME>`` variables, YAML keys and ``accelerate-swap config``
+  flags, read through :func:`from_text`;
+- the Fabric strategies take ``SwapConfig``'s fields as keywords (read from ``fields(SwapConfig)``).
+
+So a field added here reaches each of them with no other edit (``tests/test_option_table.py``
+adds one). The batch-size finders' options are :class:`~lightning_swap.core.scale.batch_search.ScaleConfig`'s
+fields, the same way. Constructing a config has no side effect: installing unified memory is the
+adapters' business (:func:`~lightning_swap.core.engine.unified.memory.install_unified_memory`).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+import functools
+import importlib
+import textwrap
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import Field, dataclass, field, fields, replace
 from typing import Any, Optional
 
-from .actions import AUTO, Action, PolicyLike
+from .actions import AUTO, PolicyLike, parse_policy, policy_from_text
 from .segments import SegmentSpec
 from .units import ByteSize, parse_bytes
 
 __all__ = [
-    "DEFAULT_MIN_OFFLOAD_BYTES", "SwapConfig", "UMMode", "check_inflight_segments", "check_min_offload_bytes",
-    "check_um_max_bytes", "check_window_bytes",
+    "DEFAULT_MIN_OFFLOAD_BYTES", "OptionTable", "SwapConfig", "UMMode", "build_options", "check_bool", "check_count",
+    "check_inflight_segments", "check_min_offload_bytes", "check_segments", "check_um_max_bytes", "check_window_bytes",
+    "describe_options", "from_text", "import_object", "option", "parse_bool", "split_options",
 ]
 
 
 #: Tensors smaller than this stay on the device: copying them costs more than it frees.
 DEFAULT_MIN_OFFLOAD_BYTES = 1 << 14
 
+_TRUE = ("y", "yes", "t", "true", "on", "1")
+_FALSE = ("n", "no", "f", "false", "off", "0")
 
-def check_inflight_segments(value: Any) -> int:
+
+# -- one option's checks: ``check(value, field=name)`` returns the value normalized ------------
+def check_bool(value: Any, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"`{field}` must be True or False; got {value!r}.")
+    return value
+
+
+def check_count(value: Any, field: str, *, allow_none: bool = False) -> Optional[int]:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"`{field}` must be an int >= 0{' or None' if allow_none else ''}; got {value!r}.")
+    return value
+
+
+def check_inflight_segments(value: Any, field: str = "inflight_segments") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(
-            f"`inflight_segments` must be an int >= 0 (segments whose copies to the host may still run "
+            f"`{field}` must be an int >= 0 (segments whose copies to the host may still run "
             f"while later segments compute); got {value!r}."
         )
     return value
@@ -50,6 +84,21 @@ def check_min_offload_bytes(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"`min_offload_bytes` must be an int >= 0 (bytes); got {value!r}.")
     return value
+
+
+def check_segments(value: Any, field: str = "segments") -> SegmentSpec:
+    """``None``, or a non-empty sequence of module classes and qualified module names (one name alone too)."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, (str, type)) else value
+    if isinstance(items, Iterable) and not isinstance(items, Mapping):
+        items = tuple(items)
+        if items and all(isinstance(s, type) or (isinstance(s, str) and s.strip()) for s in items):
+            return items
+    raise ValueError(
+        f"`{field}` got {value!r}; allowed: none (find repeated blocks), or a non-empty list (as text: comma-separated) "
+        "of qualified module names ('model.layer1.0') and module classes (as text: 'package.module:ClassName')."
+    )
 
 
 class UMMode(str, enum.Enum):
@@ -81,96 +130,183 @@ def check_um_max_bytes(value: Any, field: str = "um_max_bytes") -> Optional[int]
     return value
 
 
+# -- text (environment variables, YAML values, command-line flags) -------------------------
+def parse_bool(value: Any, field: str) -> bool:
+    """``true``/``false`` and the other spellings Accelerate's ``str_to_bool`` accepts."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"`{field}` got {value!r}; allowed: true or false (also {'/'.join(_TRUE[:-1])}, {'/'.join(_FALSE[:-1])}, 1/0).")
+
+
+def _int_from_text(value: Any, field: str) -> Any:
+    text = value.strip() if isinstance(value, str) else None
+    return int(text) if text and text.lstrip("+-").isdigit() else value
+
+
+def import_object(spec: str, source: str) -> Any:
+    """The object ``package.module:qualified.name`` names; ``ValueError`` naming ``source``."""
+    module_name, _, qualname = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name.strip())
+        for part in qualname.strip().split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"`{source}` names {spec!r}, which cannot be imported ({err}).") from err
+    return obj
+
+
+def _segments_from_text(value: Any, field: str) -> Any:
+    """Comma-separated names (a list in YAML); ``package.module:ClassName`` imports the class."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        return value  # for the check to refuse
+    out = []
+    for item in items:
+        if isinstance(item, str) and ":" in item:
+            spec, item = item, import_object(item, field)
+            if not isinstance(item, type):
+                raise ValueError(f"`{field}` names {spec!r}, which is not a class.")
+        if not isinstance(item, str) or item.strip():
+            out.append(item.strip() if isinstance(item, str) else item)
+    return out
+
+
+def from_text(option_field: Field, raw: Any, source: str) -> Any:
+    """Option ``option_field``'s value from text or a YAML value, checked alone (a rule across
+    options is checked when the whole config is built); errors name ``source`` (a variable, a
+    file key, a flag). ``none``, ``null`` or nothing is ``None`` for an option whose default is ``None``."""
+    if option_field.default is None and (raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null"))):
+        return None
+    text = option_field.metadata.get("text")
+    return option_field.metadata["check"](text(raw, source) if text else raw, field=source)
+
+
+# -- the table ---------------------------------------------------------------------------
+def option(default: Any, help: str, *, check: Callable[..., Any], text: Optional[Callable[[Any, str], Any]] = None) -> Any:
+    """A field of an option table (Note [One option table]): ``check(value, field=name)`` returns
+    the value normalized or raises ``ValueError`` naming ``field``; ``text(raw, source)`` turns a
+    text or YAML spelling into what ``check`` takes (where that differs); ``help`` is the
+    option's one description (docstrings, ``--help``)."""
+    return field(default=default, metadata={"help": help, "check": check, "text": text})
+
+
+def describe_options(table: type, indent: str = "            ") -> str:
+    """``name: help`` for each of ``table``'s options, wrapped for a docstring's ``Args``."""
+    return "\n".join(
+        textwrap.fill(f"{f.name}: {f.metadata['help']}", 100, initial_indent=indent, subsequent_indent=indent + "    ")
+        for f in fields(table)
+    )
+
+
+def split_options(options: Mapping[str, Any], table: type) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(``table``'s options among ``options``, the others)."""
+    names = {f.name for f in fields(table)}
+    return {k: v for k, v in options.items() if k in names}, {k: v for k, v in options.items() if k not in names}
+
+
+def build_options(table: type, options: Mapping[str, Any], *, owner: str) -> Any:
+    """``table(**options)``; a name that is not one of its options is a ``ValueError`` listing them."""
+    known, unknown = split_options(options, table)
+    if unknown:
+        raise ValueError(f"unknown {owner} options {sorted(unknown)}; allowed: {sorted(f.name for f in fields(table))}.")
+    return table(**known)
+
+
 @dataclass(frozen=True, kw_only=True)
-class SwapConfig:
-    """Options shared by every front end (strategy, plugin).
+class OptionTable:
+    """A frozen table of :func:`option` fields, each checked and normalized when it is built."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, f.metadata["check"](getattr(self, f.name), field=f.name))
+
+    def with_options(self, **changes: Any) -> "OptionTable":
+        """A copy with some options changed (checked again)."""
+        return replace(self, **changes)
+
+
+def _bytes(*, allow_none: bool = False, minimum: int = 1) -> Callable[..., Optional[int]]:
+    return functools.partial(parse_bytes, allow_none=allow_none, minimum=minimum)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwapConfig(OptionTable):
+    """Options shared by every front end (strategies, plugin, Fabric): Note [One option table].
 
     Byte options take an ``int`` or a size string (``"12GiB"``, ``"500MB"``; the forms of
     :func:`~lightning_swap.core.units.parse_bytes`) and are stored as ``int``. None takes a
-    fraction of device memory (Note [No fraction of device memory] in ``core/units.py``): for
-    80% of a GPU pass ``budget_bytes=int(0.8 * torch.cuda.get_device_properties(0).total_memory)``.
+    fraction of device memory (Note [No fraction of device memory] in ``core/units.py``).
     """
 
-    #: ``"auto"`` (profile the first batch, let the planner choose under ``budget_bytes``), an
-    #: action name (case-insensitive), an :class:`Action`, or a mapping from segment name to
-    #: action (segments left out are kept).
-    policy: PolicyLike = AUTO
-    #: ``None`` finds repeated blocks; or module classes / qualified names.
-    segments: SegmentSpec = None
-    #: Saved tensors smaller than this are never offloaded (bytes, >= 0; e.g. ``"16KiB"``).
-    min_offload_bytes: ByteSize = DEFAULT_MIN_OFFLOAD_BYTES
-    #: The device memory budget for the planner (on CPU: the simulated capacity); bytes, e.g.
-    #: ``12 << 30`` or ``"12GiB"``. ``None``: on CUDA the free memory less a margin.
-    budget_bytes: Optional[ByteSize] = None
-    #: How many segments ahead backward prefetches; ``None``: 1 on CUDA, 0 on CPU.
-    prefetch_segments: Optional[int] = None
-    #: How many segments' copies to the host may still run while later segments compute
-    #: (Note [Stream protocol], rule 2); 0 waits for each segment's copies before the next.
-    inflight_segments: int = 1
-    #: Bytes backward fetches ahead of need (``0``: each saved tensor when it is needed, as
-    #: ``save_on_cpu`` does), instead of whole segments; e.g. ``"64MiB"``. ``None``: chosen by the
-    #: planner from the measured bandwidth under ``policy="auto"`` (unless ``prefetch_segments``
-    #: is set), else ``prefetch_segments`` (Note [Copy windows in bytes] in ``engine/offload.py``).
-    prefetch_bytes: Optional[ByteSize] = None
-    #: Bytes of copies to the host that may still run while the forward goes on (``0``: each is
-    #: waited for when issued), instead of whole segments; ``None`` as for ``prefetch_bytes``.
-    inflight_bytes: Optional[ByteSize] = None
-    #: Log the plan table when a plan is applied.
-    log_plan: bool = field(default=True)
-    #: CUDA unified memory: ``"off"``, ``"offload"`` (offloaded activations in managed host
-    #: buffers, prefetched before their backward) or ``"all"`` (every CUDA allocation managed);
-    #: a name (case-insensitive) or a :class:`UMMode`, stored as the ``UMMode`` (a ``str`` enum:
-    #: ``config.um == "all"`` holds).
-    um: UMMode | str = UMMode.OFF
-    #: Cap on managed memory in bytes (only with ``um`` on); ``None``: the device's free memory.
-    um_max_bytes: Optional[ByteSize] = None
+    policy: PolicyLike = option(
+        AUTO, "``\"auto\"`` (default: observe the first training step and let the planner choose the fastest plan within "
+        "``budget_bytes``), one action for every segment (``keep``, ``offload``, ``recompute``, ``selective``, "
+        "``recompute_offload``, case-insensitive, or an ``Action``), or a mapping from segment name to action (segments "
+        "left out are kept; as text ``name=action,name=action``).", check=parse_policy, text=policy_from_text,
+    )
+    segments: SegmentSpec = option(
+        None, "``None`` (default) finds the model's repeated blocks; or module classes / qualified module names (as "
+        "text: comma-separated, a class as ``package.module:ClassName``).", check=check_segments, text=_segments_from_text,
+    )
+    min_offload_bytes: ByteSize = option(
+        DEFAULT_MIN_OFFLOAD_BYTES, "saved tensors smaller than this stay on the device (bytes, >= 0; default 16KiB).",
+        check=_bytes(minimum=0),
+    )
+    budget_bytes: Optional[ByteSize] = option(
+        None, "the device memory budget for the planner; on CPU the simulated capacity (without it ``\"auto\"`` keeps "
+        "everything); on CUDA by default the free memory less 10%. Bytes, an ``int`` or a size string (``\"12GiB\"``), "
+        "never a fraction: for 80% of a GPU pass ``int(0.8 * torch.cuda.get_device_properties(0).total_memory)``.",
+        check=_bytes(allow_none=True),
+    )
+    prefetch_segments: Optional[int] = option(
+        None, "segments prefetched ahead in backward (default: 1 on CUDA, 0 on CPU).",
+        check=functools.partial(check_count, allow_none=True), text=_int_from_text,
+    )
+    inflight_segments: int = option(
+        1, "segments whose copies to the host may still run while later segments compute (default 1; 0 waits for "
+        "each segment's copies before the next: Note [Stream protocol], rule 2).", check=check_inflight_segments, text=_int_from_text,
+    )
+    prefetch_bytes: Optional[ByteSize] = option(
+        None, "bytes fetched ahead in backward instead of whole segments (``0``: each saved tensor when it is needed); "
+        "default: the planner's choice under ``\"auto\"`` unless ``prefetch_segments`` is set, else ``prefetch_segments`` "
+        "(Note [Copy windows in bytes] in ``engine/offload.py``).", check=_bytes(allow_none=True, minimum=0),
+    )
+    inflight_bytes: Optional[ByteSize] = option(
+        None, "bytes of copies to the host that may still run while the forward goes on (``0``: each waited for when "
+        "issued); default as ``prefetch_bytes``.", check=_bytes(allow_none=True, minimum=0),
+    )
+    log_plan: bool = option(
+        True, "log the plan table when a plan is applied (default on; a Lightning strategy logs it on rank zero, "
+        "through the progress bar when one is drawing).", check=check_bool, text=parse_bool,
+    )
+    um: UMMode | str = option(
+        UMMode.OFF, "CUDA unified memory: ``\"off\"`` (default), ``\"offload\"`` (offloaded activations in managed host "
+        "buffers, prefetched before their backward) or ``\"all\"`` (every CUDA allocation managed, installed before the "
+        "model reaches the GPU: training that does not fit is slow instead of failing); stored as a ``UMMode`` (a ``str`` "
+        "enum). Refused on CPU.", check=UMMode.parse,
+    )
+    um_max_bytes: Optional[ByteSize] = option(
+        None, "cap on managed memory in bytes, only with ``um`` on; default: the device's free memory (no "
+        "oversubscription unless asked for).", check=_bytes(allow_none=True),
+    )
 
     def __post_init__(self) -> None:
-        policy = self.policy
-        if isinstance(policy, Mapping):
-            for name, value in policy.items():
-                if not isinstance(name, str):
-                    raise ValueError(f"`policy` keys must be segment names (str); got {name!r}.")
-                Action.parse(value, field=f"policy[{name!r}]")
-            object.__setattr__(self, "policy", dict(policy))
-        elif isinstance(policy, str) and policy.strip().lower() == AUTO:
-            object.__setattr__(self, "policy", AUTO)
-        else:
-            try:
-                object.__setattr__(self, "policy", Action.parse(policy, field="policy"))
-            except ValueError as err:
-                raise ValueError(f"{err} Or 'auto' to let the planner choose.") from None
-        segments = self.segments
-        if segments is not None:
-            if isinstance(segments, (str, type)):
-                segments = [segments]
-            if not isinstance(segments, Iterable) or not list(segments):
-                raise ValueError(
-                    f"`segments` got {self.segments!r}; allowed: None (automatic) or a non-empty list "
-                    "of module classes or qualified module names."
-                )
-            object.__setattr__(self, "segments", tuple(segments))
-        for name, allow_none, minimum in (
-            ("min_offload_bytes", False, 0), ("budget_bytes", True, 1), ("um_max_bytes", True, 1), ("prefetch_bytes", True, 0),
-            ("inflight_bytes", True, 0),
-        ):
-            object.__setattr__(self, name, parse_bytes(getattr(self, name), field=name, allow_none=allow_none, minimum=minimum))
-        check_inflight_segments(self.inflight_segments)
-        p = self.prefetch_segments
-        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 0):
-            raise ValueError(f"`prefetch_segments` must be an int >= 0 or None; got {p!r}.")
-        um = UMMode.parse(self.um)
-        object.__setattr__(self, "um", um)
-        if um is UMMode.OFF and self.um_max_bytes is not None:
+        super().__post_init__()
+        if self.um is UMMode.OFF and self.um_max_bytes is not None:
             raise ValueError(
                 f"`um_max_bytes` caps unified memory and applies only with um='offload' or um='all'; got "
                 f"um_max_bytes={self.um_max_bytes!r} with um='off'."
             )
 
-    def with_options(self, **changes: Any) -> "SwapConfig":
-        """A copy with some options changed (validated again)."""
-        return replace(self, **changes)
+    def to_config(self) -> "SwapConfig":
+        """The shared options alone, as a plain ``SwapConfig`` (a front end's subclass adds its own)."""
+        return SwapConfig(**{f.name: getattr(self, f.name) for f in fields(SwapConfig)})
 
     @property
     def is_auto(self) -> bool:
         return self.policy == AUTO
+
+
+SwapConfig.__doc__ += "\n    Options:\n" + describe_options(SwapConfig, "        ") + "\n"

@@ -99,7 +99,7 @@ def train(accelerator: Accelerator, out: Path, run: str, *, close: str = "free_m
     torch.save({k: v.detach().clone() for k, v in inner.state_dict().items()}, out / f"{run}.rank{accelerator.process_index}.pt")
     session = getattr(accelerator, "swap_session", None)
     if session is not None:
-        # no window opens without autograd or in eval mode (Note [Accelerate step window]);
+        # no window opens without autograd or in eval mode (Note [Hooked step window]);
         # after the state is saved, since a no-grad forward in train mode moves BatchNorm stats
         model.eval()
         model(xb)

@@ -87,7 +87,7 @@ from .plan import PlanRow
 from ..measure.model_profile import ModelProfile, SegmentProfile
 
 __all__ = [
-    "AUTO_WINDOW", "OUTSIDE_ACTIONS", "Prediction", "SegmentCosts", "Window", "backward_need", "chain_actions", "copy_window", "copy_window_of",
+    "AUTO_WINDOW", "CopyWindow", "OUTSIDE_ACTIONS", "Prediction", "SegmentCosts", "backward_need", "chain_actions", "copy_window", "copy_window_of",
     "elements", "on_demand", "outside_mask", "referenced_outputs", "resolve_windows", "segment_costs", "simulate", "simulate_chain",
     "window_candidates",
 ]
@@ -132,11 +132,11 @@ def forward_own(s: SegmentProfile, a: Action, *, overlap: bool) -> int:
     saves. Recomputed, or offloaded by copies done when issued (CPU), its saved tensors are not
     held for backward, yet its forward still holds what its own code references — a block's
     ``q, k, v`` stay alive in its frame to its end — which no trace of ops can see; so it is
-    measured, by running the segment with nothing saved (:mod:`.costs`). With ``W`` that
-    working set, ``S`` the saved bytes and ``w`` the kept forward's working bytes, the window's
-    peak is its start level plus ``W``, i.e. the base plus ``S - w + W``; plus what the action
-    keeps. Not measured (a fake profile): as kept, which never under-predicts, and never more
-    than kept (a segment's forward that saves less holds no more than the kept one; ``W`` and
+    measured, by running the segment with nothing saved (``measure/action_costs.py``). With
+    ``W`` that working set, ``S`` the saved bytes and ``w`` the kept forward's working bytes, the
+    window's peak is its start level plus ``W``, i.e. the base plus ``S - w + W``; plus what the
+    action keeps. Not measured (a fake profile): as kept, which never under-predicts, and never
+    more than kept (a segment's forward that saves less holds no more than the kept one; ``W`` and
     ``w`` come from different runs, and under FSDP ``W`` from a forward run alone: Note [A
     sharded segment's forward alone]). Offloaded with copies beside compute (CUDA), the sources
     stay until their copies are waited for (Note [Stream protocol], rule 2): all of it, as kept.
@@ -157,8 +157,8 @@ def copied_bytes(s: SegmentProfile, a: Action) -> int:
 
 
 #: Note [An action is never free]: the least any action but ``KEEP`` adds to a step (hooks,
-#: bookkeeping, a copy's launch). Measured costs are differences of two noisy timings and came
-#: out at 0 (issue 20: ``selective`` chosen at a budget everything fits, its row ``+0.00 ms``):
+#: bookkeeping, a copy's launch). Measured costs are differences of two noisy timings and can
+#: come out at 0 (``selective`` chosen at a budget where everything fits, priced ``+0.00 ms``):
 #: recomputation is floored at the forward of the ops it runs again (the whole segment's for
 #: ``RECOMPUTE``; the ops outside the heavy ones for ``SELECTIVE``, unless measured inside a
 #: compiled graph, whose backward fuses them: Note [Compiled segments are timed compiled] in
@@ -169,8 +169,9 @@ MIN_ACTION_MS = 0.01
 
 def recompute_ms(s: SegmentProfile, a: Action) -> float:
     """What recomputing ``s`` under ``a`` adds: measured on the device when the profile timed the
-    action (:mod:`.costs`), never less than the forward of the ops it runs again (Note [An
-    action is never free]); ``OFFLOAD``'s floor (its copies are priced in :func:`simulate`)."""
+    action (``measure/action_costs.py``), never less than the forward of the ops it runs again
+    (Note [An action is never free]); ``OFFLOAD``'s floor (its copies are priced in
+    :func:`simulate`)."""
     if a in (Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD):
         return max(s.recompute_ms or 0.0, s.forward_ms, MIN_ACTION_MS)
     if a is Action.SELECTIVE:
@@ -378,7 +379,7 @@ AUTO_WINDOW = "auto"
 
 
 @dataclass(frozen=True)
-class Window:
+class CopyWindow:
     """The copy windows one plan is priced for (Notes [Copy windows] and [Copy windows in bytes,
     priced]): in segments, or, where set, in bytes."""
 
@@ -420,18 +421,18 @@ def window_candidates(profile: ModelProfile) -> list[tuple[int, int]]:
 
 def resolve_windows(
     profile: ModelProfile, prefetch_segments: Optional[int], inflight_segments: int, prefetch_bytes: Any, inflight_bytes: Any
-) -> list[Window]:
+) -> list[CopyWindow]:
     """The windows to price: one, as given, or the planner's candidates where ``prefetch_bytes``
     or ``inflight_bytes`` is :data:`AUTO_WINDOW` (the other, if given, kept)."""
     prefetch, inflight = copy_window(prefetch_segments, inflight_segments, overlap=profile.copies_overlap)
     auto = (prefetch_bytes == AUTO_WINDOW, inflight_bytes == AUTO_WINDOW)
     if not any(auto):
-        return [Window(prefetch, inflight, check_window_bytes(prefetch_bytes, "prefetch_bytes"), check_window_bytes(inflight_bytes, "inflight_bytes"))]
+        return [CopyWindow(prefetch, inflight, check_window_bytes(prefetch_bytes, "prefetch_bytes"), check_window_bytes(inflight_bytes, "inflight_bytes"))]
     fixed_p = None if auto[0] else check_window_bytes(prefetch_bytes, "prefetch_bytes")
     fixed_i = None if auto[1] else check_window_bytes(inflight_bytes, "inflight_bytes")
     out = []
     for p_bytes, i_bytes in window_candidates(profile):
-        w = Window(prefetch, inflight, p_bytes if auto[0] else fixed_p, i_bytes if auto[1] else fixed_i)
+        w = CopyWindow(prefetch, inflight, p_bytes if auto[0] else fixed_p, i_bytes if auto[1] else fixed_i)
         if w not in out:
             out.append(w)
     return out
@@ -442,7 +443,7 @@ def copy_window_of(config: Any) -> dict[str, Any]:
     :class:`~lightning_swap.core.config.SwapConfig` sets (Note [Copy windows]): pass
     ``**copy_window_of(config)`` where a plan is made for a session's runtime. The byte windows
     are the planner's to choose (:data:`AUTO_WINDOW`) unless the config sets them, or sets
-    ``prefetch_segments`` (then the windows are in segments, as before byte windows existed)."""
+    ``prefetch_segments`` (then the windows are in segments)."""
     auto = AUTO_WINDOW if config.prefetch_segments is None else None
     prefetch_bytes = getattr(config, "prefetch_bytes", None)
     inflight_bytes = getattr(config, "inflight_bytes", None)

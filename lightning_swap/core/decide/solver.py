@@ -24,7 +24,7 @@ simulated, but a plan that fits only with the true older actions may be missed. 
 and ``min_budget_bytes`` also try the uniform plans and, when the DP found nothing, the DP's
 least-peak plan, each checked by :func:`~.costmodel.simulate` (exact for any window), and keep
 the best that fits. With both settings at most one (the runtime's defaults) the state sees
-every segment the windows reach and the DP is exact as before.
+every segment the windows reach and the DP is exact.
 
 Note [Lighter selective, as a descent]: the DP sees one selective per segment, its full choice
 (Note [Lighter selective] in ``measure/profiler.py``); the lighter choices are tried after it.
@@ -35,8 +35,8 @@ and recomputed another whole, the one-segment step then put that block on its li
 (two of its four matmuls recomputed, +24 ms a step) where every block on its full choice but
 one, which recomputes its smallest matmul (+4 ms), fits. So :func:`_selective_descent` also
 starts from the DP's plan with every whole recomputation on the full choice and, until the plan
-fits, takes a step down the ladder (kept, full choice, lighter ones, whole recomputation) of one
-segment the DP keeps or recomputes: the cheapest in milliseconds of those that free the bytes
+fits, moves one segment the DP keeps or recomputes a step down its choices (kept, full choice,
+lighter choices, whole recomputation): the cheapest in milliseconds of those that free the bytes
 still missing, else the cheapest per byte freed, as a greedy knapsack does. Simulated (the peak
 is not a sum), the result is taken where it is faster than the one-segment steps' plan.
 """
@@ -52,7 +52,7 @@ import numpy as np
 
 from ..actions import Action
 from .costmodel import (
-    SegmentCosts, Window, backward_need, boundary_kept, copied_bytes, elements, forward_own, internal_kept, on_demand,
+    CopyWindow, SegmentCosts, backward_need, boundary_kept, copied_bytes, elements, forward_own, internal_kept, on_demand,
     outside_mask, recompute_ms, Prediction, referenced_outputs, resolve_windows, segment_costs, simulate_chain,
 )
 from ..errors import InfeasibleBudgetError
@@ -109,7 +109,7 @@ class _Transitions:
     The chain is every element of :func:`~.costmodel.elements`; ``acts`` are the actions the DP
     indexes, the allowed ones and ``KEEP`` where only a region may take it."""
 
-    def __init__(self, profile: ModelProfile, costs: SegmentCosts, allowed: tuple[Action, ...], window: Window) -> None:
+    def __init__(self, profile: ModelProfile, costs: SegmentCosts, allowed: tuple[Action, ...], window: CopyWindow) -> None:
         segs = elements(profile)
         self.outside = outside_mask(profile)
         self.n = n = len(segs)
@@ -374,7 +374,7 @@ def least_peak_plan(
     return best
 
 
-def _as_plan(profile: ModelProfile, picks: list[Action], prediction: Prediction, budget_bytes: Optional[int], window: Window) -> Plan:
+def _as_plan(profile: ModelProfile, picks: list[Action], prediction: Prediction, budget_bytes: Optional[int], window: CopyWindow) -> Plan:
     """The plan of one action per element (:func:`~.costmodel.elements`), priced under ``window``."""
     chain = profile.chain
     return Plan(
@@ -472,37 +472,37 @@ def _lighter_selective(
     return picks, prediction, priced
 
 
-def _selective_ladder(e: SegmentProfile, kept: bool) -> list[tuple[Action, Optional[tuple[str, ...]], float, float]]:
-    """Note [Lighter selective, as a descent]: segment ``e``'s rungs, from keeping it (where
-    ``kept``) through selective's full choice and its lighter ones down to whole recomputation:
+def _descent_choices(e: SegmentProfile, kept: bool) -> list[tuple[Action, Optional[tuple[str, ...]], float, float]]:
+    """Note [Lighter selective, as a descent]: segment ``e``'s choices, from keeping it (where
+    ``kept``) through selective's full choice and its lighter choices down to whole recomputation:
     each (action, ops selective keeps, bytes kept inside the segment, milliseconds recomputation
     adds, as the cost model prices them)."""
-    ladder: list[tuple[Action, Optional[tuple[str, ...]], float, float]] = []
+    choices: list[tuple[Action, Optional[tuple[str, ...]], float, float]] = []
     if kept:
-        ladder.append((Action.KEEP, None, float(e.internal_saved_bytes), 0.0))
-    ladder.append((Action.SELECTIVE, e.selective_ops, float(e.heavy_bytes), recompute_ms(e, Action.SELECTIVE)))
+        choices.append((Action.KEEP, None, float(e.internal_saved_bytes), 0.0))
+    choices.append((Action.SELECTIVE, e.selective_ops, float(e.heavy_bytes), recompute_ms(e, Action.SELECTIVE)))
     for k, v in enumerate(e.selective_variants):
         lighter = e.lighter(k)
-        ladder.append((Action.SELECTIVE, v[0], float(lighter.heavy_bytes), recompute_ms(lighter, Action.SELECTIVE)))
-    ladder.append((Action.RECOMPUTE, None, 0.0, recompute_ms(e, Action.RECOMPUTE)))
-    return ladder
+        choices.append((Action.SELECTIVE, v[0], float(lighter.heavy_bytes), recompute_ms(lighter, Action.SELECTIVE)))
+    choices.append((Action.RECOMPUTE, None, 0.0, recompute_ms(e, Action.RECOMPUTE)))
+    return choices
 
 
-def _next_step(chain: _Transitions, ladders: dict, level: dict[int, int], missing: float) -> Optional[tuple[int, int]]:
-    """Note [Lighter selective, as a descent]: the next step, (segment, rung): the cheapest in
+def _next_step(chain: _Transitions, choices: dict, level: dict[int, int], missing: float) -> Optional[tuple[int, int]]:
+    """Note [Lighter selective, as a descent]: the next step, (segment, choice): the cheapest in
     milliseconds of those that free the ``missing`` bytes, else the cheapest per byte freed."""
-    covering: Optional[tuple[float, int, int]] = None  # (ms, segment, rung)
-    cheapest: Optional[tuple[float, int, int]] = None  # (ms per byte, segment, rung)
-    for i, ladder in ladders.items():
+    covering: Optional[tuple[float, int, int]] = None  # (ms, segment, choice)
+    cheapest: Optional[tuple[float, int, int]] = None  # (ms per byte, segment, choice)
+    for i, own in choices.items():
         at = level[i]
-        for rung in range(at + 1, len(ladder)):
-            gained = ladder[at][2] - ladder[rung][2]
-            if gained > 0 and chain.may[i][chain.acts.index(ladder[rung][0])]:
-                added = max(ladder[rung][3] - ladder[at][3], 0.0)
+        for to in range(at + 1, len(own)):
+            gained = own[at][2] - own[to][2]
+            if gained > 0 and chain.may[i][chain.acts.index(own[to][0])]:
+                added = max(own[to][3] - own[at][3], 0.0)
                 if gained >= missing and (covering is None or added < covering[0]):
-                    covering = (added, i, rung)
+                    covering = (added, i, to)
                 if cheapest is None or added / gained < cheapest[0]:
-                    cheapest = (added / gained, i, rung)
+                    cheapest = (added / gained, i, to)
     step = covering or cheapest
     return None if step is None else (step[1], step[2])
 
@@ -511,8 +511,8 @@ def _selective_descent(
     profile: ModelProfile, costs: SegmentCosts, chain: _Transitions, picks: list[Action], budget_bytes: int,
 ) -> Optional[tuple[list[Action], Prediction, ModelProfile]]:
     """Note [Lighter selective, as a descent]: the DP's plan with every segment it recomputes whole
-    on selective's full choice instead, then, until the plan fits, a step down the ladder of one
-    segment the DP keeps or recomputes (:func:`_selective_ladder`): the step adding the fewest
+    on selective's full choice instead, then, until the plan fits, one segment the DP keeps or
+    recomputes a step down its choices (:func:`_descent_choices`): the step adding the fewest
     milliseconds of those that free the bytes still missing, else the fewest per byte freed;
     simulated once the bytes freed reach the excess. ``None`` where the DP recomputes nothing
     whole that selective may take, or nothing fits."""
@@ -528,26 +528,26 @@ def _selective_descent(
         return None
     window = chain.window.keywords()
     acts = list(picks)
-    ladders = {i: _selective_ladder(chain.segs[i], picks[i] is Action.KEEP) for i in movable}
+    choices = {i: _descent_choices(chain.segs[i], picks[i] is Action.KEEP) for i in movable}
     level = {i: 0 for i in movable}
     for i in movable:
-        acts[i] = ladders[i][0][0]
+        acts[i] = choices[i][0][0]
     chosen: dict[str, tuple[str, ...]] = {}
     freed, excess = 0.0, None
-    for _ in range(sum(len(ladder) for ladder in ladders.values())):
+    for _ in range(sum(len(own) for own in choices.values())):
         if excess is None or freed >= excess:
             trial = profile.with_selective_ops(chosen)
             prediction = simulate_chain(trial, acts, costs, **window)
             if prediction.peak_bytes <= budget_bytes:
                 return acts, prediction, trial
             excess, freed = float(prediction.peak_bytes - budget_bytes), 0.0
-        step = _next_step(chain, ladders, level, excess - freed)
+        step = _next_step(chain, choices, level, excess - freed)
         if step is None:
             return None
-        i, rung = step
-        freed += ladders[i][level[i]][2] - ladders[i][rung][2]
-        level[i] = rung
-        action, ops = ladders[i][rung][0], ladders[i][rung][1]
+        i, to = step
+        freed += choices[i][level[i]][2] - choices[i][to][2]
+        level[i] = to
+        action, ops = choices[i][to][0], choices[i][to][1]
         acts[i] = action
         chosen.pop(chain.segs[i].name, None)
         if action is Action.SELECTIVE and ops != chain.segs[i].selective_ops:
@@ -588,7 +588,7 @@ def solve(
     acts = _allowed(actions)
     costs = segment_costs(profile)
     windows = resolve_windows(profile, prefetch_segments, inflight_segments, prefetch_bytes, inflight_bytes)
-    best: Optional[tuple[list[Action], Prediction, ModelProfile, Window]] = None
+    best: Optional[tuple[list[Action], Prediction, ModelProfile, CopyWindow]] = None
     for window in windows:
         found = _fastest_fitting(profile, costs, _Transitions(profile, costs, acts, window), budget_bytes, max_states)
         if found is not None and (best is None or found[1].step_ms < best[1].step_ms - 1e-9):

@@ -25,8 +25,8 @@ Note [Pinned slabs]: torch's pinned-memory allocator (``CachingHostAllocator``, 
 settings) rounds every request up to a power of two and keeps a freed block cached, for a later
 request of the same rounded size, until ``torch.cuda.empty_host_cache()`` — which would wait
 for the device. A buffer per saved tensor in size classes therefore holds up to twice the bytes
-it reports, and what the pool drops stays pinned: on the soak of issue 24 (GPT, batch sizes
-4..9) 3.45x the largest step's offloaded bytes were held by torch where the pool counted 1.72x.
+it reports, and what the pool drops stays pinned: on a soak of changing shapes (GPT, batch
+sizes 4..9) torch held 3.45x the largest step's offloaded bytes where the pool counted 1.72x.
 The engine's pool (:class:`SlabHostPool`) asks torch only for power-of-two slabs of at least
 1 MiB — what torch really reserves — and cuts each offloaded tensor's buffer from one, in
 order (512-byte aligned): a slab whose pieces have all been released is started again from its

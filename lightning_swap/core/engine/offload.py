@@ -36,7 +36,7 @@ prefetched fetches them on demand. Nothing is fetched that no unpack will consum
 backward: a prefetch is only ever issued for an entry that has not been fetched yet, so the
 extra device memory of prefetching is bounded by the ``k`` segments' offloaded bytes.
 
-Note [Copy windows in bytes]: with ``prefetch_bytes`` / ``inflight_bytes`` given (issue 23),
+Note [Copy windows in bytes]: with ``prefetch_bytes`` / ``inflight_bytes`` given,
 what is fetched ahead and what is in flight are bounded in bytes instead of in segments, so a
 large segment does not pin its whole size twice:
 
@@ -87,8 +87,9 @@ Note [Saved metadata]: dtype, size, stride and storage offset are those of the s
 the lazy conjugate and negative bits are not in the bytes, so they are kept and put back.
 
 Note [Regions outside the segments are hooked for the whole step]: the stem, the code between
-segments and the head with its loss are no modules the runtime can wrap (issue 23: they held
-most of what stayed on the device under the lowest-memory plan). When a plan offloads any of
+segments and the head with its loss are no modules the runtime can wrap, yet under the
+lowest-memory plan they hold most of what stays on the device (Note [Regions outside the
+segments] in ``measure/model_profile.py``). When a plan offloads any of
 them, the runtime enters :meth:`OffloadEngine.outside_hooks` for the whole step (``begin_step``
 to ``end_step``), below every segment's own hooks: inside a segment's forward it sees only what
 the segment's action leaves to it (a kept segment's saved tensors, the inputs a checkpoint

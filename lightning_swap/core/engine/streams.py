@@ -351,10 +351,12 @@ class CopyStreams:
         """Device bytes holding ``host[:nbytes]``, the event the compute stream waits on before
         using them, and the event after which ``host`` may be reused (``None`` when done).
         ``after``: events the copy must follow (the d2h copy that filled ``host``: rule 1);
-        ``before`` / ``then`` queue work on the copy's stream around it. Note [Two events]:
-        the first event is recorded right after the copy, so that compute never waits for what
-        ``then`` queues (under unified memory, the migration of the buffer back to the CPU);
-        the second after ``then``, since the buffer is not free before that has run."""
+        ``before`` / ``then`` queue work on the copy's stream around it.
+
+        Note [Two events]: the first event is recorded right after the copy, so that compute
+        never waits for what ``then`` queues (under unified memory, the migration of the buffer
+        back to the CPU); the second after ``then``, since the buffer is not free before that
+        has run."""
         ops = self.ops
         dst = ops.empty(nbytes, self.device)  # on the compute stream: rule 3
         if not self.asynchronous:

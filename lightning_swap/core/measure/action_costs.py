@@ -206,7 +206,7 @@ def _timed_in_turn(
             failed.append(f"{type(exc).__name__}: {exc}")
         return None
     # Medians, not minima: a minimum of a shared machine's timings is its luckiest run, and a
-    # lucky KEEP against an unlucky RECOMPUTE misprices both (issue 20).
+    # lucky KEEP against an unlucky RECOMPUTE misprices both.
     return [(statistics.median(r[k][0] for r in timed), statistics.median(r[k][1] for r in timed)) for k in range(len(forwards))]
 
 

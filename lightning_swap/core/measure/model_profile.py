@@ -6,8 +6,8 @@ and Note [Steady-state shift] describe how a profile is moved to another batch s
 
 Note [Regions outside the segments]: a model's step also saves tensors outside its repeated
 blocks — the stem, the code between blocks, the head and the loss — and under the lowest-memory
-plan these were most of what stayed on the device (issue 23: ResNet-50's stem, 5.3 MiB of the
-11.7 MiB left above parameters and gradients at batch 34; GPT's logits saved by the loss). Each
+plan these are most of what stays on the device (ResNet-50's stem: 5.3 MiB of the 11.7 MiB left
+above parameters and gradients at batch 34; GPT's logits saved by the loss). Each
 such region that saves something is profiled as a segment is (``outside``, a
 :class:`SegmentProfile` with its own forward and backward windows: Note [Windows outside the
 segments] in ``trace.py``) and placed in the chain between the segments (:attr:`ModelProfile.chain`);
@@ -81,7 +81,7 @@ class SegmentProfile:
     tensor_both_saving_bytes: int = 0
     #: the forward's peak above its start with its saved tensors not held for backward
     #: (recomputed, or offloaded by synchronous copies), measured by running the segment so
-    #: (:mod:`.costs`); -1: not measured (Note [A forward that does not keep] in ``costmodel.py``)
+    #: (:mod:`.action_costs`); -1: not measured (Note [A forward that does not keep] in ``costmodel.py``)
     released_forward_working_bytes: int = -1
     input_saved: bool
     input_small: bool
@@ -92,7 +92,7 @@ class SegmentProfile:
     output_heavy: bool
     output_held_elsewhere: bool
     #: What ``RECOMPUTE`` and ``SELECTIVE`` add to a step, measured on the device by running the
-    #: segment under them (:mod:`.costs`); ``None``: estimated from the forward's time.
+    #: segment under them (:mod:`.action_costs`); ``None``: estimated from the forward's time.
     recompute_ms: Optional[float] = None
     selective_ms: Optional[float] = None
     #: Whether ``SELECTIVE``'s time is floored at the forward of the ops it runs again (Note [An

@@ -1,15 +1,14 @@
 """Profiling the training step that runs anyway.
 
-Note [Observe, do not re-run]: ``policy="auto"`` needs a profile of the model's step, and the
-first version made one by calling the user's step function again, several times (a real
-step, two timing steps, two fake-mode steps, and as many again once the optimizer state
-appeared). Side effects ran again — counters, metric updates, ``self.log``, lists the user
-appends to — and a step that calls ``.item()`` broke fake mode. Here the adapters let a
-training step run as it would (inside the precision plugin's context, the user's own loss and
-optimizer step included) and observe it (:class:`~.trace.StepTracer`); the segments are then
-timed on their own (:mod:`.action_costs`, no user code), and the plans for the steps that
-follow are solved from that profile, shifted to the steady state (Note [Steady-state shift] in
-``model_profile.py``). The user's step runs exactly as often as in plain training.
+Note [Observe, do not re-run]: the user's step runs exactly as often as in plain training.
+``policy="auto"`` needs a profile of the model's step, and a profile made by calling the user's
+step function again would run its side effects again (counters, metric updates, ``self.log``,
+lists the user appends to), and fake mode breaks on a step that calls ``.item()``. So the
+adapters let a training step run as it would (inside the precision plugin's context, the user's
+own loss and optimizer step included) and observe it (:class:`~.trace.StepTracer`); the segments
+are then timed on their own (:mod:`.action_costs`, no user code), and the plans for the steps
+that follow are solved from that profile, shifted to the steady state (Note [Steady-state shift]
+in ``model_profile.py``).
 
 The same machinery observes a step run under a plan (``under``: ``auto``'s guard step, under
 the lowest-memory plan): the windows are measured as the step ran, each segment the plan does
@@ -19,13 +18,12 @@ step measured under a plan]).
 
 Note [Planning costs a few steps]: what the observation adds to training is the segments'
 runs on their own (Note [Timing a segment leaves no trace]): each costs a segment's forward
-and backward, so their number is the cost. Issue 20 measured 14-26 s added to an 8-step run of
-~1.9 s steps when every segment was timed plain, recomputed and selectively recomputed, four
-runs each (about twelve steps' worth). Now: plain three times (a median), ``SELECTIVE`` once,
-``RECOMPUTE`` not at all (its price is its forward's), a forward without saving (its working
-bytes) and, under a plan, one traced run of each segment the plan does not keep — a few steps'
-worth; the steady state's measurements correct the prices afterwards (Note [Re-plan from the
-steady state] in ``scale/auto.py``).
+and backward, so their number is the cost, and it is kept to a few steps' worth: each segment
+runs plain three times (a median), ``SELECTIVE`` once, ``RECOMPUTE`` not at all (its price is
+its forward's), once forward without saving (its working bytes) and, under a plan, once traced
+if the plan does not keep it. Timing every action four times each costs about twelve steps'
+worth (14-26 s added to an 8-step run of ~1.9 s steps); the steady state's measurements correct
+the prices afterwards instead (Note [Re-plan from the steady state] in ``scale/auto.py``).
 
 Note [An observed step holds no batch]: an observed step (plain, a guard step, a plan's first
 step) must hold on the device what the same step holds in plain training, or its measured peak
@@ -77,7 +75,7 @@ from ..tensors import infer_batch_size, tensors_in
 from .action_costs import ActionCosts, measure_action_costs
 from .model_profile import SELECTIVE_REFUSAL, ModelProfile
 from .profiler import _offload_savings, assemble, selective_choice
-from .trace import StepTrace, StepTracer, boundary_keys, region_times
+from .trace import Mark, MarkKind, StepTrace, StepTracer, Window, WindowKind, boundary_keys, region_times
 
 __all__ = ["ObservedStep"]
 
@@ -161,7 +159,7 @@ class ObservedStep:
         """The step is over: the trace ends here (its modes closed), the profile is built later."""
         if self.open:
             self.open = False
-            self.tracer.rec.mark("stop")
+            self.tracer.rec.mark(MarkKind.STOP)
             self.trace = self.tracer.finish()
 
     @property
@@ -227,12 +225,16 @@ class ObservedStep:
         names = trace.names  # one per call of a module run several times (Note [A segment per call])
         n = len(names)
         marks = trace.marks
-        end = marks.get("end", 0.0)
-        fwd = {i: max(marks.get(("fe", i), 0.0) - marks.get(("fs", i), 0.0), 0.0) for i in range(n)}
-        bwd = {i: max(marks.get(("be", i), end) - marks.get(("bs", i), end), 0.0) for i in range(n)}
-        # Outside the segments: the rest of the step, its optimizer step included ("stop"), as a
+        end = marks.get(Mark(MarkKind.END), 0.0)
+
+        def span(first: MarkKind, last: MarkKind, i: int, default: float) -> float:
+            return max(marks.get(Mark(last, i), default) - marks.get(Mark(first, i), default), 0.0)
+
+        fwd = {i: span(MarkKind.FORWARD_START, MarkKind.FORWARD_END, i, 0.0) for i in range(n)}
+        bwd = {i: span(MarkKind.BACKWARD_START, MarkKind.BACKWARD_END, i, end) for i in range(n)}
+        # Outside the segments: the rest of the step, its optimizer step included (STOP), as a
         # step's measured time (StepStats.step_ms) covers it.
-        outside = max(marks.get("stop", end) - sum(fwd.values()) - sum(bwd.values()), 0.0)
+        outside = max(marks.get(Mark(MarkKind.STOP), end) - sum(fwd.values()) - sum(bwd.values()), 0.0)
         order = [names.index(name) for name in trace.order]
         regions = region_times(marks, order, end)
         # Note [Selective under compile chooses compute-heavy calls] in ``profiler.py``.
@@ -300,11 +302,12 @@ def _with_alone_working(profile: ModelProfile, trace: StepTrace, names: list[str
         if own is None:
             continue
         i = names.index(s.name)
-        fwd, bwd = own.window_peak.get(("fwd", 0), 0), own.window_peak.get(("bwd", 0), 0)
-        rise_f = max(0, fwd - own.window_start.get(("fwd", 0), fwd))
-        rise_b = max(0, bwd - own.window_start.get(("bwd", 0), bwd))
-        start_f = trace.window_start.get(("fwd", i), s.forward_peak_bytes - s.forward_working_bytes)
-        start_b = trace.window_start.get(("bwd", i), s.backward_peak_bytes - s.backward_working_bytes)
+        forward, backward = Window(WindowKind.FORWARD, 0), Window(WindowKind.BACKWARD, 0)  # the one segment's, alone
+        fwd, bwd = own.window_peak.get(forward, 0), own.window_peak.get(backward, 0)
+        rise_f = max(0, fwd - own.window_start.get(forward, fwd))
+        rise_b = max(0, bwd - own.window_start.get(backward, bwd))
+        start_f = trace.window_start.get(Window(WindowKind.FORWARD, i), s.forward_peak_bytes - s.forward_working_bytes)
+        start_b = trace.window_start.get(Window(WindowKind.BACKWARD, i), s.backward_peak_bytes - s.backward_working_bytes)
         segments[pos] = dataclasses.replace(
             s, forward_working_bytes=rise_f, backward_working_bytes=rise_b, forward_peak_bytes=start_f + rise_f,
             backward_peak_bytes=start_b + rise_b, offload_backward_peak_bytes=start_b + rise_b + min(0, own.offload_bwd_peak.get(0, bwd) - bwd),

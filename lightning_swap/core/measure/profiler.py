@@ -18,7 +18,7 @@ two is not enough: a window's peak is the largest of several moments, some fixed
 gradients arriving) and some growing with the batch (activations), so it is convex in the
 batch and bends where the growing one takes over. DenseNet-121's third dense block at 32 px
 had its backward window at 89.4 / 104.3 MiB at batch 8 / 16, whose line gives 159.8 MiB at
-batch 46, measured 176.1 (issue 23). Times are taken as proportional to the batch size.
+batch 46, measured 176.1. Times are taken as proportional to the batch size.
 
 The profile leaves the model as it found it: buffers (BatchNorm statistics), gradients and
 the RNG state are restored.
@@ -44,7 +44,7 @@ from ..segments import PREFIX_REGION, SegmentSpec, find_segments, region_after, 
 from ..sharded import is_sharded, like_shard, lone_forwards, world_size
 from ..tensors import infer_batch_size, local_tensor, loss_of, storage_bytes
 from .model_profile import _SCALED_INT_FIELDS, _SCALED_MS_FIELDS, ModelProfile, SegmentProfile, refused_actions
-from .trace import PREFIX, StepTrace, run_timing, run_trace
+from .trace import PREFIX, StepTrace, Window, WindowKind, after_region, is_segment, run_timing, run_trace
 from .action_costs import measure_released_working
 
 __all__ = ["DeviceAssumption", "ModelProfile", "SegmentProfile", "measure_bandwidth", "profile"]
@@ -131,12 +131,12 @@ def _resize(batch: Any, old: int, new: int) -> Any:
 @dataclass(frozen=True)
 class _Element:
     """One element of the chain as the trace saw it: a segment (``key`` its index) or a region
-    outside the segments (``PREFIX``, ``("after", i)``), its windows and its boundaries."""
+    outside the segments (``PREFIX``, ``after_region(i)``), its windows and its boundaries."""
 
     key: Any
     name: str
-    fwd_windows: tuple
-    bwd_windows: tuple
+    fwd_windows: tuple[Window, ...]
+    bwd_windows: tuple[Window, ...]
     inp: tuple  # (storage key, bytes) of its input
     out: tuple
 
@@ -144,8 +144,8 @@ class _Element:
 def _chain_elements(trace: StepTrace, names: list[str], order: list[int]) -> list[_Element]:
     """Note [Regions outside the segments]: the segments and, between them, the regions that
     saved something for backward; a region that saved nothing has its windows folded into its
-    neighbours' (the segment before it in forward, the one after it in backward), as before
-    regions were planned, and the prefix's and tail's into the profile's fixed windows."""
+    neighbours' (the segment before it in forward, the one after it in backward), and the
+    prefix's and tail's into the profile's fixed windows."""
 
     def size(pair: Any) -> tuple:
         return pair if pair is not None else (None, 0)
@@ -154,11 +154,13 @@ def _chain_elements(trace: StepTrace, names: list[str], order: list[int]) -> lis
     tail_ok = trace.turnaround_bytes >= 0
     prefix = trace.saved.get(PREFIX)
     if prefix and order:
-        elements.append(_Element(PREFIX, PREFIX_REGION, ("prefix_fwd",), ("prefix_bwd",), (None, 0), size(trace.input_key.get(order[0]))))
+        windows = (Window(WindowKind.PREFIX_FORWARD),), (Window(WindowKind.PREFIX_BACKWARD),)
+        elements.append(_Element(PREFIX, PREFIX_REGION, *windows, (None, 0), size(trace.input_key.get(order[0]))))
     for pos, i in enumerate(order):
         nxt = order[pos + 1] if pos + 1 < len(order) else None
-        own = _Element(i, names[i], (("fwd", i),), (("bwd", i),), size(trace.input_key.get(i)), size(trace.output_key.get(i)))
-        after = ("after", i)
+        windows = (Window(WindowKind.FORWARD, i),), (Window(WindowKind.BACKWARD, i),)
+        own = _Element(i, names[i], *windows, size(trace.input_key.get(i)), size(trace.output_key.get(i)))
+        after = after_region(i)  # the region's key is its forward window
         planned = bool(trace.saved.get(after)) and (nxt is not None or tail_ok)
         if not planned and nxt is not None:  # folded: forward into this segment, backward into the next
             own = dataclasses.replace(own, fwd_windows=own.fwd_windows + (after,))
@@ -166,17 +168,17 @@ def _chain_elements(trace: StepTrace, names: list[str], order: list[int]) -> lis
         if planned:
             out = size(trace.input_key.get(nxt)) if nxt is not None else (None, 0)
             name = region_after([names[j] for j in order], names[i])
-            elements.append(_Element(after, name, (after,), (("after_bwd", i),), size(trace.output_key.get(i)), out))
+            elements.append(_Element(after, name, (after,), (Window(WindowKind.AFTER_BACKWARD, i),), size(trace.output_key.get(i)), out))
     planned_keys = {e.key for e in elements}
     for pos, i in enumerate(order[1:], start=1):  # a folded region's backward: into the next segment's window
-        before = ("after", order[pos - 1])
-        if before not in planned_keys:
+        if after_region(order[pos - 1]) not in planned_keys:
             e = next(e for e in elements if e.key == i)
-            elements[elements.index(e)] = dataclasses.replace(e, bwd_windows=e.bwd_windows + (("after_bwd", order[pos - 1]),))
+            folded = Window(WindowKind.AFTER_BACKWARD, order[pos - 1])
+            elements[elements.index(e)] = dataclasses.replace(e, bwd_windows=e.bwd_windows + (folded,))
     return elements
 
 
-def _window_peak(trace: StepTrace, windows: tuple) -> tuple[int, int]:
+def _window_peak(trace: StepTrace, windows: tuple[Window, ...]) -> tuple[int, int]:
     """The peak over ``windows`` (consecutive in time) and the bytes alive when the first began."""
     peak = max((trace.window_peak.get(w, 0) for w in windows), default=0)
     start = trace.window_start.get(windows[0], peak)
@@ -296,11 +298,11 @@ def _own_bytes(outputs: dict[int, int], boundary: set) -> int:
     return sum(b for k, b in outputs.items() if k not in boundary)
 
 
-#: At most this many lighter selective variants per segment (Note [Lighter selective]).
-MAX_SELECTIVE_VARIANTS = 6
+#: At most this many lighter choices per segment (Note [Lighter selective]).
+MAX_LIGHTER_CHOICES = 6
 
 
-def selective_variants(
+def lighter_choices(
     ops: dict[str, list], chosen: tuple[str, ...], boundary: set, saved: Iterable[int],
 ) -> tuple[tuple[tuple[str, ...], float, float, float], ...]:
     """Note [Lighter selective]: between ``SELECTIVE`` (the calls :func:`selective_choice` keeps)
@@ -308,7 +310,7 @@ def selective_variants(
     walks that line op by op. Here the candidates are the chosen calls less one of them (the
     finest steps in bytes) and less the cheapest per byte, cumulatively (what is cheapest to
     recompute for the bytes it frees, down to one call kept), the fastest first (most forward
-    time still saved), at most :data:`MAX_SELECTIVE_VARIANTS`; each the ops it keeps and its bytes
+    time still saved), at most :data:`MAX_LIGHTER_CHOICES`; each the ops it keeps and its bytes
     kept, bytes not otherwise saved, and forward milliseconds saved, as fractions of the full
     choice's (so they scale with the batch as the full choice does: Note [Batch scaling]). The
     planner takes one where it fits and whole recomputation would be slower (``solver.py``)."""
@@ -326,16 +328,16 @@ def selective_variants(
     order = sorted(chosen, key=lambda op: (density[op], op))
     kept_sets = {tuple(sorted(order[drop:])) for drop in range(1, len(chosen))}
     kept_sets |= {tuple(op for op in chosen if op != dropped) for dropped in chosen}
-    variants = []
+    choices = []
     for kept in kept_sets:
         nbytes, unsaved, ms = fields(kept)
         if nbytes < full[0]:
-            variants.append((kept, nbytes / full[0], unsaved / full[1] if full[1] else 0.0, ms / full[2] if full[2] else 0.0))
-    variants.sort(key=lambda v: (-v[3], v[1], v[0]))
-    if len(variants) > MAX_SELECTIVE_VARIANTS:  # the lightest stays: the planner's first test (solver.py)
-        lightest = min(variants, key=lambda v: (v[1], v[0]))
-        variants = [v for v in variants[:MAX_SELECTIVE_VARIANTS - 1] if v != lightest] + [lightest]
-    return tuple(variants)
+            choices.append((kept, nbytes / full[0], unsaved / full[1] if full[1] else 0.0, ms / full[2] if full[2] else 0.0))
+    choices.sort(key=lambda v: (-v[3], v[1], v[0]))
+    if len(choices) > MAX_LIGHTER_CHOICES:  # the lightest stays: the planner's first test (solver.py)
+        lightest = min(choices, key=lambda v: (v[1], v[0]))
+        choices = [v for v in choices[:MAX_LIGHTER_CHOICES - 1] if v != lightest] + [lightest]
+    return tuple(choices)
 
 
 def _element_profile(
@@ -343,16 +345,16 @@ def _element_profile(
     min_offload_bytes: int,
 ) -> SegmentProfile:
     saved = trace.saved.get(e.key, {})
-    heavy = trace.heavy.get(e.key, {}) if isinstance(e.key, int) and e.key >= 0 else {}
+    heavy = trace.heavy.get(e.key, {}) if is_segment(e.key) else {}
     (in_key, in_bytes), (out_key, out_bytes) = e.inp, e.out
     if out_key == in_key:  # the segment returned (a view of) its input: no new storage
         out_bytes = 0
     boundary = {in_key, out_key}
-    save_ops, variants = None, ()
-    if isinstance(e.key, int) and e.key >= 0 and trace.ops.get(e.key):  # Note [Which ops selective recomputation saves]
+    save_ops, lighter = None, ()
+    if is_segment(e.key) and trace.ops.get(e.key):  # Note [Which ops selective recomputation saves]
         save_ops, heavy, share = selective_choice(trace.ops[e.key], boundary, frozenset(trace.mutated), saved,
                                                   in_graph=e.key in trace.in_graph)
-        variants = selective_variants(trace.ops[e.key], save_ops, boundary, saved)
+        lighter = lighter_choices(trace.ops[e.key], save_ops, boundary, saved)
         heavy_ms = fwd_ms * share
     internal = {k: b for k, b in saved.items() if k not in boundary}
     heavy_internal = {k: b for k, b in heavy.items() if k not in boundary}
@@ -379,7 +381,7 @@ def _element_profile(
         heavy_unsaved_bytes=sum(b for k, b in heavy_internal.items() if k not in saved),
         offload_bytes=sum(b for b in saved.values() if b >= small),
         largest_offload_bytes=max((b for b in saved.values() if b >= small), default=0),
-        gradient_bytes=trace.grad_bytes.get(e.key, 0) if isinstance(e.key, int) and e.key >= 0 else 0,
+        gradient_bytes=trace.grad_bytes.get(e.key, 0) if is_segment(e.key) else 0,
         forward_working_bytes=max(0, fwd_peak - fwd_start),
         backward_working_bytes=max(0, bwd_peak - bwd_start),
         forward_peak_bytes=fwd_peak,
@@ -387,7 +389,7 @@ def _element_profile(
         offload_backward_peak_bytes=min(bwd_peak, trace.offload_bwd_peak.get(e.key, bwd_peak)),
         **_offload_savings(trace, e.key, bwd_peak),
         selective_ops=save_ops,
-        selective_variants=variants,
+        selective_variants=lighter,
         input_saved=in_key in saved,
         input_small=in_bytes < small,
         input_from_previous=input_from_previous,
@@ -487,9 +489,9 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
     n = len(names)
     if fake:
         fwd = {i: trace.est_all_ms.get(i, 0.0) for i in range(n)}
-        outside = sum(v for k, v in trace.est_all_ms.items() if not isinstance(k, int) or k < 0)
+        outside = sum(v for k, v in trace.est_all_ms.items() if not is_segment(k))
         step_ms = 3 * (sum(fwd.values()) + outside)
-        fwd.update({k: v for k, v in trace.est_all_ms.items() if not isinstance(k, int) or k < 0})
+        fwd.update({k: v for k, v in trace.est_all_ms.items() if not is_segment(k)})
         bwd = {k: 2 * v for k, v in fwd.items()}
         heavy = {i: trace.est_heavy_ms.get(i, 0.0) for i in range(n)}
     else:
@@ -503,7 +505,7 @@ def _chain_profiles(
     min_offload_bytes: int, measured: dict[int, tuple[Optional[float], Optional[float], int, str, bool]],
 ) -> list[tuple[_Element, SegmentProfile]]:
     """Each element of the chain with its profile (Note [Regions outside the segments]); a
-    segment's with what :mod:`.costs` timed and refused (Note [Refused actions])."""
+    segment's with what :mod:`.action_costs` timed and refused (Note [Refused actions])."""
     profiles = []
     for pos, e in enumerate(elements):
         prev = elements[pos - 1] if pos else None
@@ -512,7 +514,7 @@ def _chain_profiles(
             trace, e, prev, nxt, fwd_ms=fwd.get(e.key, 0.0), bwd_ms=bwd.get(e.key, 0.0), heavy_ms=heavy.get(e.key, 0.0),
             min_offload_bytes=min_offload_bytes,
         )
-        if isinstance(e.key, int) and e.key >= 0:
+        if is_segment(e.key):
             m = measured.get(e.key, (None, None, -1, "", True))
             p = dataclasses.replace(
                 p, recompute_ms=m[0], selective_ms=m[1], released_forward_working_bytes=m[2],
@@ -533,16 +535,16 @@ def assemble(
     measured: Optional[dict[int, tuple[Optional[float], Optional[float], int, str, bool]]] = None,
 ) -> ModelProfile:
     """A :class:`ModelProfile` from a step's trace and its times (``fwd`` / ``bwd``: per segment
-    index, and per region outside the segments, ``PREFIX`` or ``("after", i)``, where known;
+    index, and per region outside the segments, ``PREFIX`` or ``after_region(i)``, where known;
     ``measured``: per segment index the recompute and selective costs, the released forward's
-    working bytes, the refusal and whether selective's time is floored, from :mod:`.costs`)."""
+    working bytes, the refusal and whether selective's time is floored, from :mod:`.action_costs`)."""
     order = [names.index(name) for name in trace.order]
     elements = _chain_elements(trace, names, order)
     profiles = _chain_profiles(trace, elements, fwd=fwd, bwd=bwd, heavy=heavy, min_offload_bytes=min_offload_bytes, measured=measured or {})
-    segments = tuple(p for e, p in profiles if isinstance(e.key, int) and e.key >= 0)
+    segments = tuple(p for e, p in profiles if is_segment(e.key))
     outside, outside_after, seen = [], [], -1
     for e, p in profiles:
-        if isinstance(e.key, int) and e.key >= 0:
+        if is_segment(e.key):
             seen += 1
         else:
             outside.append(p)
@@ -551,10 +553,10 @@ def assemble(
     elements_ms = sum(p.forward_ms + p.backward_ms for _, p in profiles)
     outside_ms = max(step_ms - elements_ms, 0.0)
     d2h, h2d = measure_bandwidth(device)
-    last = ("after", order[-1]) if order else None
+    last = after_region(order[-1]) if order else None
     planned_tail = any(e.key == last for e in elements)
-    tail_windows = ("after", "after_bwd")
-    tail_rest = max([trace.window_peak.get("tail", 0)] + [trace.window_peak.get((w, order[-1]), 0) for w in tail_windows if order])
+    tail_windows = (WindowKind.AFTER, WindowKind.AFTER_BACKWARD)
+    tail_rest = max([0] + [trace.window_peak.get(Window(kind, order[-1]), 0) for kind in tail_windows if order])
     tail_peak = trace.turnaround_bytes if planned_tail else max(tail_rest, trace.window_start.get(last, 0))
     # Note [The tail opens holding the last input] in ``trace.py``: the opening level apart (CPU);
     # planned, the rest is its region's forward window's.
@@ -569,8 +571,8 @@ def assemble(
         static_bytes=trace.static_bytes,
         parameter_bytes=storage_bytes(model.parameters()),  # distinct storages: tied and shared weights once
         gradient_bytes=sum(trace.grad_bytes.values()),
-        prefix_forward_peak_bytes=trace.window_peak.get("prefix_fwd", 0),
-        prefix_backward_peak_bytes=trace.window_peak.get("prefix_bwd", 0),
+        prefix_forward_peak_bytes=trace.window_peak.get(Window(WindowKind.PREFIX_FORWARD), 0),
+        prefix_backward_peak_bytes=trace.window_peak.get(Window(WindowKind.PREFIX_BACKWARD), 0),
         tail_peak_bytes=tail_peak,
         tail_start_bytes=tail_start,
         tail_rest_bytes=tail_rest,
@@ -580,12 +582,12 @@ def assemble(
         step_ms=step_ms,
         d2h_bytes_per_ms=d2h,
         h2d_bytes_per_ms=h2d,
-        optimizer_peak_bytes=trace.window_peak.get("optimizer", 0),
+        optimizer_peak_bytes=trace.window_peak.get(Window(WindowKind.OPTIMIZER), 0),
         outside=tuple(outside),
         outside_after=tuple(outside_after),
         world_size=world_size(model),
         total_saved_bytes=_saved_bytes(trace, lambda region: True),
-        segment_saved_bytes=_saved_bytes(trace, lambda region: isinstance(region, int) and region >= 0),
+        segment_saved_bytes=_saved_bytes(trace, is_segment),
     )
 
 

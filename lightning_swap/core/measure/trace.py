@@ -19,15 +19,16 @@ views, which breaks in-place ops on them (ResNet's ``relu_`` after the residual 
 segment whose input does not require grad has no end event and its window runs to the end of
 the step.
 
-Note [Windows outside the segments]: the code between segments is a region of its own (issue
-23: every saved byte is plannable), with a forward and a backward window: the prefix (before
-the first segment: ``"prefix_fwd"`` / ``"prefix_bwd"``), after each segment ``i`` the code up
-to the next segment (``("after", i)``, from the end of ``i``'s forward to the next one's
-start, and ``("after_bwd", i)``, from the end of the next segment's backward to the start of
-``i``'s), and after the last segment the head and loss, whose forward window ends at
-``backward_begins`` (the bytes alive then are ``turnaround_bytes``) and whose backward window
-runs to the start of the last segment's backward. What each region saves is recorded under its
-key (``PREFIX``, ``("after", i)``), as the segments' under their index.
+Note [Windows outside the segments]: the code between segments is a region of its own, so that
+every saved byte is plannable, with a forward and a backward window (Note [Keys of a measured
+step]): the prefix (before the first segment: ``WindowKind.PREFIX_FORWARD`` / ``PREFIX_BACKWARD``),
+after each segment ``i`` the code up to the next segment (``Window(AFTER, i)``, from the end of
+``i``'s forward to the next one's start, and ``Window(AFTER_BACKWARD, i)``, from the end of the
+next segment's backward to the start of ``i``'s), and after the last segment the head and loss,
+whose forward window ends at ``backward_begins`` (the bytes alive then are ``turnaround_bytes``)
+and whose backward window runs to the start of the last segment's backward. What each region
+saves is recorded under its key (``PREFIX``, ``after_region(i)``: its forward window), as the
+segments' under their index.
 
 Note [Regions held as kept]: a step observed under a plan (``auto``'s guard step: Note [A step
 measured under a plan] in ``decide/under_plan.py``) runs with the regions outside the segments
@@ -60,10 +61,19 @@ from ..engine.recompute import compute_heavy_ops, op_call, written_args
 from ..segments import call_name, resolve_modules, split_call
 from ..sharded import gathered_bytes, gathered_parameters, is_sharded
 from ..tensors import local_tensor
+from .windows import PREFIX, Mark, MarkKind, Window, WindowKind, after_region, is_segment
 
-__all__ = ["CapturedCall", "PREFIX", "StepTrace", "StepTracer", "boundary_keys", "region_times", "run_trace", "run_timing"]
+__all__ = [
+    "CapturedCall", "Mark", "MarkKind", "PREFIX", "StepTrace", "StepTracer", "Window", "WindowKind", "after_region",
+    "boundary_keys", "is_segment", "region_times", "run_trace", "run_timing",
+]
 
-PREFIX = -1  # region before the first segment
+@dataclass(frozen=True)
+class _Backward:
+    """The tracer's region while a backward runs: the backward of ``region`` (a region key), or of
+    nothing known (``None``: a step with no segment)."""
+
+    region: Any
 
 
 def _first_tensor(value: Any) -> Optional[torch.Tensor]:
@@ -107,9 +117,10 @@ class StepTrace:
     """Raw measurements of one kept training step (mutable while recording)."""
 
     order: list[str] = field(default_factory=list)
-    window_peak: dict[Any, int] = field(default_factory=dict)
-    #: Bytes alive when each window started (Note [Windows outside the segments]).
-    window_start: dict[Any, int] = field(default_factory=dict)
+    #: The peak bytes of each window (Note [Windows outside the segments]).
+    window_peak: dict[Window, int] = field(default_factory=dict)
+    #: Bytes alive when each window started.
+    window_start: dict[Window, int] = field(default_factory=dict)
     #: Bytes alive when the loss's backward began (``backward_begins``); -1: not called.
     turnaround_bytes: int = -1
     saved: dict[Any, dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
@@ -129,7 +140,7 @@ class StepTrace:
     #: mode), the storages its outputs made, by key, and its estimated milliseconds.
     ops: dict[int, dict[str, list]] = field(default_factory=lambda: defaultdict(dict))
     #: The storages an op of the forward wrote in place (any region's: a later segment's or the
-    #: glue's write changes what an earlier segment would have saved).
+    #: write of a region outside them changes what an earlier segment would have saved).
     mutated: set = field(default_factory=set)
     #: The segments recomputed inside a compiled graph (Note [Selective under compile chooses
     #: compute-heavy calls] in ``profiler.py``); set by whoever knows the model is compiled.
@@ -141,8 +152,8 @@ class StepTrace:
     peak_bytes: int = 0
     #: Bytes of the parameters FSDP gathered for each segment's forward (a sharded model only).
     gathered_bytes: dict[int, int] = field(default_factory=dict)
-    #: Milliseconds from the step's start to each segment boundary (``StepTracer`` with ``ops``).
-    marks: dict[Any, float] = field(default_factory=dict)
+    #: Milliseconds from the step's start to each mark (``StepTracer`` with ``ops``).
+    marks: dict[Mark, float] = field(default_factory=dict)
     #: What each segment was called with (``StepTracer(capture_inputs=True)``).
     inputs: dict[int, "CapturedCall"] = field(default_factory=dict)
     #: Segments whose input is alive before the step (the batch): never saved by the step.
@@ -228,13 +239,13 @@ def boundary_keys(trace: "StepTrace", order: list[int], key: Any) -> tuple[Any, 
     prefix's output is the first segment's input; the code after segment ``i`` takes ``i``'s
     output and gives the next segment its input (after the last, the loss: no storage).
     ``order``: segment indices in execution order."""
-    if isinstance(key, int) and key >= 0:
+    if is_segment(key):
         return trace.input_key.get(key, (None,))[0], trace.output_key.get(key, (None,))[0]
     if key == PREFIX:
         return None, (trace.input_key.get(order[0], (None,))[0] if order else None)
-    pos = order.index(key[1])
+    pos = order.index(key.segment)
     nxt = order[pos + 1] if pos + 1 < len(order) else None
-    return trace.output_key.get(key[1], (None,))[0], (trace.input_key.get(nxt, (None,))[0] if nxt is not None else None)
+    return trace.output_key.get(key.segment, (None,))[0], (trace.input_key.get(nxt, (None,))[0] if nxt is not None else None)
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -254,7 +265,7 @@ class _OpRecorder(TorchDispatchMode):
         region = rec.region
         if rec.phase_is_forward:  # what it writes in place, in any region (Note [Which ops selective recomputation saves])
             rec.trace.mutated.update(rec.keys.key(s) for t in written_args(func, args, kwargs) if (s := _storage(t)) is not None)
-        if rec.phase_is_forward and isinstance(region, int) and region >= 0:
+        if rec.phase_is_forward and is_segment(region):
             is_heavy = func in self.heavy
             rec.trace.all_op_ms[region] += elapsed_ms
             outputs = {
@@ -272,8 +283,8 @@ class _OpRecorder(TorchDispatchMode):
             rec.record_op(region, str(func), est if rec.fake else elapsed_ms, outputs, cacheable=not func._schema.is_mutable, est=est)
         elif rec.fake and rec.phase_is_forward:
             rec.trace.est_all_ms[region] += self._estimate_ms(func, args, kwargs, out)
-        elif isinstance(region, tuple) and region[0] == "bwd":
-            rec.offload_candidate(region[1], args, kwargs)
+        elif isinstance(region, _Backward) and region.region is not None:
+            rec.offload_candidate(region.region, args, kwargs)
         return out
 
     def _estimate_ms(self, func, args, kwargs, out) -> float:
@@ -311,8 +322,9 @@ class _Recorder:
         self.min_offload_bytes = 1
         self.trace = StepTrace()
         self.keys = _Storages()
+        #: The region running: a region key in forward, a :class:`_Backward` in backward.
         self.region: Any = PREFIX
-        self.window: Any = "prefix_fwd"
+        self.window = Window(WindowKind.PREFIX_FORWARD)
         #: Note [Regions held as kept]: whether the regions outside the segments are counted as
         #: kept whatever the plan does with them, and their saved storages held so, by region.
         self.hold_regions = False
@@ -322,7 +334,7 @@ class _Recorder:
         self._exec: list[int] = []  # segment indices in execution order
         #: Timing events at segment boundaries (``StepTracer`` with ``ops``); ``None``: none.
         self.ops: Any = None
-        self.marks: dict[Any, Any] = {}
+        self.marks: dict[Mark, Any] = {}
         self.capture_inputs = False
         self.inputs: dict[int, "CapturedCall"] = {}
         self._bwd_ops: dict[int, list[tuple[int, set]]] = {}
@@ -350,21 +362,22 @@ class _Recorder:
             costs[1].update({k: b for k, b in outputs.items() if k not in self._made})
         self._made.update(outputs)
 
-    def mark(self, key: Any) -> None:
+    def mark(self, kind: MarkKind, segment: int = -1) -> None:
         if self.ops is not None:
-            self.marks[key] = self.ops.record(self.ops.compute_stream(), timing=True)
+            self.marks[Mark(kind, segment)] = self.ops.record(self.ops.compute_stream(), timing=True)
 
-    def resolve_marks(self) -> dict[Any, float]:
+    def resolve_marks(self) -> dict[Mark, float]:
         """Milliseconds from the step's start to each mark (one wait for the last event)."""
         ops, marks = self.ops, self.marks
-        last = marks.get("stop", marks.get("end"))  # "stop": the whole step's end (the optimizer step's)
+        # STOP: the whole step's end (the optimizer step's)
+        last = marks.get(Mark(MarkKind.STOP), marks.get(Mark(MarkKind.END)))
         if last is not None:
             ops.synchronize(last)  # the profiling step's one wait: its times are needed now
-        start = marks["start"]
+        start = marks[Mark(MarkKind.START)]
         return {k: ops.elapsed_ms(start, e) for k, e in marks.items()}
 
     # -- windows ------------------------------------------------------------------------
-    def switch(self, window: Any) -> None:
+    def switch(self, window: Window) -> None:
         """Note [The tail opens holding the last input]: the window after a segment's forward
         opens in its forward hook, while its caller still references the segment's input; kept,
         that input is saved and stays, but under a plan that moves it to the host it is freed a
@@ -376,26 +389,25 @@ class _Recorder:
         self.trace.peak_bytes = max(self.trace.peak_bytes, peak)
         self.trace.window_peak[self.window] = max(self.trace.window_peak.get(self.window, 0), peak)
         self._let_go(window)
-        after = isinstance(window, tuple) and window[0] == "after"
-        self.meter.reset_peak(after_next_change=after)
+        self.meter.reset_peak(after_next_change=window.kind is WindowKind.AFTER)
         self.window = window
         self.trace.window_start.setdefault(window, self.meter.current_bytes)
 
-    def _let_go(self, window: Any) -> None:
+    def _let_go(self, window: Window) -> None:
         """Note [Regions held as kept]: as a backward window opens, the regions whose backward
         has begun (those that ran after its segment in forward; every one at the prefix's) stop
         being held: kept, their storages would be freed from here on."""
-        if not self.held or not (window == "prefix_bwd" or (isinstance(window, tuple) and window[0] in ("bwd", "after_bwd"))):
+        if not self.held or not window.is_backward:
             return
-        pos = self._exec.index(window[1]) if window != "prefix_bwd" and window[1] in self._exec else -1
-        for region in [r for r in self.held if r == PREFIX and pos < 0 or r != PREFIX and self._exec.index(r[1]) >= pos]:
+        pos = self._exec.index(window.segment) if window.segment in self._exec else -1
+        for region in [r for r in self.held if r == PREFIX and pos < 0 or r != PREFIX and self._exec.index(r.segment) >= pos]:
             self.meter.let_go(self.held.pop(region))
 
     def region_before(self, i: int) -> Any:
         """The outside region that runs just before segment ``i`` in this forward: the prefix, or
         the code after the segment that ran before it (Note [Windows outside the segments])."""
         pos = self._exec.index(i)
-        return PREFIX if pos == 0 else ("after", self._exec[pos - 1])
+        return PREFIX if pos == 0 else after_region(self._exec[pos - 1])
 
     # -- forward hooks ------------------------------------------------------------------
     def _call_index(self, module_name: str) -> int:
@@ -413,10 +425,10 @@ class _Recorder:
             i = self._call_index(module_name)
             self.running.setdefault(module_name, []).append(i)
             self._exec.append(i)
-            self.mark(("fs", i))
+            self.mark(MarkKind.FORWARD_START, i)
             if self.capture_inputs:
                 self.inputs[i] = CapturedCall.of(args, kwargs)
-            self.switch(("fwd", i))
+            self.switch(Window(WindowKind.FORWARD, i))
             self.region = i
             if self.sharded:
                 self._gathered(module, i)
@@ -433,14 +445,14 @@ class _Recorder:
     def post(self, module_name: str):
         def hook(module, args, output):
             i = self.running[module_name].pop()
-            self.mark(("fe", i))
+            self.mark(MarkKind.FORWARD_END, i)
             y = _first_tensor(output)
             if y is not None and (s := _storage(y)) is not None:
                 self.trace.output_key[i] = (self.keys.key(s), s.nbytes())
                 if y.requires_grad:
                     self.handles.append(y.register_hook(self._on_bwd_start(i)))
-            self.region = ("after", i)
-            self.switch(("after", i))
+            self.region = after_region(i)
+            self.switch(Window(WindowKind.AFTER, i))
 
         return hook
 
@@ -448,33 +460,33 @@ class _Recorder:
     def _on_bwd_start(self, i: int):
         def hook(grad):
             self.phase_is_forward = False
-            self.mark(("bs", i))
-            self.switch(("bwd", i))
-            self.region = ("bwd", i)
+            self.mark(MarkKind.BACKWARD_START, i)
+            self.switch(Window(WindowKind.BACKWARD, i))
+            self.region = _Backward(i)
 
         return hook
 
     def _on_bwd_end(self, i: int):
         def hook(grad):
-            self.mark(("be", i))
+            self.mark(MarkKind.BACKWARD_END, i)
             before = self.region_before(i)  # its backward runs next
             if before == PREFIX:
-                self.switch("prefix_bwd")
-            elif self.window == ("bwd", i):
+                self.switch(Window(WindowKind.PREFIX_BACKWARD))
+            elif self.window == Window(WindowKind.BACKWARD, i):
                 # Not when the segment before already began its backward: with nothing in
                 # between, its output is this input, and its hook ran first (hooks run in the
                 # order they were registered).
-                self.switch(("after_bwd", before[1]))
+                self.switch(Window(WindowKind.AFTER_BACKWARD, before.segment))
             else:
                 return
-            self.region = ("bwd", before)
+            self.region = _Backward(before)
 
         return hook
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        region = self.region if not self.phase_is_forward else "tail"
-        if isinstance(region, tuple) and region[0] == "bwd":
-            region = region[1]
+        region = None if self.phase_is_forward else self.region  # in the forward's phase: outside the segments
+        if isinstance(region, _Backward):
+            region = region.region
         self.trace.grad_bytes[region if isinstance(region, int) else "outside"] += p.grad.untyped_storage().nbytes()
 
     def offload_candidate(self, i: int, args: Any, kwargs: Any) -> None:
@@ -515,13 +527,13 @@ class _Recorder:
                     for key in needed & pending.keys():
                         waiting -= pending.pop(key)
                     peaks[i] = max(peaks.get(i, 0), level - waiting)
-            variants = (
+            estimates = (
                 (self.trace.tensor_bwd_peak, held), (self.trace.tensor_bwd_peak_in, saved),
                 (self.trace.tensor_bwd_peak_out, {k: n for k, n in every.items() if k != inp}), (self.trace.tensor_bwd_peak_both, every),
             )
             # A storage another region saved stays alive in plain training past its last use here.
             elsewhere = {key for region, keys in self.trace.saved.items() if region != i for key in keys}
-            for peaks, storages in variants:
+            for peaks, storages in estimates:
                 for k, (level, needed) in enumerate(ops):
                     absent = sum(n for key, n in storages.items() if key not in needed and (last.get(key, k) >= k or key in elsewhere))
                     peaks[i] = max(peaks.get(i, 0), level - absent)
@@ -545,7 +557,7 @@ class _Recorder:
         s = _storage(t)
         if s is not None and id(s) not in self.param_storages and self.phase_is_forward:
             self.trace.saved[self.region][self.keys.key(s)] = s.nbytes()
-            if self.hold_regions and not (isinstance(self.region, int) and self.region >= 0):
+            if self.hold_regions and not is_segment(self.region):
                 token = self.meter.hold(s)
                 if token is not None:
                     self.held.setdefault(self.region, set()).add(token)
@@ -593,7 +605,7 @@ class StepTracer:
     :class:`StepTrace`; ``abort()`` cleans up instead. Segment times come from timing events
     at the segment boundaries (``ops``, read in ``finish``: the one wait of a profiling step).
     ``capture_inputs`` keeps what each segment was called with (small tensors by value, the
-    rest by shape) so its actions can be timed afterwards (:mod:`.costs`).
+    rest by shape) so its actions can be timed afterwards (:mod:`.action_costs`).
     """
 
     def __init__(
@@ -646,7 +658,7 @@ class StepTracer:
             self._static.clear()
             rec.trace.static_bytes = self.meter.current_bytes
             self.meter.reset_peak()
-            rec.mark("start")
+            rec.mark(MarkKind.START)
             self._op_mode.__enter__()
             self._entered.append("ops")
             self._saved_hooks = self._hooks_over()
@@ -663,24 +675,24 @@ class StepTracer:
             self._saved_hooks.__exit__(None, None, None)
         rec = self.rec
         rec.phase_is_forward = False
-        rec.mark("bb")
+        rec.mark(MarkKind.LOSS_BACKWARD)
         rec.trace.turnaround_bytes = self.meter.current_bytes
         if rec._exec:  # Note [Windows outside the segments]: the head and loss's backward
-            rec.switch(("after_bwd", rec._exec[-1]))
-            rec.region = ("bwd", ("after", rec._exec[-1]))
+            rec.switch(Window(WindowKind.AFTER_BACKWARD, rec._exec[-1]))
+            rec.region = _Backward(after_region(rec._exec[-1]))
         else:
-            rec.region = "tail_bwd"
+            rec.region = _Backward(None)
 
     def backward_done(self) -> None:
         """The step's backward is over: what follows (the optimizer step) is its own window."""
-        self.rec.mark("end")
-        self.rec.switch("optimizer")
+        self.rec.mark(MarkKind.END)
+        self.rec.switch(Window(WindowKind.OPTIMIZER))
 
     def finish(self) -> StepTrace:
         rec = self.rec
-        if "end" not in rec.marks:
-            rec.mark("end")
-        rec.switch("end")
+        if Mark(MarkKind.END) not in rec.marks:
+            rec.mark(MarkKind.END)
+        rec.switch(Window(WindowKind.END))
         self._close()
         rec.offload_peaks()
         trace = rec.trace
@@ -737,34 +749,36 @@ def run_trace(
     return tracer.finish()
 
 
-def region_times(marks: dict[Any, float], order: list[int], end: float) -> dict[Any, tuple[float, float]]:
+def region_times(marks: dict[Mark, float], order: list[int], end: float) -> dict[Any, tuple[float, float]]:
     """Forward and backward milliseconds of each region outside the segments (Note [Windows
-    outside the segments]) from the marks of one step (milliseconds from its start; ``"bb"``:
-    the loss's backward began). A missing mark makes its span 0."""
+    outside the segments]), by region key, from the marks of one step (milliseconds from its
+    start). A missing mark makes its span 0."""
 
-    def span(a: Any, b: Any) -> float:
+    def span(a: Mark, b: Mark) -> float:
         return max(marks[b] - marks[a], 0.0) if a in marks and b in marks else 0.0
 
-    marks = {"start": 0.0, "end": end, **marks}
+    fs, fe, bs, be = MarkKind.FORWARD_START, MarkKind.FORWARD_END, MarkKind.BACKWARD_START, MarkKind.BACKWARD_END
+    start, stop, loss = Mark(MarkKind.START), Mark(MarkKind.END), Mark(MarkKind.LOSS_BACKWARD)
+    marks = {start: 0.0, stop: end, **marks}
     out: dict[Any, tuple[float, float]] = {}
     if not order:
         return out
-    out[PREFIX] = (span("start", ("fs", order[0])), span(("be", order[0]), "end"))
+    out[PREFIX] = (span(start, Mark(fs, order[0])), span(Mark(be, order[0]), stop))
     for pos, i in enumerate(order):
         if pos + 1 < len(order):
             j = order[pos + 1]
-            out[("after", i)] = (span(("fe", i), ("fs", j)), span(("be", j), ("bs", i)))
+            out[after_region(i)] = (span(Mark(fe, i), Mark(fs, j)), span(Mark(be, j), Mark(bs, i)))
         else:
-            out[("after", i)] = (span(("fe", i), "bb"), span("bb", ("bs", i)))
+            out[after_region(i)] = (span(Mark(fe, i), loss), span(loss, Mark(bs, i)))
     return out
 
 
-def _timed_windows(marks: dict, n: int, end: float, fwd: dict[int, float], bwd: dict[int, float]) -> float:
+def _timed_windows(marks: dict[Mark, float], n: int, end: float, fwd: dict[int, float], bwd: dict[int, float]) -> float:
     """Each segment's forward and backward ms from one step's marks, kept if faster; ``end``."""
     for i in range(n):
-        fwd[i] = min(fwd.get(i, float("inf")), marks[("fe", i)] - marks[("fs", i)])
-        finish = marks.get(("be", i), end)  # input without grad: the backward ends with the step
-        bwd[i] = min(bwd.get(i, float("inf")), max(finish - marks.get(("bs", i), finish), 0.0))
+        fwd[i] = min(fwd.get(i, float("inf")), marks[Mark(MarkKind.FORWARD_END, i)] - marks[Mark(MarkKind.FORWARD_START, i)])
+        finish = marks.get(Mark(MarkKind.BACKWARD_END, i), end)  # input without grad: the backward ends with the step
+        bwd[i] = min(bwd.get(i, float("inf")), max(finish - marks.get(Mark(MarkKind.BACKWARD_START, i), finish), 0.0))
     return end
 
 
@@ -774,7 +788,7 @@ def run_timing(
     """Forward and backward milliseconds per segment, of the whole step, and of the regions
     outside the segments (:func:`region_times`), from the fastest of ``repeats`` plain steps
     (``names`` as the trace found them: one per call of a module run several times)."""
-    marks: dict[Any, float] = {}
+    marks: dict[Mark, float] = {}
     handles: list[Any] = []
     order: list[int] = []
     calls: dict[str, int] = {}
@@ -790,7 +804,7 @@ def run_timing(
             calls.clear()
             start = now()
             loss = step()
-            marks["bb"] = now()
+            marks[Mark(MarkKind.LOSS_BACKWARD)] = now()
             loss.backward()
             end = _timed_windows(marks, len(names), now(), fwd, bwd)
             total = min(total, end - start)
@@ -828,20 +842,20 @@ def _timing_hooks(
             running.setdefault(module_name, []).append(i)
             if i >= 0:
                 order.append(i)
-            marks[("fs", i)] = now()
+            marks[Mark(MarkKind.FORWARD_START, i)] = now()
             x = _first_tensor(args)
             if x is not None and x.requires_grad:
-                handles.append(x.register_hook(lambda g: marks.__setitem__(("be", i), now())))
+                handles.append(x.register_hook(lambda g: marks.__setitem__(Mark(MarkKind.BACKWARD_END, i), now())))
 
         return hook
 
     def post(module_name):
         def hook(module, args, output):
             i = running[module_name].pop()
-            marks[("fe", i)] = now()
+            marks[Mark(MarkKind.FORWARD_END, i)] = now()
             y = _first_tensor(output)
             if y is not None and y.requires_grad:
-                handles.append(y.register_hook(lambda g: marks.__setitem__(("bs", i), now())))
+                handles.append(y.register_hook(lambda g: marks.__setitem__(Mark(MarkKind.BACKWARD_START, i), now())))
 
         return hook
 

@@ -6,7 +6,7 @@ segment per call in a profile and in a plan (``name``, ``name#1``, ``name#2``...
 pre-hook that counts the calls of the step (with autograd recording, not a recomputation in
 backward) and a ``forward`` that runs the current call's action; calls beyond the plan's (a loop
 that runs longer than the profiled step) are kept. A plan that names the module alone applies
-its action to every call, as before. The counts start again at each ``begin_step``.
+its action to every call. The counts start again at each ``begin_step``.
 """
 
 from __future__ import annotations
@@ -69,12 +69,13 @@ class SegmentCalls:
         entry = self.entry_now(module_name)
         return entry[2] if entry is not None else None
 
-    def dispatch(self, module_name: str, variants: dict[int, Callable[..., Any]], keep: Callable[..., Any]) -> Callable[..., Any]:
-        """A ``forward`` running the current call's variant (``keep`` for calls beyond the plan)."""
+    def dispatch(self, module_name: str, forwards: dict[int, Callable[..., Any]], keep: Callable[..., Any]) -> Callable[..., Any]:
+        """A ``forward`` running the current call's own (``forwards``, by call; ``keep`` for calls
+        beyond the plan)."""
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             entry = self.entry_now(module_name)
-            fn = variants.get(entry[0], keep) if entry is not None else keep
+            fn = forwards.get(entry[0], keep) if entry is not None else keep
             return fn(*args, **kwargs)
 
         return forward

@@ -346,16 +346,16 @@ class SwapRuntime:
                 self._set_aside_compilation(module_name)
             forward, graph = compiled_forward(found[1], forward, module)
         compiled = found is not None or is_compiled(module)
-        variants = {}
+        forwards = {}
         for (call, name, index), action in zip(entries, actions):
             if action is Action.KEEP:
-                variants[call] = _CompiledForward(module, forward) if found is not None else forward
+                forwards[call] = _CompiledForward(module, forward) if found is not None else forward
             else:
-                variants[call] = self._wrap(module, forward, action, index, compiled=compiled, graph=graph, inline=not hooked)
+                forwards[call] = self._wrap(module, forward, action, index, compiled=compiled, graph=graph, inline=not hooked)
         if self._calls.per_call(module_name):
-            module.forward = _SegmentForward(module, self._calls.dispatch(module_name, variants, forward))
+            module.forward = _SegmentForward(module, self._calls.dispatch(module_name, forwards, forward))
         else:
-            module.forward = variants[0]
+            module.forward = forwards[0]
 
     def _set_aside_compilation(self, name: str) -> None:
         """Note [Regional compilation is taken over]."""

@@ -13,7 +13,9 @@ from those, and broadcasts (:meth:`Collectives.on_main`).
 The one mechanism every agreement goes through: the session's plans and guard verdicts
 (:meth:`Collectives.on_main`), the batch-size search's profile, measurements and answer. The
 adapters build it from their framework (Lightning's ``strategy.broadcast`` / ``reduce``,
-Accelerate's ``broadcast_object_list`` / ``gather``); the defaults are one process's identity.
+Accelerate's ``broadcast_object_list`` / ``gather``), or take :func:`process_group_collectives`
+(``torch.distributed``'s default group, which Fabric's strategies start); the defaults are one
+process's identity.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, TypeVar
 
-__all__ = ["Collectives"]
+import torch
+
+__all__ = ["Collectives", "process_group_collectives"]
 
 T = TypeVar("T")
 
@@ -86,3 +90,36 @@ class Collectives:
         if kind == "error":
             raise error if error is not None else body
         return body
+
+
+def process_group_collectives(device: torch.device) -> Collectives:
+    """:class:`Collectives` over ``torch.distributed``'s default process group (rank 0 decides),
+    numbers reduced as float64 on ``device`` (a 32-bit shape hash and a batch size packed in one
+    number stay exact: Note [Auto decides from values] in ``auto.py``); one process's identity
+    when no group is initialised or it holds one process. Every process calls each collective."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return Collectives()
+
+    def broadcast(obj: Any) -> Any:
+        payload = [obj]
+        dist.broadcast_object_list(payload, src=0, device=device)
+        return payload[0]
+
+    def reduce(value: float, op: Any) -> float:
+        number = torch.tensor([float(value)], dtype=torch.float64, device=device)
+        dist.all_reduce(number, op=op)
+        return float(number.item())
+
+    def gather(obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    return Collectives(
+        is_main=dist.get_rank() == 0,
+        broadcast=broadcast,
+        reduce_max=lambda value: reduce(value, dist.ReduceOp.MAX),
+        reduce_min=lambda value: int(reduce(value, dist.ReduceOp.MIN)),
+        gather=gather,
+    )

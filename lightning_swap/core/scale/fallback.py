@@ -10,8 +10,8 @@ started with, so the step run again under the plan draws what plain training wou
 The user's side effects of the failed attempt and of the fake one (a counter, a metric update)
 cannot be undone: that is the one case where the user's step runs more often than in plain
 training, and the adapters warn so. The Lightning strategy runs the step again itself; an
-Accelerate loop is the user's, so there the error propagates and the user's retry of the step
-runs under the plan (``accelerate_swap/accelerator.py``, Note [Accelerate step window]).
+Accelerate or Fabric loop is the user's, so there the error propagates and the user's retry of
+the step runs under the plan (Note [Out of memory in the observed step] in ``hooked.py``).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from ..runtime.stats import StepStats
 from .auto import BatchKey
 from .batch_search import ScaleConfig, ScaleResult, TrialMeasurement, predict_batch_size, search_batch_size
 from .collectives import Collectives
+from .warmup import SteadyRule
 
 if TYPE_CHECKING:
     from .session import SwapSession
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
 __all__ = ["RunSteps", "adopt_search_profile", "search_for_loop"]
 
 log = logging.getLogger(__name__)
+
+#: ``mode="throughput"``: how long the search warms up before it profiles and times anything
+#: (Note [Steady before timing] in ``warmup.py``).
+THROUGHPUT_WARMUP = SteadyRule()
 
 
 # -- around a training loop ----------------------------------------------------------------------
@@ -56,7 +61,8 @@ def search_for_loop(
 
     1. Warm-up (Note [Profile in the steady state]): one step at ``profile_batch_size`` under
        the leanest plan (every segment ``RECOMPUTE_OFFLOAD``), so that gradients and optimizer
-       state exist when the step is profiled, as they do in every step but the first.
+       state exist when the step is profiled; in ``mode="throughput"`` until the step time is
+       steady (Note [Steady before timing]: the search decides from measured times)
     2. Every process profiles one plain step, ``step_fn(session.model, make_batch(n))``
        with ``track()`` (optimizer state) alive, at ``n = profile_batch_size`` and again near
        the largest batch that profile predicts (Note [Profile near the answer]); the profiles
@@ -86,7 +92,7 @@ def search_for_loop(
     prof = _profile_for_search(
         session, run_steps, step_fn, make_batch=make_batch, profile_batch_size=profile_batch_size,
         track=track, collectives=collectives, predict=lambda p: predict_batch_size(p, budget_bytes, config, actions=actions, **window),
-    )
+        warmup=THROUGHPUT_WARMUP if config.mode == "throughput" else None)
     base = profile_batch_size if base_batch_size is None else base_batch_size
     run_trial = _trial_runner(session, run_steps, config, collectives)
     result = search_batch_size(prof, budget_bytes, run_trial, config, actions=actions, base_batch_size=base, **window)
@@ -106,12 +112,17 @@ def _profile_for_search(
     track: Callable[[], Any],
     collectives: Collectives,
     predict: Callable[[Any], Any],
+    warmup: Optional[SteadyRule] = None,
 ) -> Any:
-    """Steps 1 and 2 of :func:`search_for_loop`: warm up, profile on every process (again near
-    the answer ``predict`` gives), merge; every process's ``session.profile`` is the result."""
+    """Steps 1 and 2 of :func:`search_for_loop`: warm up (one step, or until ``warmup`` says the
+    step time is steady), profile on every process (again near the answer ``predict`` gives),
+    merge; every process's ``session.profile`` is the result."""
     session.apply(Plan.lowest_memory(session.segments), pinned=True)
     try:
-        run_steps(profile_batch_size, 1)
+        if warmup is None:
+            run_steps(profile_batch_size, 1)
+        else:
+            _warm_up(run_steps, profile_batch_size, warmup, collectives)
     finally:
         session.remove()
     # Every process makes the batches (a loader may synchronise the processes) and profiles: a
@@ -127,6 +138,22 @@ def _profile_for_search(
         prof = max_profile(collectives.gather(session.measure(batch, step_fn, track())))
     session.profile = prof  # every process: the adapter may plan training from it afterwards
     return prof
+
+
+def _warm_up(run_steps: RunSteps, batch_size: int, rule: SteadyRule, collectives: Collectives) -> int:
+    """Steps at ``batch_size``, ``rule.window`` at a time, until ``rule`` finds their times steady
+    on every process, or ``rule.max_steps`` ran (every process runs the same steps); returns how
+    many ran."""
+    times: list[float] = []
+    ran = 0
+    while ran < rule.max_steps:
+        steps = min(rule.window, rule.max_steps - ran)
+        times += [s.step_ms for s in run_steps(batch_size, steps)]
+        ran += steps
+        if collectives.reduce_min(int(rule.steady(times))):
+            break
+    log.info("warm-up: %d step(s), %s", ran, "steady" if rule.steady(times) else "not steady (the cap)")
+    return ran
 
 
 def _trial_runner(session: "SwapSession", run_steps: RunSteps, config: ScaleConfig, collectives: Collectives) -> Callable[[int, Plan], TrialMeasurement]:
