@@ -24,18 +24,18 @@ from .config import (
     parse_bool, split_options,
 )
 from .decide.costmodel import Prediction, simulate
-from .decide.plan import Plan, PlanRow, format_bytes
+from .decide.plan import Plan, PlanRow
 from .decide.solver import brute_force, min_budget_bytes, solve
 from .engine.meter import DeviceMemoryMeter, host_allocation, mark_host
 from .engine.unified.memory import UnifiedMemory, UnifiedMemoryStats, install_unified_memory, unified_memory_for
-from .errors import InfeasibleBudgetError, InputMutatedError, UnifiedMemoryError, is_out_of_memory
+from .errors import BatchSearchError, InfeasibleBudgetError, InputMutatedError, UnifiedMemoryError, is_out_of_memory
 from .measure.model_profile import ModelProfile, SegmentProfile
 from .measure.profiler import measure_bandwidth, profile
 from .measure.timeline import Timeline, TimelineRecorder
 from .runtime.runtime import SwapRuntime
 from .runtime.stats import StepStats
 from .scale.batch_search import (
-    BatchSearchError, ScaleConfig, ScaleResult, TrialMeasurement, predict_batch_size, search_batch_size,
+    ScaleConfig, ScaleResult, TrialMeasurement, predict_batch_size, search_batch_size,
 )
 from .scale.auto import StepKind
 from .scale.collectives import Collectives, process_group_collectives
@@ -44,7 +44,7 @@ from .scale.loop_search import adopt_search_profile, search_for_loop
 from .scale.session import SwapSession
 from .segments import SegmentSpec, find_segments, split_call
 from .tensors import tensors_in
-from .units import ByteSize, parse_bytes
+from .units import ByteSize, format_bytes, parse_bytes
 
 __all__ = [
     "AUTO",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["InfeasibleBudgetError", "InputMutatedError", "UnifiedMemoryError", "is_out_of_memory"]
+__all__ = ["BatchSearchError", "InfeasibleBudgetError", "InputMutatedError", "UnifiedMemoryError", "is_out_of_memory"]
 
 #: What an out-of-memory error says when it does not carry the type (older torch, cuDNN,
 #: the CPU allocator, errors re-raised as plain ``RuntimeError``).
@@ -93,3 +93,12 @@ class InputMutatedError(RuntimeError):
 
 def _rebuild_mutated(segment: str, op: str) -> "InputMutatedError":
     return InputMutatedError(segment=segment, op=op)
+
+
+class BatchSearchError(RuntimeError):
+    """The batch-size search found no batch size that fits; ``trials`` says what was tried (the
+    search's ``Trial`` records, ``scale/batch_search.py``)."""
+
+    def __init__(self, message: str, *, trials: tuple = ()) -> None:
+        super().__init__(message)
+        self.trials = trials

@@ -34,7 +34,7 @@ import re
 from decimal import Decimal
 from typing import Any, Optional, Union
 
-__all__ = ["ByteSize", "UNITS", "parse_bytes"]
+__all__ = ["ByteSize", "UNITS", "format_bytes", "parse_bytes"]
 
 #: What a byte option accepts: an ``int`` of bytes or a size string such as ``"12GiB"``.
 ByteSize = Union[int, str]
@@ -121,3 +121,15 @@ def parse_bytes(value: Any, *, field: str, allow_none: bool = False, minimum: in
     if nbytes < minimum:
         raise refuse("negative" if nbytes < 0 else f"below the minimum of {minimum}")
     return nbytes
+
+
+def format_bytes(nbytes: Optional[int]) -> str:
+    """``nbytes`` for display, in binary units (the inverse of :func:`parse_bytes` to a tenth)."""
+    if nbytes is None:
+        return "-"
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

@@ -10,20 +10,10 @@ from typing import Optional
 
 from ..actions import Action
 from ..segments import outside_region_names
+from ..units import format_bytes
 
-__all__ = ["Plan", "PlanRow", "format_bytes"]
+__all__ = ["Plan", "PlanRow"]
 
-
-
-def format_bytes(nbytes: Optional[int]) -> str:
-    if nbytes is None:
-        return "-"
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,8 @@ from typing import Any, Optional
 from ..actions import Action
 from ..config import SwapConfig
 from ..decide.costmodel import AUTO_WINDOW, copy_window, copy_window_of, on_demand, simulate
-from ..decide.plan import Plan, format_bytes
+from ..decide.plan import Plan
+from ..units import format_bytes
 from ..decide.solver import min_budget_bytes, solve
 from ..decide.under_plan import as_plain, time_factors
 from ..errors import InfeasibleBudgetError

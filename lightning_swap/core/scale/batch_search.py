@@ -72,14 +72,13 @@ from typing import Optional
 from ..actions import Action
 from ..config import OptionTable, option
 from ..decide.costmodel import simulate
-from ..errors import InfeasibleBudgetError, is_out_of_memory
-from ..decide.plan import Plan, format_bytes
+from ..errors import BatchSearchError, InfeasibleBudgetError, is_out_of_memory
+from ..decide.plan import Plan
 from ..measure.model_profile import ModelProfile
 from ..decide.solver import solve
-from ..units import ByteSize, parse_bytes
+from ..units import ByteSize, format_bytes, parse_bytes
 
 __all__ = [
-    "BatchSearchError",
     "ScaleConfig",
     "ScaleResult",
     "Trial",
@@ -91,14 +90,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _MODES = ("max", "throughput")
-
-
-class BatchSearchError(RuntimeError):
-    """The search found no batch size that fits; ``trials`` says what was tried."""
-
-    def __init__(self, message: str, *, trials: tuple["Trial", ...] = ()) -> None:
-        super().__init__(message)
-        self.trials = trials
 
 
 def _check_mode(value: object, field: str) -> str:

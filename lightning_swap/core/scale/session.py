@@ -24,7 +24,8 @@ from torch import nn
 
 from ..actions import Action, allowed_actions, resolve_policy
 from ..config import SwapConfig
-from ..decide.plan import Plan, format_bytes
+from ..decide.plan import Plan
+from ..units import format_bytes
 from ..engine.streams import SyncOps, Timing
 from ..engine.unified.memory import UnifiedMemory
 from ..errors import is_out_of_memory

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from ..decide.plan import format_bytes
+from ..units import format_bytes
 from ..measure.timeline import Timeline
 from ..tensors import gradient_bytes, storage_bytes, tensors_in
 
