@@ -4,15 +4,18 @@ For ResNet-50 and a GPT-2-small-like model under one budget (the plain-training 
 model's base batch), each searcher runs in a fresh ``Trainer`` and reports: the batch found, the
 trial runs of the fit loop, how many crashed out of memory (or, for ours, measured over the
 budget), the wall time of the whole ``fit`` that searched, and samples/s at the batch found
-(a few plain-loop steps with the method the searcher trains with: plain for Lightning's, the
-plan found for ours).
+(plain-loop steps with the method the searcher trains with: plain for Lightning's, the plan
+found for ours; timed at the same steady state for every searcher: Note [Every method at the
+same steady state] in ``common.py``).
 
 - Lightning: ``Tuner.scale_batch_size(mode=...)`` with its defaults (init 2, 3 steps per trial)
   on ``CPUSwapStrategy(policy="keep")`` subclassed to raise
   ``torch.OutOfMemoryError("CUDA out of memory (simulated: ...)")`` when a step's measured peak
   exceeds the budget (on a GPU without a simulated budget it would be the real error).
 - Ours: ``SwapBatchSizeFinder(mode="max")`` and ``mode="throughput"`` with
-  ``CPUSwapStrategy(budget_bytes=budget)``; its trial runs include one warm-up run.
+  ``CPUSwapStrategy(budget_bytes=budget)``; its trial runs include its warm-up: one run in
+  ``mode="max"``, in ``mode="throughput"`` runs of 4 steps until the step time is steady (Note
+  [Steady before timing] in ``lightning_swap/core/scale/warmup.py``).
 
 Trial runs are counted by wrapping Lightning's ``_try_loop_run`` for the duration of the
 benchmark (restored afterwards). Both searchers stop at ``--cap`` times the base batch.
@@ -40,7 +43,7 @@ from lightning.pytorch.tuner import batch_size_scaling as bss
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from common import MiB, Bench, common_args, fmt, model_specs, print_table, setup
+from common import MiB, Bench, common_args, denormals_flushed, fmt, model_specs, print_table, setup
 from lightning_swap import CPUSwapStrategy, Plan, SwapBatchSizeFinder
 
 HEADER = ("searcher", "batch found", "trial runs", "OOM crashes", "search wall s", "samples/s at batch", "x Lightning power")
@@ -150,7 +153,7 @@ def search_lightning(spec, device, budget: int, mode: str, cap: int, root: str):
         start = time.perf_counter()
         found = Tuner(trainer).scale_batch_size(module, mode=mode, max_val=cap)
         wall = time.perf_counter() - start
-    return found, counts["runs"], counts["oom"], wall, None
+    return found, counts["runs"], counts["oom"], wall, None, 0
 
 
 def search_ours(spec, device, budget: int, mode: str, cap: int, root: str):
@@ -165,7 +168,8 @@ def search_ours(spec, device, budget: int, mode: str, cap: int, root: str):
     result = finder.result
     # The plan names the LightningModule's segments ("model.layer1.0"); the plain loop has the bare model.
     plan = Plan(actions={name.removeprefix("model."): action for name, action in result.plan.actions.items()})
-    return result.batch_size, counts["runs"], result.failed_trials, wall, plan
+    warm = counts["runs"] - len(result.trials)  # the warm-up's runs (Note [Steady before timing] in throughput mode)
+    return result.batch_size, counts["runs"], result.failed_trials, wall, plan, warm
 
 
 def lightning_plain_peak(spec, device, batch_size: int, root: str) -> int:
@@ -179,7 +183,7 @@ def lightning_plain_peak(spec, device, batch_size: int, root: str) -> int:
 
 
 def run_model(spec, device, args) -> None:
-    bench = Bench(spec, device)
+    bench = Bench(spec, device, steady=args.steady)
     with tempfile.TemporaryDirectory() as root:
         budget = lightning_plain_peak(spec, device, spec.base_batch, root)
     cap = args.cap * spec.base_batch
@@ -194,7 +198,7 @@ def run_model(spec, device, args) -> None:
     rows, base_rate = [], None
     for name, search in searchers:
         with tempfile.TemporaryDirectory() as root:
-            batch, runs, ooms, wall, plan = search(root)
+            batch, runs, ooms, wall, plan, warm = search(root)
         m = bench.measure("plain" if plan is None else name, batch, plan=plan, repeats=args.repeats)
         rate = m.samples_per_s
         base_rate = base_rate or rate
@@ -202,7 +206,7 @@ def run_model(spec, device, args) -> None:
         rows.append((
             name + (f" [{plan.summary()}]" if plan is not None else ""),
             str(batch),
-            str(runs) + (" incl. 1 warm-up" if plan is not None else ""),
+            str(runs) + (f" incl. {warm} warm-up" if plan is not None else ""),
             str(ooms) + (" over budget" if plan is not None else ""),
             f"{wall:.1f}",
             fmt(rate, ".1f") + note,
@@ -222,8 +226,9 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", module="lightning")
     names = args.models or (["gpt2-small-like"] if size == "smoke" else ["resnet50", "gpt2-small-like"])
     # At 32 px ResNet-50's static bytes fill the budget and the 5% margins leave no batch.
-    for spec in model_specs(size, names, image=64 if size == "quick" else None):
-        run_model(spec, device, args)
+    with denormals_flushed(args.flush):
+        for spec in model_specs(size, names, image=64 if size == "quick" else None):
+            run_model(spec, device, args)
     return 0
 
 

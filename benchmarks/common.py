@@ -6,7 +6,25 @@ Peak memory comes from one step metered by the library's ``DeviceMemoryMeter`` (
 ``SwapRuntime``, which tracks parameters, gradients, the batch and optimizer state the same way
 for every method); on CPU that is the tracker of live storages, on CUDA the allocator's peak.
 Step time is the median of ``repeats`` further, unmetered steps (the meter's dispatch mode slows
-every op on CPU).
+every op on CPU), timed as Note [Every method at the same steady state] says.
+
+Note [Every method at the same steady state] (issue 36): a fresh model's first steps can be
+several times slower than later ones (on a CPU, denormal floats: Note [Steady before timing] in
+``lightning_swap/core/scale/warmup.py``), and a benchmark that timed each method at whatever
+step it came to measured plain training (first) up to 5x slow. So every timed measurement here:
+
+- runs on CPU with ``torch.set_flush_denormal(True)`` unless ``--keep-denormals``: the
+  benchmarks measure the library, not the CPU's denormal path (the header says which);
+- starts from one reference state of the weights and the optimizer: plain training at the base
+  batch warmed up by :data:`STEADY`'s rule once, then saved (host copies); every method is reset
+  to it before its warm-up and again before its timed steps, so all are timed on the same weights;
+- warms up by the rule (:class:`~lightning_swap.core.scale.warmup.SteadyRule`: until the median
+  of the last ``window`` step times is within ``tolerance`` of the ``window`` before, at most
+  ``max_steps``), then times ``repeats`` steps: their median (:func:`time_steps`).
+
+``plan_quality.py``, ``compile_budget.py`` and ``fsdp.py`` run their own loops and use the same
+rule, flag and :func:`time_steps`; ``max_batch.py`` checks plain's time against the same step
+timed alone in a fresh process (:func:`standalone`).
 
 The GPT-2-small-like model also runs as ``gpt2-small-like+chunked``: the same model, its loss
 computed by the library's chunked cross-entropy from the final hidden states and the tied head
@@ -25,8 +43,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import dataclasses
+import functools
+import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -42,11 +67,23 @@ from lightning_swap.core import Action, Plan, SwapRuntime, chunked_cross_entropy
 from lightning_swap.core import host_allocation, mark_host
 from lightning_swap.core import ScaleConfig, ScaleResult, TrialMeasurement, search_batch_size
 from lightning_swap.core.decide.costmodel import AUTO_WINDOW
-from plan_quality import GPT  # examples/models.py: the one GPT of the repository (plan_quality puts the root on the path)
+from lightning_swap.core.scale.warmup import SteadyRule
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # the repository root: examples/
+from examples.models import GPT  # noqa: E402 - the one GPT of the repository
 
 MiB = 2**20
 
 BASELINES = ("plain", "torch checkpoint", "save_on_cpu")
+#: Note [Every method at the same steady state]: the warm-up before every timed step, by size
+#: (``--smoke`` times nothing worth reading: a token warm-up keeps it fast).
+STEADY = {
+    "full": SteadyRule(window=4, tolerance=0.05, max_steps=40),
+    "quick": SteadyRule(window=4, tolerance=0.05, max_steps=40),
+    "smoke": SteadyRule(window=1, tolerance=0.5, max_steps=3),
+}
 FORCED = (Action.OFFLOAD, Action.RECOMPUTE, Action.SELECTIVE, Action.RECOMPUTE_OFFLOAD)
 AUTO_MODES = ("max", "throughput")
 
@@ -193,6 +230,58 @@ def _simulated_save_on_cpu() -> Any:
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
+# -- timing at the steady state (Note [Every method at the same steady state]) ------------------
+@dataclass(frozen=True)
+class Timing:
+    step_ms: float  # the median of the timed steps
+    warmup_steps: int  # steps run before them
+    steady: bool  # the rule found the warm-up's times steady (else it stopped at its cap)
+    min_ms: Optional[float] = None  # the fastest timed step (what a neighbour's load cannot inflate)
+
+
+def time_step(step: Callable[[], Any], sync: Callable[[], Any] = lambda: None) -> float:
+    """Milliseconds of one ``step()`` (``sync()``: wait for the device before and after)."""
+    sync()
+    start = time.perf_counter()
+    step()
+    sync()
+    return (time.perf_counter() - start) * 1e3
+
+
+def time_steps(
+    step: Callable[[], Any], rule: SteadyRule, repeats: int, *, sync: Callable[[], Any] = lambda: None,
+    reset: Callable[[], Any] = lambda: None,
+) -> Timing:
+    """Note [Every method at the same steady state]: ``reset()``, ``step()`` until ``rule`` finds
+    the step times steady (or its cap), ``reset()`` again, then ``repeats`` timed steps."""
+    reset()
+    warm: list[float] = []
+    while not rule.done(warm):
+        warm.append(time_step(step, sync))
+    reset()
+    times = [time_step(step, sync) for _ in range(max(1, repeats))]
+    return Timing(statistics.median(times), len(warm), rule.steady(warm), min(times))
+
+
+@contextlib.contextmanager
+def denormals_flushed(flush: bool) -> Iterator[None]:
+    """``torch.set_flush_denormal(flush)`` while the benchmark measures, back to torch's default
+    (off) afterwards (Note [Every method at the same steady state])."""
+    torch.set_flush_denormal(flush)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def _host_copy(obj: Any) -> Any:
+    """A deep copy with every tensor in host memory (the meter never sees it; on CUDA the device
+    does not hold it)."""
+    return copy.deepcopy(obj) if not isinstance(obj, dict) else {
+        k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else _host_copy(v)) for k, v in obj.items()
+    }
+
+
 # -- one model and its optimizer in the steady state -------------------------------------------
 @dataclass(frozen=True)
 class Measurement:
@@ -203,6 +292,8 @@ class Measurement:
     #: stayed on the device because no action can move them (None: nothing offloaded).
     saved_bytes: Optional[int] = None
     unplanned_bytes: Optional[int] = None
+    #: How the time was taken (None when only the metered step ran).
+    timing: Optional[Timing] = None
 
     @property
     def samples_per_s(self) -> Optional[float]:
@@ -212,17 +303,34 @@ class Measurement:
 class Bench:
     """A model, its SGD optimizer and its segments on one device, measured method by method."""
 
-    def __init__(self, spec: ModelSpec, device: torch.device, *, unified: Any = None) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device, *, unified: Any = None, steady: SteadyRule = STEADY["quick"]) -> None:
         from lightning_swap.core import find_segments
 
         self.spec, self.device = spec, device
         self.unified = unified  # a UnifiedMemory our plans' runtimes use (unified_memory.py)
+        self.steady = steady  # Note [Every method at the same steady state]
         torch.manual_seed(0)
         self.model = spec.build().to(device).train()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
         self.segments = find_segments(self.model, list(spec.segments) if spec.segments else None)
         self._cache: dict[tuple, Measurement] = {}
         self._step(*spec.make_batch(2, device), contextlib.nullcontext)  # optimizer state exists from here on (batch 2: BatchNorm)
+        self._reference: Optional[tuple[dict, dict]] = None  # the weights and optimizer state every timing starts from
+        #: How plain training at the base batch was warmed up before the reference was saved.
+        self.reference_warmup: Optional[Timing] = None
+
+    def reset(self) -> None:
+        """Weights, buffers and optimizer state back to the reference (Note [Every method at the
+        same steady state]); the first call makes it: plain training at the base batch, warmed up
+        by the rule past a fresh model's first steps, then saved."""
+        if self._reference is None:
+            x, y = self.spec.make_batch(max(2, self.spec.base_batch), self.device)
+            self.reference_warmup = time_steps(lambda: self._step(x, y, contextlib.nullcontext), self.steady, 1, sync=self._sync)
+            self._reference = (_host_copy(self.model.state_dict()), _host_copy(self.opt.state_dict()))
+        weights, opt_state = self._reference
+        with torch.no_grad():
+            self.model.load_state_dict(weights)
+        self.opt.load_state_dict(copy.deepcopy(opt_state))  # loading aliases the tensors it is given: a copy each time
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -258,33 +366,36 @@ class Bench:
             runtime = stack.enter_context(SwapRuntime(self.model, plan, unified=self.unified))
             yield runtime, forward_ctx
 
-    def measure(self, method: str, batch_size: int, *, plan: Optional[Plan] = None, repeats: int = 2) -> Measurement:
-        """Peak of one metered step and the median time of ``repeats`` unmetered ones (cached)."""
+    def measure(self, method: str, batch_size: int, *, plan: Optional[Plan] = None, repeats: int = 2, fresh: bool = False) -> Measurement:
+        """Peak of one metered step and, when ``repeats``, the median time of that many unmetered
+        steps at the steady state (Note [Every method at the same steady state]; cached unless
+        ``fresh``: measured again, the cache updated)."""
         key = (method, batch_size, (tuple(plan.actions.items()), tuple(plan.outside.items()), plan.prefetch_bytes, plan.inflight_bytes) if plan is not None else None)
         cached = self._cache.get(key)
-        if cached is not None and (repeats == 0 or cached.step_ms is not None):
+        if cached is not None and not fresh and (repeats == 0 or cached.step_ms is not None):
             return cached
+        if repeats:
+            self.reset()  # the reference exists before this method's first step
         x, y = self.spec.make_batch(batch_size, self.device)
         with self._applied(method, plan) as (runtime, forward_ctx):
             stats = self._step(x, y, forward_ctx, runtime)
             peak = stats.peak_device_bytes
-            times = []
-            for _ in range(repeats):
-                self._sync()
-                start = time.perf_counter()
-                self._step(x, y, forward_ctx)
-                self._sync()
-                times.append((time.perf_counter() - start) * 1e3)
+            timing = None
+            if repeats:
+                step = functools.partial(self._step, x, y, forward_ctx)
+                timing = time_steps(step, self.steady, repeats, sync=self._sync, reset=self.reset)
+                del step
         del x, y
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        result = Measurement(batch_size, peak, statistics.median(times) if times else None, stats.saved_bytes, stats.unplanned_bytes)
+        result = Measurement(batch_size, peak, timing.step_ms if timing else None, stats.saved_bytes, stats.unplanned_bytes, timing)
         self._cache[key] = result
         return result
 
     def profile(self, batch_size: int, **kwargs: Any):
         """The planner's input: one plain step at ``batch_size`` profiled, scalable in batch size
         (``kwargs`` go to ``profile``: ``fake``, ``assume``)."""
+        self.reset()  # profiled on the weights every method is timed on
         x, y = self.spec.make_batch(batch_size, self.device)
         self.opt.zero_grad(set_to_none=True)
         return profile(
@@ -351,13 +462,17 @@ def planned_max_batch(
     share one measurement, and "at least plain's samples/s" holds in the table as in the search.
     """
 
-    def measure(batch_size: int, plan: Plan) -> Measurement:
+    def measure(batch_size: int, plan: Plan, fresh: bool = False) -> Measurement:
         if set(plan.actions.values()) == {Action.KEEP} and not plan.offloads_outside:
-            return bench.measure("plain", batch_size, repeats=repeats)
-        return bench.measure(name, batch_size, plan=plan, repeats=repeats)
+            return bench.measure("plain", batch_size, repeats=repeats, fresh=fresh)
+        return bench.measure(name, batch_size, plan=plan, repeats=repeats, fresh=fresh)
+
+    tried: list[tuple[int, Plan]] = []
 
     def run_trial(batch_size: int, plan: Plan) -> TrialMeasurement:
-        m = measure(batch_size, plan)
+        # Tried before in this search: timed again (Note [Confirm the winner in the same window]).
+        m = measure(batch_size, plan, fresh=(batch_size, plan) in tried)
+        tried.append((batch_size, plan))
         return TrialMeasurement(peak_bytes=m.peak_bytes, step_ms=m.step_ms)
 
     config = ScaleConfig(mode=mode, margin=0.0, max_batch_size=cap, max_trials=4, candidates=candidates, steps_per_trial=1 + repeats)
@@ -407,17 +522,118 @@ def common_args(parser: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=None,
         help="CPU threads (default 1 on CPU: on 2 shared cores one thread ran ResNet-50 about 5x faster than two)",
     )
+    keep_denormals_arg(parser)
+
+
+def keep_denormals_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--keep-denormals", action="store_true",
+        help="CPU: do not flush denormal floats (default: flushed, Note [Every method at the same steady state] in common.py)",
+    )
+
+
+def denormals_line(device: torch.device, keep: bool) -> str:
+    """What the header says about denormals (``setup`` sets ``args.flush`` the same way)."""
+    if device.type != "cpu":
+        return "denormals as the device computes them"
+    return "denormals kept (--keep-denormals)" if keep else "denormals flushed (torch.set_flush_denormal(True))"
 
 
 def setup(args: argparse.Namespace) -> tuple[str, torch.device]:
-    """The size, the device (CUDA for full runs when there is one), threads; prints the machine line."""
+    """The size, the device (CUDA for full runs when there is one), threads, the warm-up rule
+    (``args.steady``) and whether denormals are flushed (``args.flush``: :func:`denormals_flushed`
+    applies it); prints the machine line and how steps are timed."""
     size = "smoke" if args.smoke else "quick" if args.quick else "full"
     device = torch.device("cuda" if torch.cuda.is_available() and size == "full" else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(args.threads or 1)
     if args.repeats is None:
-        args.repeats = 1 if size == "smoke" else 2 if size == "quick" else 5
+        args.repeats = 1 if size == "smoke" else 4 if size == "quick" else 5
+    args.steady, args.flush = STEADY[size], device.type == "cpu" and not args.keep_denormals
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} thread(s)"
     budget_kind = "simulated budget (CPU live-storage meter)" if device.type == "cpu" else "budget on the CUDA allocator's peak"
-    print(f"device {device} ({where}), torch {torch.__version__}, size {size}, {budget_kind}, {time.strftime('%Y-%m-%d')}")
+    print(f"device {device} ({where}), torch {torch.__version__}, size {size}, {budget_kind}, "
+          f"{denormals_line(device, args.keep_denormals)}, {time.strftime('%Y-%m-%d')}")
+    print(f"timing: every method from the same weights and optimizer state (plain training warmed up, saved, restored before each "
+          f"method's warm-up and timed steps); {args.steady.describe()}; then the median of {args.repeats} timed step(s)")
     return size, device
+
+
+# -- plain training timed alone in a fresh process (max_batch.py's check) ------------------------
+@dataclass(frozen=True)
+class Standalone:
+    """What :func:`standalone` measured in a fresh process."""
+
+    plain: Timing  # plain training alone, warmed up from the model's first step
+    #: With ``turns``: the median ms of each configuration's steps, the two timed in turn.
+    in_turn_ms: tuple[float, ...] = ()
+
+
+def standalone(spec: ModelSpec, size: str, device: torch.device, args: argparse.Namespace, batch_size: int,
+               turns: Optional[tuple[tuple[int, Optional[Plan]], tuple[int, Optional[Plan]]]] = None) -> Standalone:
+    """In a fresh process, with this process's threads and denormal setting: a seeded model and
+    SGD, plain training at ``batch_size`` warmed up from its first step by the same rule and
+    timed as :func:`time_steps` does (no runtime, no reset): ``plain``. With ``turns`` (two
+    configurations, each a batch and a plan of ours or ``None`` for plain), a seeded model for
+    each (a plan's runtime installed once, as in training), both warmed up, then timed in turn,
+    one step each per round, ``args.repeats`` rounds: their ratio is free of the machine's drift."""
+    import pickle
+    import tempfile
+
+    config = dict(model=spec.name, size=size, device=str(device), batch=batch_size, repeats=args.repeats, flush=args.flush,
+                  threads=torch.get_num_threads())
+    env = dict(os.environ, OMP_NUM_THREADS=str(config["threads"]), PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    with tempfile.NamedTemporaryFile(suffix=".pkl") as f:
+        pickle.dump(turns, f)
+        f.flush()
+        config["turns"] = f.name
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--standalone", json.dumps(config)], capture_output=True,
+                              text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the standalone run failed:\n{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return Standalone(Timing(**out["plain"]), tuple(out["turns"] or ()))
+
+
+def _standalone(config: dict) -> dict:
+    import pickle
+
+    torch.set_num_threads(config["threads"])
+    spec, device = model_specs(config["size"], [config["model"]])[0], torch.device(config["device"])
+    with open(config["turns"], "rb") as f:
+        turns = pickle.load(f)
+
+    def trainer(batch_size: int) -> tuple[nn.Module, Callable[[], None]]:
+        """A seeded model, its SGD and a batch: the model and one plain training step of it."""
+        torch.manual_seed(0)
+        model = spec.build().to(device).train()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        x, y = spec.make_batch(batch_size, device)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            spec.loss(model, x, y).backward()
+            opt.step()
+
+        return model, step
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    rule, repeats = STEADY[config["size"]], config["repeats"]
+    with denormals_flushed(config["flush"]), contextlib.ExitStack() as stack:
+        _, plain = trainer(config["batch"])
+        out = dict(plain=dataclasses.asdict(time_steps(plain, rule, repeats, sync=sync)), turns=None)
+        steps = []
+        for batch_size, plan in turns or ():  # a model each, its plan's runtime installed once (as in training)
+            model, step = trainer(batch_size)
+            if plan is not None:
+                stack.enter_context(SwapRuntime(model, plan))
+            time_steps(step, rule, 1, sync=sync)  # its warm-up
+            steps.append(step)
+        if steps:
+            times = [[time_step(step, sync) for step in steps] for _ in range(repeats)]
+            out["turns"] = [statistics.median(t[i] for t in times) for i in range(len(steps))]
+    return out
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--standalone"]:
+    print(json.dumps(_standalone(json.loads(sys.argv[2]))))

@@ -20,8 +20,9 @@ fraction ``f``, in fresh processes:
   lower (at most twice: what auto does on CUDA, whose allocator measures compiled steps; the
   plan column says so); its rise and time alone; then, in
   the same process, beside a fresh ``compile`` model at budget ``f`` (its ``forward`` a new code
-  object, so Dynamo compiles it apart), the two stepping in turn: "beside", the comparison of
-  record, since fresh processes differ by 5-10% on this machine, more than the plans do;
+  object, so Dynamo compiles it apart), the two stepping in turn (``2 * --steps`` pairs; the
+  ratio is the median of the pairs' ratios): "beside", the comparison of record, since fresh
+  processes differ by 5-10% on this machine, more than the plans do;
 - with ``--eager``, also our plan on the eager model (the comparison of 2026-11-23).
 
 The kinds alternate (compile f, ours f, compile f', ...), ``--rounds`` times; each cell is the
@@ -32,8 +33,21 @@ of the timed steps, with glibc told to ``mmap`` every allocation over 64 KiB
 yardstick for compiled and eager code (the library's own meter is a dispatch mode, under which
 compiled code would run eagerly). One thread (``--threads``).
 
-    python benchmarks/compile_budget.py --rounds 2   # the setup of issue 23: 6 blocks, d=256, seq 256, batch 8 (~13 min)
+Timing (Note [Every method at the same steady state] in ``common.py``, issue 36): denormals are
+flushed in every process unless ``--keep-denormals`` (without it a fresh model's first steps
+ran eager kernels up to several times slower, and whatever part of a step ran eagerly in them
+decided the table); AdamW runs at learning rate 0, so every kind in every process is timed on the
+seeded weights; every warm-up (before the profile, before the timed steps, the rival's before
+the race) lasts until the step time is steady by the benchmarks' rule, not a fixed two steps.
+
+    python benchmarks/compile_budget.py --rounds 2   # the setup of issue 23: 6 blocks, d=256, seq 256, batch 8 (~15 min)
     python benchmarks/compile_budget.py --smoke      # tiny, a minute (the smoke test)
+
+On another torch (the workers run under the interpreter that runs this script), e.g.::
+
+    python -m venv /tmp/torch-next && /tmp/torch-next/bin/pip install torch torchvision   # the newest
+    /tmp/torch-next/bin/pip install -e .                                                  # this checkout
+    OMP_NUM_THREADS=1 /tmp/torch-next/bin/python benchmarks/compile_budget.py --rounds 2
 """
 
 from __future__ import annotations
@@ -98,10 +112,13 @@ def _loss(net, batch):
 
 def _trainer(model, idx, fraction: float = 1.0):
     """One AdamW training step of ``model`` (compiled or not) on ``idx`` (:func:`_loss`),
-    compiled under activation memory budget ``fraction``."""
+    compiled under activation memory budget ``fraction``. The learning rate is 0: every step runs
+    AdamW's whole update (moments, the parameter write) and the weights stay the seeded ones, so
+    every kind, in every process, is timed on the same weights (Note [Every method at the same
+    steady state] in ``common.py``: drift-free updates)."""
     import torch
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
 
     def step(net=model):
         with torch._functorch.config.patch(activation_memory_budget=fraction):
@@ -123,7 +140,22 @@ def _timed(steps: int, *runs) -> list[list[float]]:
     return times
 
 
-def _worker(kind: str, fraction: float, size: dict, steps: int, target_rise: int) -> dict:
+def _worker(kind: str, fraction: float, size_name: str, steps: int, target_rise: int, flush: bool) -> dict:
+    from common import STEADY, denormals_flushed
+
+    with denormals_flushed(flush):
+        return _measure(kind, fraction, SIZES[size_name], steps, target_rise, STEADY["smoke" if size_name == "smoke" else "full"])
+
+
+def _steady(step, rule, steps: int, reset=lambda: None):
+    """Warm-up by ``rule``, then ``steps`` timed steps (``common.time_steps``: Note [Every method
+    at the same steady state])."""
+    from common import time_steps
+
+    return time_steps(step, rule, steps, reset=reset)
+
+
+def _measure(kind: str, fraction: float, size: dict, steps: int, target_rise: int, rule) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -135,8 +167,7 @@ def _worker(kind: str, fraction: float, size: dict, steps: int, target_rise: int
     compiled = kind in ("compile", "ours_compiled")
     net = torch.compile(model) if compiled else model
     step, optimizer = _trainer(net, idx, fraction if kind == "compile" else 1.0)
-    for _ in range(2):  # compilation, AdamW's state
-        step()
+    _steady(step, rule, 1)  # compilation, AdamW's state, then until the step time is steady
     runtime, info = None, {}
     if kind in ("ours", "ours_compiled"):
         # Our budget for the same rise in memory: the library's bytes of plain training less the
@@ -181,26 +212,30 @@ def _worker(kind: str, fraction: float, size: dict, steps: int, target_rise: int
             # miss as a correction and plan again, as auto does on CUDA, whose allocator measures
             # the compiled step (Note [A plan's first step refines its profile] in scale/auto.py).
             correction += rise - target_rise
-    base = _reset_peak()
-    (times,) = _timed(steps, step)
-    rise = _status("VmHWM") - base
+    bases = []  # the resident set when the timed steps begin (the peak is reset there)
+    timing = _steady(step, rule, steps, reset=lambda: bases.append(_reset_peak()))
+    rise = _status("VmHWM") - bases[-1]
+    info.update(warmup_steps=timing.warmup_steps, steady=timing.steady)
     if kind == "ours_compiled":
-        # Time beside the compiler in this process, steps alternating: fresh processes differ by
-        # more (5-10% on this machine) than the plans do.
+        # Time beside the compiler in this process, steps alternating (twice as many: the comparison
+        # of record): fresh processes differ by more (5-10% on this machine) than the plans do. The
+        # rival warms up by the same rule. The ratio is the median of each pair's (adjacent steps
+        # share the machine's load), not the ratio of the medians.
         rival, _ = _trainer(torch.compile(_gpt(size, renamed="rival_forward")), idx, fraction)
-        for _ in range(2):
-            rival()
-        ours_ms, rival_ms = _timed(steps, step, rival)
-        info.update(race_ms=statistics.median(ours_ms), race_compile_ms=statistics.median(rival_ms))
+        _steady(rival, rule, 1)
+        ours_ms, rival_ms = _timed(2 * steps, step, rival)
+        info.update(race_ms=statistics.median(ours_ms), race_compile_ms=statistics.median(rival_ms),
+                    race_ratio=statistics.median(o / r for o, r in zip(ours_ms, rival_ms)))
     if runtime is not None:
         runtime.remove()
-    return dict(kind=kind, fraction=fraction, step_ms=statistics.median(times), rise_bytes=rise, **info)
+    return dict(kind=kind, fraction=fraction, step_ms=timing.step_ms, rise_bytes=rise, **info)
 
 
-def _run_worker(kind: str, fraction: float, size_name: str, steps: int, threads: int, target_rise: int = 0) -> dict:
+def _run_worker(kind: str, fraction: float, size_name: str, steps: int, threads: int, target_rise: int = 0, flush: bool = True) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, __file__, "--worker", kind, str(fraction), size_name, str(steps), str(threads), str(target_rise)]
+    cmd = [sys.executable, __file__, "--worker", kind, str(fraction), size_name, str(steps), str(threads), str(target_rise),
+           str(int(flush))]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {kind} {fraction} failed:\n{proc.stderr[-3000:]}")
@@ -209,6 +244,8 @@ def _run_worker(kind: str, fraction: float, size_name: str, steps: int, threads:
 
 # -- the comparison -----------------------------------------------------------------------------
 def main() -> None:
+    from common import STEADY, denormals_line, keep_denormals_arg
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, about a minute")
     parser.add_argument("--fractions", type=float, nargs="+", default=None, help=f"activation memory budgets (default {FRACTIONS})")
@@ -216,24 +253,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds (compile f, ours f, ...)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--eager", action="store_true", help="also our plan on the eager model (fresh processes)")
+    keep_denormals_arg(parser)
     args = parser.parse_args()
     size_name = "smoke" if args.smoke else "default"
     fractions = args.fractions or ((0.5,) if args.smoke else FRACTIONS)
     steps = args.steps or (2 if args.smoke else 7)
     import torch
 
-    size = SIZES[size_name]
-    print(f"torch {torch.__version__}, CPU, {args.threads} thread(s), {time.strftime('%Y-%m-%d')}; GPT {size}, "
-          f"AdamW, median of {steps} warm steps, memory = rise of VmHWM over the timed steps")
+    size, flush = SIZES[size_name], not args.keep_denormals
+    rule = STEADY["smoke" if size_name == "smoke" else "full"]
+    print(f"torch {torch.__version__}, CPU, {args.threads} thread(s), {denormals_line(torch.device('cpu'), args.keep_denormals)}, "
+          f"{time.strftime('%Y-%m-%d')}; GPT {size}, AdamW at lr 0 (the same weights in every process), {rule.describe()}, then "
+          f"the median of {steps} timed steps; memory = rise of VmHWM over the timed steps")
     kinds = ("compile", "ours_compiled", "ours") if args.eager else ("compile", "ours_compiled")
     rows: dict[float, dict[str, list[dict]]] = {f: {k: [] for k in kinds} for f in fractions}
-    plain = _run_worker("eager", 1.0, size_name, steps, args.threads)
+    plain = _run_worker("eager", 1.0, size_name, steps, args.threads, flush=flush)
     for _ in range(args.rounds):
         for f in fractions:
-            compiled = _run_worker("compile", f, size_name, steps, args.threads)
+            compiled = _run_worker("compile", f, size_name, steps, args.threads, flush=flush)
             rows[f]["compile"].append(compiled)
             for kind in kinds[1:]:
-                rows[f][kind].append(_run_worker(kind, f, size_name, steps, args.threads, target_rise=compiled["rise_bytes"]))
+                rows[f][kind].append(_run_worker(kind, f, size_name, steps, args.threads, target_rise=compiled["rise_bytes"], flush=flush))
     print(f"plain eager: {plain['step_ms']:.0f} ms, rise {plain['rise_bytes'] / MiB:.1f} MiB")
     header = ["budget f", "compile MiB", "ours MiB", "compile ms alone", "ours ms alone", "compile ms beside", "ours ms beside",
               "ours / compile beside"]
@@ -249,7 +289,7 @@ def main() -> None:
             low = rows[f]["ours_compiled"][0]
             print(" | ".join(cells + [f"infeasible (least {low['min_budget_bytes'] / MiB:.1f} MiB, asked {low['budget_bytes'] / MiB:.1f})"]))
             continue
-        beside = med(o, "race_ms") / med(o, "race_compile_ms")
+        beside = med(o, "race_ratio")  # the median over rounds of each round's median paired ratio
         cells += [f"{med(o, 'rise_bytes') / MiB:.1f}", f"{med(c, 'step_ms'):.0f}", f"{med(o, 'step_ms'):.0f}",
                   f"{med(o, 'race_compile_ms'):.0f}", f"{med(o, 'race_ms'):.0f}", f"{beside:.2f}x"]
         if args.eager:
@@ -261,10 +301,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        kind, fraction, size_name, steps, threads, target = sys.argv[2:8]
+        kind, fraction, size_name, steps, threads, target, flush = sys.argv[2:9]
         import torch
 
         torch.set_num_threads(int(threads))
-        print(json.dumps(_worker(kind, float(fraction), SIZES[size_name], int(steps), int(target))))
+        print(json.dumps(_worker(kind, float(fraction), size_name, int(steps), int(target), flush == "1")))
     else:
         main()

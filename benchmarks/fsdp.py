@@ -11,8 +11,10 @@ are ``fully_shard``-ed (FSDP2, gloo on the CPU, NCCL on CUDA), each rank on its 
 batch. Peak memory is each rank's, from the library's ``DeviceMemoryMeter`` around every step
 (the CPU's live-storage tracker, or the CUDA allocator's peak), the same for every method
 (plain and checkpointing run under an all-``keep`` runtime that only meters); step time is the
-median wall time of the steps after ``--warmup``, every one metered (the CPU meter slows every
-op alike). ``auto`` runs its own decisions in those steps (Note [Auto: observe, plan, check]):
+median wall time of ``steps`` steps after a warm-up that lasts until the step time (the slower
+rank's) is steady, every one metered (the CPU meter slows every op alike); AdamW at learning rate
+0, so every method is timed on the seeded weights, and denormals flushed on CPU unless
+``--keep-denormals`` (Note [Every method at the same steady state] in ``common.py``). ``auto`` runs its own decisions in those steps (Note [Auto: observe, plan, check]):
 its per-rank budget lies ``--budget-fraction`` of the way from checkpointing's peak to plain's
 (the largest over the ranks of each), so it has more memory than checkpointing and less than
 plain needs.
@@ -36,13 +38,14 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: examples/, lightning_swap
 
+from common import STEADY, denormals_flushed, denormals_line, keep_denormals_arg  # noqa: E402
 from examples.models import GPT  # noqa: E402
 from lightning_swap.core import Action, Collectives, SwapConfig, SwapRuntime, SwapSession, find_segments  # noqa: E402
 
 METHODS = ("plain FSDP2", "FSDP2 + checkpoint", "FSDP2 + auto")
 SIZES = {
-    "default": dict(vocab=512, dim=256, heads=4, layers=6, seq=256, batch=8, steps=8, warmup=3),
-    "smoke": dict(vocab=64, dim=32, heads=2, layers=3, seq=16, batch=2, steps=4, warmup=2),
+    "default": dict(vocab=512, dim=256, heads=4, layers=6, seq=256, batch=8, steps=5, rule="full"),
+    "smoke": dict(vocab=64, dim=32, heads=2, layers=3, seq=16, batch=2, steps=2, rule="smoke"),
 }
 
 
@@ -93,33 +96,44 @@ def _loss(model, batch):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[1].reshape(-1))
 
 
-def _run_metered(size: dict, checkpointed: bool, rank: int) -> tuple[list[int], list[float]]:
+def _steady(step, size: dict) -> tuple[list, list[float], int]:
+    """``step()`` (it returns the step's peak) until the slower rank's step times are steady by the
+    benchmarks' rule, then ``size["steps"]`` timed steps: (every peak, the timed ms, warm-up steps).
+    Every rank judges the same (the largest) times, so all run the same steps."""
+    rule, peaks, warm, times = STEADY[size["rule"]], [], [], []
+    while len(times) < size["steps"]:
+        start = time.perf_counter()
+        peaks.append(step())
+        ms = _largest((time.perf_counter() - start) * 1e3)
+        (times if rule.done(warm) else warm).append(ms)
+    return peaks, times, len(warm)
+
+
+def _run_metered(size: dict, checkpointed: bool, rank: int) -> tuple[list[int], list[float], int]:
     """Plain training (or every block checkpointed) under an all-keep runtime that only meters."""
     model = _model(size, checkpointed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # the same weights for every method
     batch = _batch(size, rank)
-    peaks, times = [], []
     with SwapRuntime(model, {n: Action.KEEP for n in find_segments(model)}, device="cpu") as runtime:
-        for _ in range(size["steps"]):
-            start = time.perf_counter()
+
+        def step() -> int:
             runtime.begin_step([batch, optimizer.state])
             _loss(model, batch).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            peaks.append(runtime.end_step().peak_device_bytes)
-            times.append(time.perf_counter() - start)
-    return peaks, times
+            return runtime.end_step().peak_device_bytes
+
+        return _steady(step, size)
 
 
-def _run_auto(size: dict, budget: int, rank: int) -> tuple[list[int], list[float], str]:
+def _run_auto(size: dict, budget: int, rank: int) -> tuple[list[int], list[float], int, str]:
     model = _model(size, False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # the same weights for every method
     batch = _batch(size, rank)
     config = SwapConfig(policy="auto", budget_bytes=budget)
     session = SwapSession(model, config, "cpu", collectives=_collectives())
-    peaks, times = [], []
-    for _ in range(size["steps"]):
-        start = time.perf_counter()
+
+    def step():
         session.before_step(batch, [batch, optimizer.state], [optimizer.state])
         loss = _loss(model, batch)
         session.backward_begins()
@@ -129,12 +143,13 @@ def _run_auto(size: dict, budget: int, rank: int) -> tuple[list[int], list[float
         optimizer.zero_grad(set_to_none=True)
         session.end_step()
         session.step_done()
-        times.append(time.perf_counter() - start)
         newest = session.records.newest()
-        peaks.append(newest.peak_device_bytes if newest is not None else None)
+        return newest.peak_device_bytes if newest is not None else None
+
+    peaks, times, warm = _steady(step, size)
     plan = session.plan.summary() if session.plan is not None else "-"
     session.close()
-    return peaks, times, plan
+    return peaks, times, warm, plan
 
 
 def _largest(value: float) -> float:
@@ -143,19 +158,19 @@ def _largest(value: float) -> float:
     return float(t.item())
 
 
-def _rank(rank: int, port: int, size: dict, fraction: float, results) -> None:
+def _rank(rank: int, port: int, size: dict, fraction: float, flush: bool, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    rows = {}
     try:
-        warm = size["warmup"]
-        rows = {}
-        for name, checkpointed in ((METHODS[0], False), (METHODS[1], True)):
-            peaks, times = _run_metered(size, checkpointed, rank)
-            rows[name] = (max(peaks), statistics.median(times[warm:]) * 1e3, "")
-        plain, checkpointed = _largest(rows[METHODS[0]][0]), _largest(rows[METHODS[1]][0])
-        budget = int(checkpointed + fraction * (plain - checkpointed))
-        peaks, times, plan = _run_auto(size, budget, rank)
-        rows[METHODS[2]] = (max(p for p in peaks if p is not None), statistics.median(times[warm:]) * 1e3, plan)
+        with denormals_flushed(flush):
+            for name, checkpointed in ((METHODS[0], False), (METHODS[1], True)):
+                peaks, times, warm = _run_metered(size, checkpointed, rank)
+                rows[name] = (max(peaks), statistics.median(times), warm, "")
+            plain, checkpointed = _largest(rows[METHODS[0]][0]), _largest(rows[METHODS[1]][0])
+            budget = int(checkpointed + fraction * (plain - checkpointed))
+            peaks, times, warm, plan = _run_auto(size, budget, rank)
+        rows[METHODS[2]] = (max(p for p in peaks if p is not None), statistics.median(times), warm, plan)
         results[rank] = (rows, budget)
     finally:
         dist.destroy_process_group()
@@ -174,31 +189,34 @@ def main() -> None:
         "--budget-fraction", type=float, default=0.5,
         help="auto's per-rank budget: this far from checkpointing's peak (0) to plain's (1), the largest over the ranks",
     )
+    keep_denormals_arg(parser)
     args = parser.parse_args()
     size = SIZES["smoke" if args.smoke else "default"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = mp.Manager().dict()
-    mp.spawn(_rank, args=(_free_port(), size, args.budget_fraction, results), nprocs=2)
+    mp.spawn(_rank, args=(_free_port(), size, args.budget_fraction, not args.keep_denormals, results), nprocs=2)
     budget = results[0][1]
     print(
         f"FSDP2, 2 CPU processes (gloo); GPT: {size['layers']} blocks, width {size['dim']}, {size['seq']} tokens, "
-        f"vocab {size['vocab']}, batch {size['batch']} per rank; AdamW. Measured on this machine "
-        f"(the CPU live-storage meter, every step metered; step time the median of steps {size['warmup'] + 1}..{size['steps']})."
+        f"vocab {size['vocab']}, batch {size['batch']} per rank; AdamW at lr 0 (the same weights for every method); "
+        f"{denormals_line(torch.device('cpu'), args.keep_denormals)}; {time.strftime('%Y-%m-%d')}, torch {torch.__version__}. "
+        f"Measured on this machine (the CPU live-storage meter, every step metered; step time the median of {size['steps']} steps "
+        f"after a {STEADY[size['rule']].describe()}, judged on the slower rank's times)."
     )
+    warm = ", ".join(f"{name} {results[0][0][name][2]}" for name in METHODS)
     print(
         f"auto's budget: {budget / 2**20:.2f} MiB per rank ({args.budget_fraction:.0%} of the way from checkpointing's "
-        "largest per-rank peak to plain's)\n"
+        f"largest per-rank peak to plain's); warm-up steps: {warm}\n"
     )
     header = f"{'method':<20} | rank | peak MiB | x plain peak | step ms | x plain time | plan"
     print(header)
     print("-" * len(header))
     for rank in (0, 1):
         rows = results[rank][0]
-        plain_peak, plain_ms, _ = rows[METHODS[0]]
+        plain_peak, plain_ms, _, _ = rows[METHODS[0]]
         for name in METHODS:
-            peak, ms, plan = rows[name]
+            peak, ms, _, plan = rows[name]
             print(f"{name:<20} | {rank:>4} | {peak / 2**20:>8.2f} | {peak / plain_peak:>12.2f} | {ms:>7.1f} | {ms / plain_ms:>12.2f} | {plan}")
-
 
 if __name__ == "__main__":
     main()

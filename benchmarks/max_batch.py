@@ -43,6 +43,7 @@ from common import (
     MiB,
     Bench,
     common_args,
+    denormals_flushed,
     fitted_max_batch,
     fmt,
     method_name,
@@ -50,6 +51,7 @@ from common import (
     planned_max_batch,
     print_table,
     setup,
+    standalone,
 )
 
 HEADER = ("method", "max batch", "x plain", "step ms", "samples/s", "peak MiB", "unplanned", "found by")
@@ -75,7 +77,7 @@ def run_model(spec, device, args, budgets: dict) -> list:
     if budget_of not in budgets:  # the twin has not run: measure its plain peak here
         twin = next(s for s in model_specs(args.size, [budget_of]))
         budgets[budget_of] = Bench(twin, device).measure("plain", twin.base_batch, repeats=0).peak_bytes
-    bench = Bench(spec, device)
+    bench = Bench(spec, device, steady=args.steady)
     cap = args.cap * spec.base_batch
     budget = budgets[budget_of]
     print(f"\n== {spec.name} ({spec.kind} {spec.size}, {len(bench.segments)} segments): budget {budget / MiB:.1f} MiB "
@@ -85,10 +87,13 @@ def run_model(spec, device, args, budgets: dict) -> list:
     for action in FORCED:
         found, _ = planned_max_batch(bench, prof, method_name(action), budget, mode="max", actions=(action,), cap=cap, repeats=args.repeats)
         results.append(found)
+    searched = {}
     for mode in AUTO_MODES:
-        found, result = planned_max_batch(bench, prof, f"ours: auto {mode}", budget, mode=mode, actions=None, cap=cap, repeats=args.repeats)
-        if result is not None:
-            found = type(found)(found.method, found.at, f"{found.how}; {result.plan.summary()}")
+        found, searched[mode] = planned_max_batch(
+            bench, prof, f"ours: auto {mode}", budget, mode=mode, actions=None, cap=cap, repeats=args.repeats,
+        )
+        if searched[mode] is not None:
+            found = type(found)(found.method, found.at, f"{found.how}; {searched[mode].plan.summary()}")
         results.append(found)
     plain = results[0].at.batch_size if results[0].at is not None else None
     rows = []
@@ -105,11 +110,68 @@ def run_model(spec, device, args, budgets: dict) -> list:
             r.how,
         ))
     print_table(HEADER, rows)
+    print_warmups(bench, results)
+    if results[0].at is not None and not args.no_check:
+        check_against_alone(bench, spec, device, args, results, searched["throughput"])
     ours = results[-2].at  # auto max
     if ours is not None:
         gpu_prediction(bench, spec, budget, ours.batch_size)
     print(f"   ({time.perf_counter() - start:.0f} s)")
     return results
+
+
+def print_warmups(bench, results) -> None:
+    """How the reference state and each row's timed steps were warmed up (Note [Every method at
+    the same steady state] in common.py)."""
+    ref = bench.reference_warmup
+    timings = [(r.method, r.at.timing) for r in results if r.at is not None and r.at.timing is not None]
+    capped = [name for name, t in timings if not t.steady]
+    steps = [t.warmup_steps for _, t in timings]
+    line = f"   warm-up: the reference (plain at batch {max(2, bench.spec.base_batch)}) {ref.warmup_steps} steps" if ref else "   warm-up:"
+    if steps:
+        line += f"; each row {min(steps)}-{max(steps)} steps"
+    print(line + (f"; not steady at the cap: {', '.join(capped)}" if capped else "; every one steady"))
+
+
+#: Note [Every method at the same steady state]: plain's time here and alone agree within this.
+CHECK_TOLERANCE = 0.10
+
+
+def check_against_alone(bench, spec, device, args, results, searched) -> None:
+    """Plain's step time in this run beside the same configuration timed alone in a fresh process
+    (warmed up from its first step by the same rule), and ``auto throughput``'s samples/s ratio
+    over plain at the base batch (as its search reports it) beside the same two timed in turn in
+    that process: each within :data:`CHECK_TOLERANCE`, or says not. Plain is timed here again just
+    before and after the fresh process (the machine's load drifts: the table's figure is minutes old)."""
+    plain, chosen = results[0].at, searched.chosen_trial if searched is not None else None
+    base = searched.plain_trial if searched is not None else None
+    pair = ((base.batch_size, None), (chosen.batch_size, chosen.plan)) if chosen is not None and base is not None else None
+    before = _plain_again(bench, plain.batch_size, args.repeats)
+    alone = standalone(spec, args.size, device, args, plain.batch_size, pair)
+    after = _plain_again(bench, plain.batch_size, args.repeats)
+    here, fastest = (before.step_ms + after.step_ms) / 2, min(before.min_ms, after.min_ms)
+    spread = abs(before.step_ms - after.step_ms) / min(before.step_ms, after.step_ms)
+    print(f"   check: plain at batch {plain.batch_size}: {here:.0f} ms here ({before.step_ms:.0f} before and {after.step_ms:.0f} after "
+          f"the fresh process, {100 * spread:.0f}% apart: this machine's noise; {plain.step_ms:.0f} in the table), "
+          f"{alone.plain.step_ms:.0f} ms alone in a fresh process (warm-up {alone.plain.warmup_steps} steps"
+          f"{'' if alone.plain.steady else ', not steady at the cap'}): {_verdict(here / alone.plain.step_ms)}; "
+          f"fastest step {fastest:.0f} vs {alone.plain.min_ms:.0f} ms: {_verdict(fastest / alone.plain.min_ms)}")
+    if pair is None or searched.speedup is None:
+        return
+    plain_ms, chosen_ms = alone.in_turn_ms
+    ratio = (chosen.batch_size / chosen_ms) / (base.batch_size / plain_ms)
+    print(f"   check: auto throughput {searched.speedup:.2f}x plain's samples/s at batch {base.batch_size} (its search's trials); "
+          f"alone in a fresh process, the two timed in turn: {ratio:.2f}x ({chosen_ms:.0f} ms at batch {chosen.batch_size}, "
+          f"{plain_ms:.0f} ms at batch {base.batch_size}): {_verdict(searched.speedup / ratio)}")
+
+
+def _plain_again(bench, batch_size: int, repeats: int):
+    bench._cache.pop(("plain", batch_size, None), None)
+    return bench.measure("plain", batch_size, repeats=repeats).timing
+
+
+def _verdict(ratio: float) -> str:
+    return f"{100 * (ratio - 1):+.1f}%, {'within' if abs(ratio - 1) <= CHECK_TOLERANCE else 'NOT within'} {CHECK_TOLERANCE:.0%}"
 
 
 def gpu_prediction(bench, spec, budget: int, batch: int) -> None:
@@ -161,6 +223,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common_args(parser)
     parser.add_argument("--cap", type=int, default=None, help="largest batch searched, as a multiple of the base batch")
+    parser.add_argument("--no-check", action="store_true", help="skip timing plain alone in a fresh process")
     args = parser.parse_args(argv)
     size, device = setup(args)
     args.size = size
@@ -169,7 +232,8 @@ def main(argv=None) -> int:
     names = args.models or (["gpt2-small-like", "gpt2-small-like+chunked"] if size == "smoke" else None)
     specs = model_specs(size, names) if names else model_specs(size)
     budgets: dict = {}
-    found = {spec.name: run_model(spec, device, args, budgets) for spec in specs}
+    with denormals_flushed(args.flush):
+        found = {spec.name: run_model(spec, device, args, budgets) for spec in specs}
     compare_losses(found)
     return 0
 

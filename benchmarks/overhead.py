@@ -8,7 +8,9 @@ measured; a plan measured over its budget is solved again for the amount it miss
 measured again, as the library's check after a plan's first step does. The table gives, per budget, each method's overhead ``step / plain step - 1`` where it
 meets the budget ("-" where it does not); the plot draws overhead against peak memory.
 
-Plain training is measured twice, first and last: the difference is the timing noise.
+Plain training is measured twice, first and last: the difference is the timing noise. Every
+method is timed at the same steady state (Note [Every method at the same steady state] in
+``common.py``: denormals flushed on CPU, the same weights, a warm-up until the step time settles).
 
 ``gpt2-small-like+chunked`` is the same GPT with the library's chunked cross-entropy as its loss
 (its curve is relative to its own plain step); a last line sets its plain step's time and peak
@@ -31,7 +33,9 @@ import time
 import torch
 from torch import nn
 
-from common import BASELINES, FORCED, MiB, Bench, common_args, fmt, forced_plan, method_name, model_specs, print_table, setup
+from common import (
+    BASELINES, FORCED, MiB, Bench, common_args, denormals_flushed, fmt, forced_plan, method_name, model_specs, print_table, setup,
+)
 from lightning_swap.core import Action, InfeasibleBudgetError, SwapRuntime, measure_bandwidth, min_budget_bytes, solve
 
 
@@ -39,7 +43,7 @@ def run_model(spec, device, args, plains: dict):
     """Returns (model name, plain ms, points): points are (method, peak bytes, overhead, budget or None).
     ``plains[spec.name]`` gets the faster of the two plain measurements."""
     start = time.perf_counter()
-    bench = Bench(spec, device)
+    bench = Bench(spec, device, steady=args.steady)
     batch = spec.base_batch
     plain = bench.measure("plain", batch, repeats=args.repeats)
     fixed = {name: bench.measure(name, batch, repeats=args.repeats) for name in BASELINES[1:]}
@@ -191,7 +195,8 @@ def main(argv=None) -> int:
     image = 64 if size == "quick" else None  # activations, not weights, must dominate the curve
     specs = model_specs(size, names, image=image) if names else model_specs(size)
     plains: dict = {}
-    curves = [run_model(spec, device, args, plains) for spec in specs]
+    with denormals_flushed(args.flush):
+        curves = [run_model(spec, device, args, plains) for spec in specs]
     compare_losses(plains)
     if args.out:
         where = "CPU, simulated budget, noisy shared machine" if device.type == "cpu" else torch.cuda.get_device_name(device)

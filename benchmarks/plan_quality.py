@@ -20,8 +20,10 @@ metered step, at its own moment, against a profile timed at another, with torch'
 all-keep plan 571 ms against the profile's 753. On the same loaded machine (load average 5-6)
 a profile's plain step and an untimed plain step agree within the noise (ResNet-50 quick: 1678
 against 1675-1770 ms), but a profile taken at one moment and steps timed minutes later do not
-(1979 against 1463 ms in one run). So the model is warmed up (``--warmup`` plain steps) and
-profiled as ``policy="auto"`` does; the timed steps of all plans are interleaved (round after
+(1979 against 1463 ms in one run). So the model is warmed up (plain steps until their time is
+steady, denormals flushed on CPU: Note [Every method at the same steady state] in ``common.py``;
+no optimizer step anywhere, so every plan runs on the same weights) and profiled as
+``policy="auto"`` does; the timed steps of all plans are interleaved (round after
 round, one warm step of each plan per round, the first round discarded), plain training (every
 segment kept) is one of the plans, and each plan's error is shown twice: against the profile's
 prediction as it is, and re-based — with the profile's plain step replaced by plain's median
@@ -46,6 +48,7 @@ from torch.nn import functional as F
 from lightning_swap.core import InfeasibleBudgetError, SwapRuntime, min_budget_bytes, profile, solve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: examples/
+from common import STEADY, denormals_flushed, denormals_line, keep_denormals_arg, time_steps  # noqa: E402
 from examples.models import GPT  # noqa: E402 - the repository's one GPT (GPT-2 small by default)
 
 MiB = 2**20
@@ -159,17 +162,21 @@ def observed_profile(model: nn.Module, batch: Any, loss_of: Callable[[nn.Module,
     return prof
 
 
-def warm_up(model, batch, device, steps: int) -> None:
-    """Plain steps before profiling: the profile is of a warm model, as in training."""
-    for _ in range(steps):
+def warm_up(model, batch, device, rule) -> int:
+    """Plain steps before profiling, until their time is steady by ``rule`` (Note [Every method
+    at the same steady state] in ``common.py``): the profile is of a warm model, as in training.
+    No optimizer steps here or below: every plan runs on the same weights. Returns the steps run."""
+
+    def step() -> None:
         step_fn(model, batch).backward()
         model.zero_grad(set_to_none=True)
-    _sync(device)
+
+    return time_steps(step, rule, 1, sync=lambda: _sync(device)).warmup_steps
 
 
 def report(name, model, batch, device, args) -> tuple[float, float, float, bool]:
     """One model's table; (worst memory error, worst time error, worst re-based time error, any over budget)."""
-    warm_up(model, batch, device, args.warmup)
+    warmed = warm_up(model, batch, device, args.steady)
     start = time.perf_counter()
     fake = profile(model, batch, step_fn=step_fn, fake=True, scale=False)
     fake_s = time.perf_counter() - start
@@ -181,7 +188,7 @@ def report(name, model, batch, device, args) -> tuple[float, float, float, bool]
     print(f"\n== {name}: batch {len(batch[0])}, {len(prof.segments)} segments, profile {real_s:.1f} s "
           f"(fake-only {fake_s:.1f} s, fake peak {fake.peak_bytes / MiB:.1f} MiB vs real {plain / MiB:.1f} MiB)")
     print(f"   plain peak {plain / MiB:.1f} MiB, smallest feasible budget {lo / MiB:.1f} MiB ({100 * lo / plain:.0f}%), "
-          f"profiled plain step {prof.step_ms:.0f} ms")
+          f"profiled plain step {prof.step_ms:.0f} ms (after {warmed} warm-up steps)")
     plans = [p for _, p in solved if not isinstance(p, Exception)]
     keep = solve(prof, budget_bytes=10 * plain)  # plain training: every segment kept
     times = interleaved_times(model, [keep, *plans], batch, device, args.repeats)
@@ -213,18 +220,22 @@ def main(argv=None) -> int:
     parser.add_argument("--budgets", type=int, default=5, help="budgets from the plain peak down to the minimum")
     parser.add_argument("--repeats", type=int, default=5, help="warm steps timed per plan (their median)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: issue 20's condition)")
-    parser.add_argument("--warmup", type=int, default=3, help="plain steps before profiling")
+    keep_denormals_arg(parser)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
+    args.steady = STEADY["quick" if args.quick else "full"]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} thread(s)"
-    print(f"device {device} ({where}), torch {torch.__version__}, load average {os.getloadavg()[0]:.2f} at the start")
+    print(f"device {device} ({where}), torch {torch.__version__}, {denormals_line(device, args.keep_denormals)}, "
+          f"{time.strftime('%Y-%m-%d')}, load average {os.getloadavg()[0]:.2f} at the start")
+    print(f"timing: no optimizer step (every plan on the same weights); before profiling, {args.steady.describe()}")
     results = []
-    for name, build, batch_size, size, vocab in configs(args.quick, device):
-        torch.manual_seed(0)
-        model = build().to(device)
-        results.append(report(name, model, make_batch(name, batch_size, size, vocab, device), device, args))
+    with denormals_flushed(device.type == "cpu" and not args.keep_denormals):
+        for name, build, batch_size, size, vocab in configs(args.quick, device):
+            torch.manual_seed(0)
+            model = build().to(device)
+            results.append(report(name, model, make_batch(name, batch_size, size, vocab, device), device, args))
     mem, tm, rebased = (max(r[i] for r in results) for i in range(3))
     print(f"\nall: worst memory error {100 * mem:.1f}%, worst time error {100 * tm:.1f}% (re-based {100 * rebased:.1f}%), "
           f"{'a plan ran OVER its budget' if any(r[3] for r in results) else 'no plan over its budget'}; "

@@ -48,6 +48,7 @@ def _header(out: str, first: str) -> list[str]:
         ("batch_search.py", ["searcher", "batch found", "trial runs", "OOM crashes", "search wall s", "samples/s at batch", "x Lightning power"]),
     ],
 )
+@pytest.mark.slow
 def test_benchmark_runs_in_smoke_mode(script, columns):
     out = _run(script)
     assert _header(out, columns[0]) == columns
@@ -56,8 +57,14 @@ def test_benchmark_runs_in_smoke_mode(script, columns):
         assert "== gpt2-small-like+chunked" in out and "plain peak of gpt2-small-like (plain loss)" in out
         assert "max batch, chunked loss" in out
         assert "GPU PREDICTION (the cost model, not measured)" in out and "assumed" in out  # issue 23: labelled, assumptions printed
+        # issue 36: plain's time beside the same step timed alone in a fresh process, and how rows were warmed up
+        assert out.count("   check: plain at batch ") == 2 and "ms alone in a fresh process" in out
+        assert out.count("   warm-up: the reference (plain at batch ") == 2
+    # issue 36: how steps are timed is in the header (Note [Every method at the same steady state])
+    assert "denormals flushed (torch.set_flush_denormal(True))" in out and "timing: every method from the same weights" in out
 
 
+@pytest.mark.slow
 def test_overhead_runs_in_smoke_mode_and_plots(tmp_path):
     png = tmp_path / "curve.png"
     out = _run("overhead.py", "--out", str(png))
@@ -66,6 +73,7 @@ def test_overhead_runs_in_smoke_mode_and_plots(tmp_path):
     assert png.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_unified_memory_benchmark_says_it_needs_a_gpu():
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / "unified_memory.py")],
@@ -86,6 +94,7 @@ print("DONE " + json.dumps(dict(managed_peak=2 ** 20, refused=0, reclaims=0)), f
 """
 
 
+@pytest.mark.slow
 def test_unified_memory_benchmark_keeps_its_time_budget(monkeypatch, capsys):
     """The benchmark's run-time bound, on CPU with stand-in workers: each process is killed at its
     timeout or the section's deadline, the rows it printed before are kept and were printed as they
@@ -120,6 +129,7 @@ def test_unified_memory_benchmark_keeps_its_time_budget(monkeypatch, capsys):
     assert [c.strip() for c in line.split("|")][2:5] == ["20.0", "-", "-"]  # default measured; um=all missing
 
 
+@pytest.mark.slow
 def test_engine_benchmark_needs_a_gpu_and_its_harness_runs_on_cpu():
     """``engine_gpu.py`` measures nothing without a GPU and says so; ``--cpu-smoke`` runs the
     same harness (workers, Lightning, every method, the table and targets) on tiny models."""
@@ -138,6 +148,7 @@ def test_engine_benchmark_needs_a_gpu_and_its_harness_runs_on_cpu():
     assert "keep / plain:" in out and "recompute / torch checkpoint:" in out
 
 
+@pytest.mark.slow
 def test_compile_budget_benchmark_runs_in_smoke_mode():
     """``compile_budget.py`` (issue 23): fresh processes for torch.compile under an activation
     memory budget and for our plan on the compiled model at the same memory, then the two
@@ -152,6 +163,7 @@ def test_compile_budget_benchmark_runs_in_smoke_mode():
     ]
     row = next(line for line in proc.stdout.splitlines() if line.startswith("0.5 |"))
     assert len(row.split("|")) == 9 and "plain eager:" in proc.stdout
+    assert "denormals flushed" in proc.stdout and "AdamW at lr 0" in proc.stdout and "warm-up until the median" in proc.stdout
 
 
 @pytest.mark.skipif(os.environ.get("LSWAP_LONG") != "1", reason="2 processes, ~30 s: the long run, LSWAP_LONG=1")
@@ -182,3 +194,51 @@ def test_fsdp_prediction_orders_the_methods(monkeypatch):
     assert rate["FSDP2 + auto (throughput)"] >= rate["plain FSDP2"]
     ratio = float(next(line for line in lines if "full checkpointing's step" in line).split("step ")[1].split("x")[0])
     assert 1.25 <= ratio <= 1.4
+
+
+# -- the warm-up rule (issue 36: Note [Steady before timing], Note [Every method at the same steady state]) --
+#: Issue 36's plain GPT steps on a CPU that pays for denormals (ms), then its steady ~100 ms.
+_TRANSIENT = [616, 595, 583, 577, 562, 551, 532, 504, 448, 367, 288, 214, 156, 127, 115, 109, 114, 95, 94, 104, 99, 101, 97, 103]
+
+
+def test_steady_rule_waits_out_a_slow_transient_and_ignores_one_spike():
+    from lightning_swap.core.scale.warmup import SteadyRule
+
+    rule = SteadyRule(window=4, tolerance=0.05, max_steps=40)
+    first = next(n for n in range(1, len(_TRANSIENT) + 1) if rule.steady(_TRANSIENT[:n]))
+    assert first == 23  # steps 16-23: 115, 109, 114, 95 | 94, 104, 99, 101 (medians 102 and 100); at 22, 111.5 and 100
+    # the slow start (2% a step) is not steady, though one window of it spans only 7%
+    assert not any(rule.steady(_TRANSIENT[:n]) for n in range(8, 12))
+    assert max(_TRANSIENT[:4]) / min(_TRANSIENT[:4]) < 1.07
+    # a neighbour's burst (one step 3x) does not hold a flat series up; fewer than two windows never steady
+    assert rule.steady([100, 101, 99, 100, 100, 300, 99, 101]) and not rule.steady([100] * 7)
+    assert not rule.done([500 - 10 * i for i in range(39)]) and rule.done([500 - 10 * i for i in range(40)])  # the cap
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [({"window": 0}, "window"), ({"tolerance": 1.0}, "tolerance"), ({"max_steps": True}, "max_steps")])
+def test_steady_rule_rejects_bad_settings(kwargs, name):
+    from lightning_swap.core.scale.warmup import SteadyRule
+
+    with pytest.raises(ValueError, match=name):
+        SteadyRule(**kwargs)
+
+
+def test_time_steps_resets_warms_up_by_the_rule_then_times(monkeypatch):
+    """``common.time_steps`` on a fake clock: the state is reset before the warm-up and again
+    before the timed steps, the warm-up ends where the rule says, the time is the timed steps' median."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import common
+    from lightning_swap.core.scale.warmup import SteadyRule
+
+    durations = iter([t / 1e3 for t in _TRANSIENT[:23]] + [0.090, 0.120, 0.100])
+    now, log = [0.0], []
+
+    def step():
+        log.append("step")
+        now[0] += next(durations)
+
+    monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
+    timing = common.time_steps(step, SteadyRule(window=4, tolerance=0.05, max_steps=40), 3, reset=lambda: log.append("reset"))
+    assert (timing.warmup_steps, timing.steady) == (23, True)
+    assert abs(timing.step_ms - 100.0) < 1e-6  # the median of the 3 steps after the warm-up
+    assert log == ["reset"] + ["step"] * 23 + ["reset"] + ["step"] * 3
