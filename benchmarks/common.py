@@ -19,8 +19,9 @@ step it came to measured plain training (first) up to 5x slow. So every timed me
   batch warmed up by :data:`STEADY`'s rule once, then saved (host copies); every method is reset
   to it before its warm-up and again before its timed steps, so all are timed on the same weights;
 - warms up by the rule (:class:`~lightning_swap.core.scale.warmup.SteadyRule`: until the median
-  of the last ``window`` step times is within ``tolerance`` of the ``window`` before, at most
-  ``max_steps``), then times ``repeats`` steps: their median (:func:`time_steps`).
+  of the last ``window`` step times is within ``tolerance`` of the median of the ``window`` that
+  ended ``window`` steps earlier, at most ``max_steps``), then times ``repeats`` steps: their
+  median (:func:`time_steps`).
 
 ``plan_quality.py``, ``compile_budget.py`` and ``fsdp.py`` run their own loops and use the same
 rule, flag and :func:`time_steps`; ``max_batch.py`` checks plain's time against the same step
@@ -576,7 +577,7 @@ def standalone(spec: ModelSpec, size: str, device: torch.device, args: argparse.
     timed as :func:`time_steps` does (no runtime, no reset): ``plain``. With ``turns`` (two
     configurations, each a batch and a plan of ours or ``None`` for plain), a seeded model for
     each (a plan's runtime installed once, as in training), both warmed up, then timed in turn,
-    one step each per round, ``args.repeats`` rounds: their ratio is free of the machine's drift."""
+    one step each per round, ``2 * args.repeats`` rounds: their ratio is free of the machine's drift."""
     import pickle
     import tempfile
 
@@ -630,7 +631,7 @@ def _standalone(config: dict) -> dict:
             time_steps(step, rule, 1, sync=sync)  # its warm-up
             steps.append(step)
         if steps:
-            times = [[time_step(step, sync) for step in steps] for _ in range(repeats)]
+            times = [[time_step(step, sync) for step in steps] for _ in range(2 * repeats)]
             out["turns"] = [statistics.median(t[i] for t in times) for i in range(len(steps))]
     return out
 

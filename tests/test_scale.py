@@ -230,7 +230,8 @@ def test_throughput_search_warms_up_until_the_step_time_is_steady():
     from lightning_swap.core.scale.collectives import Collectives
     from lightning_swap.core.scale.warmup import SteadyRule
 
-    falling = iter([616, 595, 583, 577, 562, 551, 532, 504, 448, 367, 288, 214, 156, 127, 115, 109, 114, 95, 94, 104, 99, 101, 97, 103])
+    falling = iter([616, 595, 583, 577, 562, 551, 532, 504, 448, 367, 288, 214, 156, 127, 115, 109, 114, 95, 94, 104, 99, 101, 97, 103,
+                    98, 102, 100, 96, 101, 99, 104, 100])
     calls = []
 
     def run_steps(batch_size, steps):
@@ -238,8 +239,8 @@ def test_throughput_search_warms_up_until_the_step_time_is_steady():
         return [StepStats(step_ms=float(next(falling))) for _ in range(steps)]
 
     rule = SteadyRule(window=4, tolerance=0.05, max_steps=40)
-    assert loop_search._warm_up(run_steps, 8, rule, Collectives()) == 24  # steady once 23 ran: checked per chunk of 4
-    assert calls == [(8, 4)] * 6
+    assert loop_search._warm_up(run_steps, 8, rule, Collectives()) == 28  # steady once 27 ran: checked per chunk of 4
+    assert calls == [(8, 4)] * 7
     other_not_yet = Collectives(reduce_min=lambda value: 0)  # another process is not steady: go on, to the cap
     calls.clear()
     flat = lambda b, n: calls.append(n) or [StepStats(step_ms=1.0)] * n  # noqa: E731

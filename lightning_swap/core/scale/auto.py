@@ -231,11 +231,12 @@ REPLAN_GAIN = 0.05
 # denormals at full rate, and the first-call costs (the allocator's growth, kernel selection)
 # fall in the first step of a batch shape, the guard or observed step, whose time prices no
 # segment (segments are timed alone afterwards, medians) and which the revisit's steps follow.
-# What is done here, on any device: a revisit whose steps are still changing (the median of the
-# last two more than ``REVISIT_TOLERANCE`` from the two before: a transient's decay, or a
-# neighbour's burst) neither re-prices nor re-plans, and the log says so; the state machine is
-# unchanged (such a revisit counts as one that kept the plan).
-_REVISIT_STEADY = SteadyRule(window=2, tolerance=REVISIT_TOLERANCE, max_steps=REVISIT_AFTER_STEPS)
+# What is done here, on any device: a revisit whose steps are still changing (the last more than
+# ``REVISIT_TOLERANCE`` from the one two steps before: a transient's decay, or a neighbour's
+# burst; Note [Steady before timing] with windows of one step, all five steps allow) neither
+# re-prices nor re-plans, and the log says so; the state machine is unchanged (such a revisit
+# counts as one that kept the plan).
+_REVISIT_STEADY = SteadyRule(window=1, tolerance=REVISIT_TOLERANCE, max_steps=REVISIT_AFTER_STEPS)
 
 
 def _still_changing(times: Sequence[tuple[float, float, float]]) -> bool:

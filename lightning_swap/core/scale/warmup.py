@@ -14,12 +14,14 @@ steady ratio is ~1x).
 
 So a step time is read only once the step time has settled: a series of step times is *steady*
 when the median of its last ``window`` times is within ``tolerance`` of the median of the
-``window`` times before them. Medians, so one step slowed by a neighbour on a shared machine
-does not hold the warm-up up; two windows compared, so that a slow drift is seen: the series
+``window`` times two windows before (the last ``3 * window`` steps: oldest window, a window
+skipped, newest window). Medians, so one step slowed by a neighbour on a shared machine does not
+hold the warm-up up; windows ``2 * window`` steps apart, so that a slow drift is seen: the series
 above falls ~2% a step at its start, where the spread of one window (616-577 ms: 7%) would call
-it steady. The warm-up ends there or after ``max_steps``. On a GPU the denormal part does not
-arise (NVIDIA GPUs compute fp32 denormals at full rate) and the rule ends after ``2 * window``
-steps once the first calls are over. ``benchmarks/common.py`` times every benchmark's methods
+it steady, and adjacent windows of 4 were measured 4% apart (a transient injected on CPU, whose
+step was larger: 423 and 406 ms) while the decay went on. The warm-up ends there or after
+``max_steps``. On a GPU the denormal part does not arise (NVIDIA GPUs compute fp32 denormals at
+full rate) and the rule ends after ``3 * window`` steps once the first calls are over. ``benchmarks/common.py`` times every benchmark's methods
 by the same rule.
 """
 
@@ -36,7 +38,7 @@ __all__ = ["SteadyRule"]
 class SteadyRule:
     """When a series of step times is steady (Note [Steady before timing])."""
 
-    #: Steps per window: the last ``window`` steps are compared with the ``window`` before.
+    #: Steps per window: the last ``window`` steps are compared with those ``2 * window`` before.
     window: int = 4
     #: How far apart the two windows' medians may be, as a fraction of the smaller.
     tolerance: float = 0.05
@@ -53,11 +55,11 @@ class SteadyRule:
 
     def steady(self, times_ms: Sequence[float]) -> bool:
         """Whether the last ``window`` times' median is within ``tolerance`` of the median of the
-        ``window`` before (``False`` while there are fewer than two windows)."""
+        ``window`` times two windows before (``False`` while there are fewer than three windows)."""
         k = self.window
-        if len(times_ms) < 2 * k:
+        if len(times_ms) < 3 * k:
             return False
-        last, before = statistics.median(times_ms[-k:]), statistics.median(times_ms[-2 * k : -k])
+        last, before = statistics.median(times_ms[-k:]), statistics.median(times_ms[-3 * k : -2 * k])
         return max(last, before) <= (1 + self.tolerance) * min(last, before)
 
     def done(self, times_ms: Sequence[float]) -> bool:
@@ -67,5 +69,5 @@ class SteadyRule:
     def describe(self) -> str:
         return (
             f"warm-up until the median of the last {self.window} step times is within {self.tolerance:.0%} of the median of "
-            f"the {self.window} before (at most {self.max_steps} steps)"
+            f"the {self.window} ending {self.window} steps earlier (at most {self.max_steps} steps)"
         )
