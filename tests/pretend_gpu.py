@@ -12,7 +12,7 @@ intercepted: under this plugin each of them raises instead of choosing, so a tes
 name its device fails here as it would there, and a test that does (``accelerator="cpu"``,
 ``cpu=True``, ``accelerate launch --cpu`` / ``ACCELERATE_USE_CPU``) runs exactly as without the
 plugin. It reaches only this process (not the scripts tests start with ``subprocess``);
-tests/test_suite_hygiene.py checks those statically.
+tests/house/test_suite_hygiene.py checks those statically.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The core of lightning-swap: measure, decide, act, scale. Imports torch only.
 
-Layers (Note [Layer order], enforced by ``tests/test_architecture.py``), each importing only
+Layers (Note [Layer order], enforced by ``tests/house/test_architecture.py``), each importing only
 the ones before it:
 
 - vocabulary: ``config`` (the option table), ``tensors``, ``actions``, ``units``, ``errors``,

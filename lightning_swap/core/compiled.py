@@ -12,7 +12,7 @@ segment's boundary and runs the action eagerly. Inside, the segment's own forwar
 through the *user's* Dynamo context (``ctx(forward)``, the context ``torch.compile`` made:
 same backend, mode and options), so it is compiled as its own graph, in forward and again when
 checkpoint recomputes it in backward; the tensors its AOTAutograd graph saves pass through
-the offload hooks like any saved tensor (``tests/test_compile.py`` checks both).
+the offload hooks like any saved tensor (``tests/runtime/test_compile.py`` checks both).
 
 Note [Recomputation inside the compiled graph]: a compiled segment the plan recomputes
 (``RECOMPUTE``, ``SELECTIVE``) is not recomputed by an eager checkpoint around its compiled
@@ -28,7 +28,7 @@ the compute-heavy ops'; the partitioner decides only what the tags leave free, a
 ``activation_memory_budget`` is not touched (it stays the user's, for the graphs the plan keeps).
 Measured (the 6-block GPT of ``benchmarks/compile_budget.py``, CPU, one thread, in one process):
 all six blocks recomputed 1217 ms a step against 1267 for the eager checkpoint around compiled
-blocks; ``tests/test_compile.py`` checks the saved bytes (846 KiB kept, 648 selective, 264
+blocks; ``tests/runtime/test_compile.py`` checks the saved bytes (846 KiB kept, 648 selective, 264
 recomputed on its small net), one graph run per segment and step, and the weights.
 
 The segment's first call still runs the eager checkpoint (its input check: Note [Checkpointed
@@ -42,7 +42,7 @@ segment's first call; a first call Dynamo traces (the runtime used without ``beg
 metered first step) breaks the graph there, and in a loop over blocks Dynamo then runs that
 frame eagerly for good: the blocks still compile one by one, each recomputing inside its graph.
 Torch logs a warning the first time (``context_fn`` under ``torch.compile``: in-place ops in the
-region); ``tests/test_compile.py`` trains a block with ``relu_`` and ``+=`` to the same weights as
+region); ``tests/runtime/test_compile.py`` trains a block with ``relu_`` and ``+=`` to the same weights as
 the compiled model without the library, under ``aot_eager`` and Inductor. The time of such a
 recomputation is part of the compiled backward: the runtime's ``recompute_ms`` does not count it.
 

@@ -13,7 +13,7 @@ fields, never from a list of its own:
   flags, read through :func:`from_text`;
 - the Fabric strategies take ``SwapConfig``'s fields as keywords (read from ``fields(SwapConfig)``).
 
-So a field added here reaches each of them with no other edit (``tests/test_option_table.py``
+So a field added here reaches each of them with no other edit (``tests/vocabulary/test_option_table.py``
 adds one). The batch-size finders' options are :class:`~lightning_swap.core.scale.batch_search.ScaleConfig`'s
 fields, the same way. Constructing a config has no side effect: installing unified memory is the
 adapters' business (:func:`~lightning_swap.core.engine.unified.memory.install_unified_memory`).

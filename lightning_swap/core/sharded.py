@@ -19,7 +19,7 @@ the recomputed forward calls the segment's ``forward`` (not the module, so no FS
 runs). Units nested inside a recomputed segment are called as modules, and FSDP2 gathers such a
 unit there instead of in its own pre-backward (its backward finds it gathered). Counted on CPU
 (torch 2.15, gloo, 2 ranks; per-block units, and two units inside each segment): a step gathers
-as often under ``recompute`` as under ``keep`` (``tests/test_fsdp_core.py`` counts them), so
+as often under ``recompute`` as under ``keep`` (``tests/runtime/test_fsdp_core.py`` counts them), so
 the plan adds no communication for recomputation, only the compute the cost model already
 prices; the gathered bytes are in the backward window's measured base.
 

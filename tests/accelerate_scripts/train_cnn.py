@@ -1,4 +1,4 @@
-"""Run under ``accelerate launch`` by tests/test_accelerate.py: train the test CNN for a few
+"""Run under ``accelerate launch`` by tests/adapters/test_accelerate.py: train the test CNN for a few
 steps, plain and with the swap plugin (switched on by the environment and in code), and
 save what each run produced for the test to compare.
 

@@ -1,5 +1,5 @@
 """Run under ``accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2`` by
-tests/test_accelerate_fsdp.py: train the test GPT with Accelerate's FSDP2 (each block its own
+tests/adapters/test_accelerate_fsdp.py: train the test GPT with Accelerate's FSDP2 (each block its own
 unit), plain and with the swap plugin (switched on by the launching environment, then by each
 policy in turn, then ``auto``), then with its FSDP1 (plain and two policies), and save what each
 run produced for the test to compare.

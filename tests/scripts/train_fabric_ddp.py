@@ -4,7 +4,7 @@ and under ``policy="auto"`` at a budget between the lowest-memory forced plan's 
 ``--kind fsdp2``: the test GPT, each block and the whole model ``fully_shard``-ed, under
 ``ModelParallelStrategy`` / ``ModelParallelCPUSwapFabricStrategy``. Each rank saves its full
 states, plans and its own meter's peaks to ``--out.rank<r>``. Asserts nothing:
-``tests/test_fabric.py`` compares.
+``tests/adapters/test_fabric.py`` compares.
 
 Run as a script: Fabric's launcher starts the second rank by re-running this file.
 """

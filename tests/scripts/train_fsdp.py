@@ -1,5 +1,5 @@
 """Train under Lightning's sharded strategies on 2 CPU processes (gloo), plain and with cpu_swap,
-and save what each run produced for ``tests/test_fsdp.py`` to compare. One job per model runs
+and save what each run produced for ``tests/adapters/test_fsdp.py`` to compare. One job per model runs
 every case, so the suite starts two processes per model, not one pair per case:
 
 - ``--model gpt``: a GPT whose blocks are each ``fully_shard``-ed in ``configure_model``, under
@@ -228,7 +228,7 @@ def core(args, out: dict) -> None:
     from lightning_swap import Action, Plan, SwapRuntime, find_segments, profile, simulate
     from lightning_swap.core.measure.model_profile import max_profile
     from tests.models import MODELS, TinyGPT
-    from tests.test_fsdp_core import sharded_gpt
+    from tests.runtime.test_fsdp_core import sharded_gpt
 
     rank = torch.distributed.get_rank()
     model = sharded_gpt()

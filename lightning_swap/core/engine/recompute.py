@@ -27,7 +27,7 @@ training mode normalises with the batch's own statistics its output is the same.
 launched to save or restore anything.
 Under ``torch.compile`` the segment's graph specialises on ``momentum`` and on
 ``num_batches_tracked`` being ``None``, so the recomputation runs a second graph (compiled once per
-block class, then reused) with the same effect (``tests/test_compile.py`` checks the statistics).
+block class, then reused) with the same effect (``tests/runtime/test_compile.py`` checks the statistics).
 Norm layers whose ``forward`` is not torch's BatchNorm one are copied as other buffers are; they
 are listed by type, since ``native_batch_norm`` writes statistics without bumping the version.
 

@@ -37,7 +37,7 @@ was declared infeasible. So nothing here keeps the batch or the step's arguments
 list of static tensors when it begins); the session keeps the batch's key, and for its
 out-of-memory fallback the batch's tensors by weak references (``WeakBatch`` in
 ``scale/fallback.py``, Note [The observed step does not fit]).
-``tests/test_auto_every_step.py`` checks that ``auto``'s steps peak at plain's where plain
+``tests/scale/test_auto_every_step.py`` checks that ``auto``'s steps peak at plain's where plain
 fits, under Accelerate and Lightning.
 
 Note [Observe every rank]: under FSDP every process runs every collective of the step (the

@@ -21,7 +21,7 @@ every hook and refuse under ``fullgraph=True``. The runtime does not depend on e
 the module-level compilation aside while installed (``_compiled_call_impl`` to ``None``; the
 wrapper's ``forward`` to the module's own ``__call__``) and compiles the segment's forward
 itself, with the same Dynamo context: hooks and actions run eagerly around one graph per
-segment, with no graph break (``tests/test_compile.py`` checks the set-aside, the graphs and
+segment, with no graph break (``tests/runtime/test_compile.py`` checks the set-aside, the graphs and
 the breaks).
 
 Note [No dispatch mode under compile]: on CPU the device meter is a ``TorchDispatchMode``, and

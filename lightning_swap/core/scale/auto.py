@@ -36,7 +36,7 @@ made; per step a :class:`StepInputs` (the batch's shapes and size, the :class:`S
 alive); what a step measured (peaks, rows, profiles, step times) when it is over — and its
 outputs are decisions (a ``StepKind``, a :class:`Verdict`, a :class:`~.plan.Plan`) that the
 session carries out. So the decision table is tested from numbers
-(``tests/test_auto_decisions.py``), without a model.
+(``tests/scale/test_auto_decisions.py``), without a model.
 """
 
 from __future__ import annotations

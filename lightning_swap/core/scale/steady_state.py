@@ -4,7 +4,7 @@ profile or a timeline measured without them (Note [Steady-state shift] in
 
 :class:`StateSizes` is what the session hands :class:`~.auto.AutoPlanner` instead of the model
 and the optimizer states: the planner decides from numbers, so its decisions are tested from
-numbers (``tests/test_auto_decisions.py``).
+numbers (``tests/scale/test_auto_decisions.py``).
 """
 
 from __future__ import annotations
