@@ -19,8 +19,8 @@ from torch.utils._pytree import tree_leaves
 from .compiled import dynamo_disable
 
 __all__ = [
-    "CUDA_BUDGET_MARGIN", "ModuleHook", "device_budget_bytes", "gradient_bytes", "infer_batch_size", "local_tensor",
-    "loss_of", "normalize_device", "on_backward_start", "storage_bytes", "tensors_in",
+    "CUDA_BUDGET_MARGIN", "ModuleHook", "device_budget_bytes", "gradient_bytes", "infer_batch_size", "is_kv_cache",
+    "local_tensor", "loss_of", "normalize_device", "on_backward_start", "storage_bytes", "tensors_in",
 ]
 
 
@@ -40,6 +40,18 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
             elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
                 stack.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))
     return out
+
+
+def is_kv_cache(value: Any) -> bool:
+    """A generation library's key/value cache (``transformers``' ``Cache``: ``DynamicCache``,
+    ``EncoderDecoderCache``, ``StaticCache``, ...), known by its interface: a class named
+    ``...Cache`` in its hierarchy with ``update`` and ``get_seq_length`` (the core imports torch
+    only). A layer given one writes its keys into it (Note [A replay has no side effects] in
+    ``measure/replay.py``; Note [A recomputed segment fills no cache] in ``engine/recompute.py``)."""
+    if isinstance(value, (torch.Tensor, nn.Module, type)):
+        return False
+    named = any(c.__name__.endswith("Cache") for c in type(value).__mro__)
+    return named and callable(getattr(value, "update", None)) and hasattr(value, "get_seq_length")
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ it adds. Guessing selective recomputation's cost from the forward's time misses 
 runs: its policy's dispatch on every op (on the first H100 run ``selective`` was slower than
 ``recompute`` on both GPT-2 and ResNet-50 although the roofline said the opposite). So after the
 profiled step each segment is run again on its own, on arguments shaped like the ones it got in
-that step (:class:`~.trace.CapturedCall`), in the autocast state it ran in: plain (the median of
+that step (:class:`~.replay.CapturedCall`), in the autocast state it ran in: plain (the median of
 a few runs) and once under ``SELECTIVE`` — the runtime's own wrapper — forward and backward each
 time, timed with events on the compute stream. ``RECOMPUTE`` reruns the forward: it is priced at
 the kept forward's time (Note [An action is never free] in ``decide/costmodel.py``), and the
@@ -19,7 +19,9 @@ run once after it fails too, every recomputing action).
 Note [Timing a segment leaves no trace]: the model's buffers (BatchNorm statistics) and the
 RNG state are restored afterwards, gradients are taken with ``torch.autograd.grad`` so no
 parameter's ``.grad`` changes, and the user's ``training_step`` is not involved: only the
-segments' modules run (their forward hooks, if the user registered any, run too).
+segments' modules run (their forward hooks, if the user registered any, run too), on copies of
+their arguments without the step's key/value cache, and every module's attributes are bound back
+afterwards (Note [A replay has no side effects] in ``replay.py``).
 
 Note [A segment measured alone]: a step run under a plan other than plain (``auto``'s guard
 step) cannot see what a recomputed or offloaded segment would save if kept: the runtime's own
@@ -75,7 +77,8 @@ from ..compiled import compile_context, compiled_forward, is_compiled
 from ..segments import split_call
 from ..sharded import unsharded
 from .model_profile import SELECTIVE_REFUSAL
-from .trace import CapturedCall, StepTrace, StepTracer
+from .replay import CapturedCall, module_state
+from .trace import StepTrace, StepTracer
 
 __all__ = ["ActionCosts", "measure_action_costs", "measure_released_working", "trace_alone"]
 
@@ -264,21 +267,24 @@ def _refusals(
 def _segment_costs(
     name: str, module: nn.Module, call: CapturedCall, ops: StreamOps, device: torch.device, *, repeats: int, warm: bool,
     alone: bool, min_offload_bytes: int, save_ops: Optional[tuple[str, ...]] = None, compiled: "_Compiled | None" = None,
+    failed: Optional[list[str]] = None,
 ) -> Optional[ActionCosts]:
     """One segment's :class:`ActionCosts` (Note [Planning costs a few steps] in ``observe.py``):
     kept, the median of ``repeats`` runs; ``SELECTIVE`` once, after them, saving ``save_ops``
     (and what it refused: :func:`_refusals`); ``RECOMPUTE`` priced from the kept forward (Note
     [An action is never free]); under compile, both compiled, and where selective recomputes
     inside the graph, the two in turn, ``repeats`` times (Note [Compiled segments are timed
-    compiled])."""
+    compiled]). ``None`` where the segment could not be replayed kept, or traced alone when asked
+    (why, appended to ``failed``: Note [A segment that cannot be replayed] in ``observe.py``)."""
+    failed = [] if failed is None else failed
     in_graph = compiled is not None and compiled.graph is not None
     kept_forward = module.forward if compiled is None else compiled.forward
-    keep = None if in_graph else _timed(module, kept_forward, call, ops, repeats, int(warm))
+    keep = None if in_graph else _timed(module, kept_forward, call, ops, repeats, int(warm), failed)
     if keep is None and not in_graph:
         return None
     selective, beside, refusals = _refusals(name, module, call, ops, warm, save_ops, compiled, repeats if in_graph else 1)
     if in_graph:  # timed in turn with selective, or, where that failed, on its own
-        keep = beside if beside is not None else _timed(module, kept_forward, call, ops, repeats, int(warm))
+        keep = beside if beside is not None else _timed(module, kept_forward, call, ops, repeats, int(warm), failed)
         if keep is None:
             return None
     try:
@@ -290,8 +296,9 @@ def _segment_costs(
     if alone:
         try:
             traced = trace_alone(module, call, device, min_offload_bytes=min_offload_bytes)
-        except Exception as exc:  # noqa: BLE001 - the caller plans without it (a bound, not a profile)
+        except Exception as exc:  # noqa: BLE001 - the caller plans without it (Note [A segment that cannot be replayed])
             log.debug("tracing %s alone failed: %s", name, exc)
+            failed.append(f"{type(exc).__name__}: {exc}")
             return None
     return ActionCosts(
         keep[0], keep[1], recompute_ms=keep[0], selective_ms=None if selective is None else max(0.0, sum(selective) - sum(keep)),
@@ -331,35 +338,46 @@ def measure_action_costs(
     alone: Collection[str] = (),
     min_offload_bytes: int = 1,
     save_ops: Optional[dict[str, tuple[str, ...]]] = None,
+    failed: Optional[dict[str, str]] = None,
 ) -> dict[str, ActionCosts]:
     """Time every segment in ``calls`` kept (the median of ``repeats`` runs) and selectively
     recomputed (saving ``save_ops[name]`` where given: Note [Which ops selective recomputation
     saves] in ``profiler.py``), and trace the segments named in ``alone`` on their own (Note [A
-    segment measured alone]). Note [Timing a segment leaves no trace]. A segment whose kept run
-    fails, or whose trace was asked for and failed, is left out."""
+    segment measured alone]). Note [Timing a segment leaves no trace], Note [A replay has no side
+    effects] in ``replay.py``. A segment whose kept run fails, or whose trace was asked for and
+    failed, is left out, and why is in ``failed`` (segment -> the first error: Note [A segment that
+    cannot be replayed] in ``observe.py``)."""
     out: dict[str, ActionCosts] = {}
-    measured: dict[tuple, Optional[ActionCosts]] = {}  # by what the costs depend on
+    measured: dict[tuple, tuple[Optional[ActionCosts], list[str]]] = {}  # by what the costs depend on
     warm = is_compiled(model)  # a compiled segment's first call under an action compiles a graph
     with torch.no_grad():
         buffers = [(b, b.detach().clone()) for b in model.buffers()]
     rng = torch.random.fork_rng(devices=[torch.cuda.current_device()] if ops.asynchronous and torch.cuda.is_available() else [])
     rng.__enter__()
     try:
-        for name, call in calls.items():
-            # Note [Planning costs a few steps]: identical blocks (a transformer's) cost the same;
-            # one of each is run.
-            module = modules[name]  # a call's segment (``name#1``) is its module's: Note [A segment per call]
-            chosen = (save_ops or {}).get(name)
-            compiled = _compiled(model, split_call(name)[0], module)  # a call's context is its module's
-            how = None if compiled is None else compiled.graph is not None  # Note [Compiled segments are timed compiled]
-            key = (type(module), repr(module), _shapes(module), call.signature(), name in alone, chosen, how)
-            if key not in measured:
-                measured[key] = _segment_costs(
-                    name, module, call, ops, device, repeats=repeats, warm=warm, alone=name in alone,
-                    min_offload_bytes=min_offload_bytes, save_ops=chosen, compiled=compiled,
-                )
-            if measured[key] is not None:
-                out[name] = measured[key]
+        with module_state(model):  # Note [A replay has no side effects] in ``replay.py``
+            for name, call in calls.items():
+                # Note [Planning costs a few steps]: identical blocks (a transformer's) cost the same;
+                # one of each is run.
+                module = modules[name]  # a call's segment (``name#1``) is its module's: Note [A segment per call]
+                chosen = (save_ops or {}).get(name)
+                compiled = _compiled(model, split_call(name)[0], module)  # a call's context is its module's
+                how = None if compiled is None else compiled.graph is not None  # Note [Compiled segments are timed compiled]
+                key = (type(module), repr(module), _shapes(module), call.signature(), name in alone, chosen, how)
+                if key not in measured:
+                    if call.dropped:
+                        log.debug("replaying %s without %s (Note [A replay has no side effects])", name, ", ".join(call.dropped))
+                    why: list[str] = []
+                    costs = _segment_costs(
+                        name, module, call, ops, device, repeats=repeats, warm=warm, alone=name in alone,
+                        min_offload_bytes=min_offload_bytes, save_ops=chosen, compiled=compiled, failed=why,
+                    )
+                    measured[key] = (costs, why)
+                costs, why = measured[key]
+                if costs is not None:
+                    out[name] = costs
+                elif failed is not None:
+                    failed[name] = (why or ["no reason given"])[0][:300]
     finally:
         rng.__exit__(None, None, None)
         with torch.no_grad():

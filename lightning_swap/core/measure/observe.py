@@ -53,6 +53,22 @@ bounded from the guard's measurements instead: Note [Observe only what fits] in
 (its shards, the units it gathered); the plan is made from the largest of every process's
 measurements (:func:`~.model_profile.max_profile`), so it fits the fullest rank. Without FSDP
 every process observes too, and measures its segments alone on its own.
+
+Note [A segment that cannot be replayed]: a segment's replay (Note [A replay has no side effects]
+in ``replay.py``) can still fail: a layer that reads state the step set up around it, an argument
+that cannot be copied. Such a segment is planned without its replay, and said so in one WARNING
+per model and segment (a DEBUG line buried it before, while ``auto`` stayed on its slowest plan):
+
+- observed plain (or under a plan that keeps it): its forward and backward times are the step's
+  own (its marks), its recomputation is refused (Note [Refused actions] in ``model_profile.py``:
+  what was never run alone is not recomputed), and its released working bytes are taken as the
+  kept ones (which never under-predicts: Note [Observe every rank]);
+- under a plan that does not keep it (``auto``'s guard step): what it saves when kept is known
+  only from its run alone (Note [A segment measured alone]), so no profile is made from that
+  step: ``auto`` keeps the lowest-memory plan unless the guard's bound says plain training fits
+  (Note [Observe only what fits] in ``scale/auto.py``), and the WARNING says so. A later step on
+  the same shape reuses the costs measured then (``costs``): a segment they leave out is taken
+  as unreplayable again.
 """
 
 from __future__ import annotations
@@ -60,6 +76,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import weakref
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -80,6 +97,13 @@ from .trace import Mark, MarkKind, StepTrace, StepTracer, Window, WindowKind, bo
 __all__ = ["ObservedStep"]
 
 log = logging.getLogger(__name__)
+
+#: The segments already named in a WARNING, per model (Note [A segment that cannot be replayed]).
+_WARNED: "weakref.WeakKeyDictionary[nn.Module, set[str]]" = weakref.WeakKeyDictionary()
+
+#: Note [A segment that cannot be replayed]: the refusal of a segment whose replay failed (every
+#: recomputing action: :func:`~.model_profile.refused_actions`).
+REPLAY_REFUSAL = "its replay failed"
 
 
 class ObservedStep:
@@ -120,6 +144,8 @@ class ObservedStep:
         self.time_actions = time_actions and not is_sharded(model)  # Note [Observe every rank]
         self.under = None if under is None else dict(under)
         self.costs = costs
+        #: Segment -> why it could not be replayed (Note [A segment that cannot be replayed]).
+        self.unreplayable: dict[str, str] = {}
         params = list(model.parameters())
         static = [*params, *model.buffers(), *(p.grad for p in params if p.grad is not None), *tensors_in([batch, track])]
         self.tracer = StepTracer(
@@ -213,9 +239,38 @@ class ObservedStep:
             }
             self.costs = measure_action_costs(
                 self.model, self._modules_of(names), calls, self.ops, device=self.device, alone=self.acting,
-                min_offload_bytes=self.min_offload_bytes, save_ops=save_ops,
+                min_offload_bytes=self.min_offload_bytes, save_ops=save_ops, failed=self.unreplayable,
             )
+        elif self.costs is not None:
+            # Measured on this shape already (a guard step's): a segment left out could not be
+            # replayed then, and is not now (Note [A segment that cannot be replayed]).
+            for i in trace.inputs:
+                if names[i] not in self.costs:
+                    self.unreplayable.setdefault(names[i], "it could not be replayed in an earlier step")
         return self.costs or {}
+
+    def _warn_unreplayable(self, planned: bool) -> None:
+        """Note [A segment that cannot be replayed]: one WARNING naming the segments not yet named
+        for this model, with the first reason."""
+        try:
+            warned = _WARNED.setdefault(self.model, set())
+        except TypeError:  # a model that cannot be weakly referenced: named every time
+            warned = set()
+        new = {name: why for name, why in self.unreplayable.items() if name not in warned}
+        if not new:
+            return
+        warned.update(new)
+        how = (
+            "planned from this step's own timings, without recomputation" if planned else
+            "what it saves when kept is known only from such a run, so no profile is made from this step under the "
+            "lowest-memory plan, and auto keeps that plan unless its bound says plain training fits"
+        )
+        first = next(iter(new.values()))
+        log.warning(
+            "lightning-swap: segment%s %s could not be run again on its own to be measured (%s): %s "
+            "(Note [A segment that cannot be replayed])",
+            "s" if len(new) > 1 else "", ", ".join(repr(n) for n in new), first, how,
+        )
 
     def finish(self) -> Optional[ModelProfile]:
         """Close the trace, time each segment's actions (unless ``costs`` were given), and build
@@ -241,8 +296,10 @@ class ObservedStep:
         trace.in_graph = {i for i, name in enumerate(names) if self._in_graph(name)}
         costs = self._measured_costs(trace, names, order)
         if any(costs.get(name) is None or costs[name].alone is None for name in self.acting):
+            self._warn_unreplayable(planned=False)
             log.debug("observed a step under a plan, but not every segment it does not keep was measured alone")
             return None
+        self._warn_unreplayable(planned=True)
         measured: dict[int, tuple[Optional[float], Optional[float], int, str, bool]] = {}
         for i, name in enumerate(names):
             c = costs.get(name)
@@ -250,6 +307,8 @@ class ObservedStep:
                 fwd[i], bwd[i] = c.forward_ms, c.backward_ms
                 refusal = c.refusal or self._compiled(name)
                 measured[i] = (c.recompute_ms, c.selective_ms, c.released_working_bytes, refusal, not c.selective_in_graph)
+            elif name in self.unreplayable:  # Note [A segment that cannot be replayed]: the step's own times
+                measured[i] = (None, None, -1, f"{REPLAY_REFUSAL}: {self.unreplayable[name]}"[:300], True)
         alone = {name: costs[name].alone for name in self.acting}
         _splice_alone(trace, {names.index(name): own for name, own in alone.items()})
         heavy = {i: fwd[i] * trace.heavy_op_ms.get(i, 0.0) / max(trace.all_op_ms.get(i, 0.0), 1e-9) for i in range(n)}

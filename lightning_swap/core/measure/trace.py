@@ -61,6 +61,7 @@ from ..engine.recompute import compute_heavy_ops, op_call, written_args
 from ..segments import call_name, resolve_modules, split_call
 from ..sharded import gathered_bytes, gathered_parameters, is_sharded
 from ..tensors import local_tensor
+from .replay import CapturedCall
 from .windows import PREFIX, Mark, MarkKind, Window, WindowKind, after_region, is_segment
 
 __all__ = [
@@ -160,78 +161,6 @@ class StepTrace:
     static_inputs: set[int] = field(default_factory=set)
     #: Every segment by index, one per call of a module run several times (Note [A segment per call]).
     names: list[str] = field(default_factory=list)
-
-
-#: Tensors up to this size are kept by value for re-running a segment; larger ones by shape only.
-_CAPTURE_BY_VALUE_BYTES = 1 << 20
-
-
-class CapturedCall:
-    """How a segment was called, enough to call it again for timing: non-tensor arguments as
-    they were, small tensors (masks, positions, indices) copied, large ones as shape and dtype
-    (re-made at random: their values do not change how long a block takes, and keeping them
-    would change the memory the trace measures)."""
-
-    __slots__ = ("args", "kwargs", "autocast")
-
-    def __init__(self, args: tuple, kwargs: dict, autocast: Optional[tuple]) -> None:
-        self.args = args
-        self.kwargs = kwargs
-        self.autocast = autocast
-
-    @classmethod
-    def of(cls, args: tuple, kwargs: dict) -> "CapturedCall":
-        from torch.utils._pytree import tree_map
-
-        from ..engine.meter import host_allocation
-
-        def keep(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            if t.numel() * t.element_size() <= _CAPTURE_BY_VALUE_BYTES or not t.is_floating_point():
-                with torch.no_grad(), host_allocation():
-                    return ("value", t.detach().clone(), t.requires_grad)
-            return ("shape", tuple(t.shape), t.dtype, t.device, t.requires_grad)
-
-        first = _first_tensor(args) if args else _first_tensor(kwargs)
-        autocast = None
-        if first is not None and torch.is_autocast_enabled(first.device.type):
-            autocast = (first.device.type, torch.get_autocast_dtype(first.device.type))
-        return cls(tree_map(keep, args), tree_map(keep, kwargs), autocast)
-
-    def signature(self) -> tuple:
-        """What the call's cost depends on: each argument's kind, shape and dtype (values left
-        out), the non-tensor arguments, and the autocast state."""
-        from torch.utils._pytree import tree_flatten
-
-        is_leaf = lambda v: isinstance(v, tuple) and bool(v) and v[0] in ("value", "shape")  # noqa: E731
-
-        def part(v: Any) -> Any:
-            if is_leaf(v):
-                return ("value", tuple(v[1].shape), v[1].dtype, v[2]) if v[0] == "value" else v
-            return v if isinstance(v, (int, float, bool, str, type(None))) else type(v).__name__
-
-        leaves, spec = tree_flatten((self.args, self.kwargs), is_leaf=is_leaf)
-        return (str(spec), tuple(part(v) for v in leaves), self.autocast)
-
-    def make(self) -> tuple[tuple, dict]:
-        """Fresh arguments: tensors that required grad require it again (outputs of a copy, not
-        leaves, as in the step: a segment may write into its input)."""
-        from torch.utils._pytree import tree_map
-
-        def fresh(v: Any) -> Any:
-            if isinstance(v, tuple) and v and v[0] == "value":
-                t, rg = v[1].clone(), v[2]
-            elif isinstance(v, tuple) and v and v[0] == "shape":
-                _, shape, dtype, device, rg = v
-                t = torch.randn(shape, dtype=dtype, device=device)
-            else:
-                return v
-            # Not a leaf, as it was not in the step: a segment may write into its input in place.
-            return t.requires_grad_(True).clone() if rg else t
-
-        is_leaf = lambda v: isinstance(v, tuple) and bool(v) and v[0] in ("value", "shape")  # noqa: E731
-        return tree_map(fresh, self.args, is_leaf=is_leaf), tree_map(fresh, self.kwargs, is_leaf=is_leaf)
 
 
 def boundary_keys(trace: "StepTrace", order: list[int], key: Any) -> tuple[Any, Any]:
