@@ -6,8 +6,9 @@ builds a :class:`~lightning_swap.core.HookedSwapSession` on the user's (unwrappe
 applies the plan; the session's hooks find each step (Note [Hooked step window] in
 ``lightning_swap/core/scale/hooked.py``: a forward pre-hook opens the window, a step post-hook on
 every prepared optimizer closes it after :meth:`SwapAccelerator.backward`), and the observed
-step's out-of-memory fallback is the session's too (Note [Out of memory in the observed step],
-same file): one implementation, shared with Lightning Fabric's strategies.
+step's out-of-memory fallback and the plan's log are the core's too (Note [One step API] in
+``lightning_swap/core/scale/session.py``): one implementation, shared with Lightning and Fabric;
+this module has none of its own.
 
 Note [Auto policy in Accelerate]: a forced policy needs no batch, so its plan is made in
 ``prepare``. ``policy="auto"`` plans from the training steps themselves, as the Lightning

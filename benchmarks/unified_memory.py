@@ -33,7 +33,7 @@ With the defaults both sections end within 2 x 80 s of the first worker's start:
 
 Safety rule: managed memory is capped at 80% of the card's free memory when the worker starts
 (``um_max_bytes``), so nothing here oversubscribes the GPU; oversubscription is reasoned about in
-README, not run.
+``docs/unified-memory.md``, not run.
 
     python benchmarks/unified_memory.py
     python benchmarks/unified_memory.py --models resnet50 --steps 10 --section-budget-s 120

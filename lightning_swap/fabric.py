@@ -10,8 +10,9 @@ CPU workaround the Lightning one has, ``lightning_swap/fsdp.py``, would be a sec
 
 Thin by design: a Fabric loop has no step hook, so the step is found as Accelerate's is, by the
 core's :class:`~lightning_swap.core.HookedSwapSession` (Note [Hooked step window] in
-``core/scale/hooked.py``: one implementation of the window, the observed step's out-of-memory
-fallback and the step's bookkeeping). These classes only attach it to the module Fabric sets up,
+``core/scale/hooked.py``, over the core's step API, Note [One step API] in
+``core/scale/session.py``: one implementation of the window, the observed step's out-of-memory
+fallback and the plan's log; this module has none of its own). These classes only attach it to the module Fabric sets up,
 hook the optimizers it sets up, and run :meth:`fabric.backward` inside the session's backward.
 
 Note [Fabric options]: the swap options are ``SwapConfig``'s fields, read from its dataclass
@@ -163,9 +164,8 @@ class _FabricSwapMixin:
                     f"{type(module).__name__} is set up without a plan. Call `fabric.strategy.teardown()` first to plan it instead."
                 )
             return
-        session = HookedSwapSession(
-            module, self.swap_config.with_options(log_plan=self.swap_config.log_plan and self.is_global_zero),
-            self.root_device, advice=_ADVICE, forward_context=self.precision.forward_context,
+        session = HookedSwapSession(  # the plan is logged on rank 0 only (Note [The plan's log])
+            module, self.swap_config, self.root_device, advice=_ADVICE, forward_context=self.precision.forward_context,
             collectives=process_group_collectives(self.root_device), unified=self.unified_memory,
         )
         try:

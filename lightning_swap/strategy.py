@@ -1,7 +1,9 @@
 """Lightning adapters: the ``"cpu_swap"`` and ``"ddp_cpu_swap"`` strategies and their stats logger.
 
 Thin by design: every decision lives in :mod:`lightning_swap.core`; these classes only call
-it from Lightning's hooks. The same mixin serves ``lightning.pytorch`` and, when installed,
+its step API from Lightning's hooks (Note [One step API] in ``core/scale/session.py``: the step's
+window, the observed step's out-of-memory fallback and the plan's log are the core's, one
+implementation for every front end; this module has none of its own). The same mixin serves ``lightning.pytorch`` and, when installed,
 the standalone ``pytorch_lightning`` package (a separate class for each, since a strategy
 must subclass that package's own ``Strategy``).
 """
@@ -17,11 +19,10 @@ from typing import Any, Optional
 
 import lightning.pytorch as _lightning_pytorch
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from .core import Collectives
-from .core import is_out_of_memory
 from .core import Plan
 from .core import StepStats
 from .core import SwapConfig, build_options, check_bool, describe_options, option, split_options
@@ -31,6 +32,10 @@ from .core import UnifiedMemory, unified_memory_for
 from .report import plot_timelines
 
 log = logging.getLogger(__name__)
+
+#: What the out-of-memory fallback's error tells a Lightning user to do (Note [The observed step
+#: does not fit] in ``core/scale/fallback.py``).
+_ADVICE = "Choose a policy for it instead, e.g. CPUSwapStrategy(policy='recompute_offload'), or a smaller batch."
 
 
 class _ProgressBarLog(logging.Handler):
@@ -92,7 +97,8 @@ class _SwapStrategyMixin:
     start). Under manual optimization everything (each ``manual_backward``, each ``opt.step()``,
     two optimizers) happens inside the user's ``training_step``, which therefore is the step. A
     step of several backward passes is measured whole (Note [A step of several passes] in
-    ``core/scale/auto.py``)."""
+    ``core/scale/auto.py``). The hooks only say where the step begins and ends; what happens then
+    is the core's step API (Note [One step API] in ``core/scale/session.py``)."""
 
     _stats_callback_class: type = None  # set per Lightning package
 
@@ -124,9 +130,9 @@ class _SwapStrategyMixin:
         raise NotImplementedError  # each strategy class says
 
     def _init_swap(self, options: _StrategyOptions, *, device_given: bool) -> None:
-        #: The session's options. Its ``log_plan`` is off: the strategy logs the plan itself, on
-        #: rank zero only, when :attr:`log_plan` (the user's ``log_plan``) is on.
-        self.swap_config = options.to_config().with_options(log_plan=False)
+        #: The session's options (its ``log_plan`` is the user's: the session logs the plan,
+        #: through :meth:`_print_plan`, Note [The plan's log]).
+        self.swap_config = options.to_config()
         self.log_plan = options.log_plan
         self.log_stats = options.log_stats
         self.report = options.report
@@ -137,8 +143,6 @@ class _SwapStrategyMixin:
         self._device_given = device_given
         self._session: Optional[SwapSession] = None
         self._stats_callback = None
-        self._logged_plan: Optional[Plan] = None
-        self._step_open = False
         self._step_call: Any = None
         self._bar_log: Optional[_ProgressBarLog] = None
 
@@ -207,11 +211,13 @@ class _SwapStrategyMixin:
             # Lightning's closure runs forward, zero_grad, backward: without accumulation the last
             # step's gradients are gone before the backward (Note [Steady-state shift]).
             grads_freed_before_backward=bool(module.automatic_optimization and getattr(trainer, "accumulate_grad_batches", 1) == 1),
+            # Note [The observed step does not fit]: the step the fallback profiles, and this
+            # strategy runs the failed step again itself (training_step, Note [Lightning's step]).
+            step_fn=lambda model, batch: self.profile_step_fn()(model, batch), advice=_ADVICE, runs_failed_step_again=True,
+            plan_sink=self._print_plan,
         )
         if not self.swap_config.is_auto:
-            # Every rank runs rank 0's plan (identity on one device); it is logged once its first
-            # step has measured its rows (Note [Measured rows]).
-            self._session.apply_forced_plan()
+            self._session.apply_forced_plan()  # every rank runs rank 0's plan (identity on one device)
         if self.log_stats and self._stats_callback_class is not None:
             self._stats_callback = self._stats_callback_class(self)
             trainer.callbacks.append(self._stats_callback)
@@ -236,7 +242,8 @@ class _SwapStrategyMixin:
     def profile_step_fn(self) -> Any:
         """One training step as the batch-size finder's profiler runs it, in Lightning's closure
         order: forward, zero_grad (last step's gradients are freed), backward. The profiler
-        restores gradients. (``policy="auto"`` itself never calls it: Note [Observe, do not re-run].)"""
+        restores gradients. (``policy="auto"`` runs it only in the core's out-of-memory fallback, on fake
+        tensors: Note [The observed step does not fit]; else Note [Observe, do not re-run].)"""
         module = self.lightning_module
         optimizers = list(self.optimizers)
         precision = self.precision_plugin
@@ -257,23 +264,14 @@ class _SwapStrategyMixin:
         run around it says how)."""
         return module.training_step(batch, 0)
 
-    def _log_plan(self, plan: Plan, why: str = "") -> None:
-        """The plan as one block: through the progress bar when one is drawing (as
-        ``LightningModule.print`` does, so the bar is not broken), else ``rank_zero_info``."""
-        if plan is self._logged_plan:
-            return
-        previous, self._logged_plan = self._logged_plan, plan
-        same = previous is not None and (dict(previous.actions), dict(previous.selective_ops)) == (dict(plan.actions), dict(plan.selective_ops))
-        if same and not why:
-            return
-        if not self.log_plan:  # after the bookkeeping above: "logged" also means "measured rows read"
-            return
-        text = f"lightning-swap plan ({plan.summary()}){': ' + why if why else ''}\n{plan.render()}"
+    def _print_plan(self, text: str) -> None:
+        """Where the session's plan log goes (Note [The plan's log]; it logs on rank zero only):
+        through the progress bar when one is drawing (as ``LightningModule.print`` does, so the
+        bar is not broken), else ``rank_zero_info``."""
         trainer = getattr(self.lightning_module, "_trainer", None)
         bar = getattr(trainer, "progress_bar_callback", None) if trainer is not None else None
         if bar is not None and bar.is_enabled and trainer.training:
-            if self.is_global_zero:
-                bar.print(text)
+            bar.print(text)
         else:
             rank_zero_info(text)
 
@@ -281,61 +279,40 @@ class _SwapStrategyMixin:
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Note [Lightning's step]: the first call of a batch opens the step; a closure called
         again inside its optimizer step (LBFGS, SAM) is part of it; under manual optimization the
-        user's ``training_step`` is the whole step, so its end closes it."""
+        user's ``training_step`` is the whole step, so its end closes it. A failed step the core
+        planned for (Note [The observed step does not fit]) runs again, outside the ``except``
+        so that the failed attempt's frames are freed first."""
         session = self._session
-        if session is None or self._step_open:
+        if session is None or session.step_open:
             return super().training_step(*args, **kwargs)
-        out = self._open_step(session, args, kwargs)
-        if not self.lightning_module.automatic_optimization:
-            self._end_swap_step()
-        return out
-
-    def _open_step(self, session: SwapSession, args: tuple, kwargs: dict) -> Any:
-        """The step's first ``training_step``, its window opened around it (``auto`` guards,
-        observes or plans first)."""
-        batch = args[0] if args else kwargs.get("batch")
-        states = _optimizer_states(self.optimizers)
-        track = [args, kwargs, states]
-        # The planned timeline needs the meter open (Note [No dispatch mode under compile]).
-        timeline_wanted = self.report and self.report_path is None and self._plain_timeline is not None and session.auto is not None
-        kind = session.before_step(batch, track, states, measure=timeline_wanted)
-        if kind is StepKind.OBSERVE and self.report and self._plain_timeline is None and session.observing:
-            self._recorder = TimelineRecorder(
-                self.lightning_module, session.segments, session.observation.meter, "plain (the observed step)"
-            ).__enter__()
-        elif kind is StepKind.PLAN:
-            self._log_plan(session.plan)
-        if self._report_due():
-            plan = session.plan
-            self._recorder = TimelineRecorder(
-                self.lightning_module, session.segments, session.runtime.meter, f"planned ({plan.summary()})"
-            ).__enter__()
-        self._step_open = True
-        self._step_call = (args, kwargs)
+        self._open_step(session, args, kwargs)
         try:
-            return super().training_step(*args, **kwargs)
+            out = super().training_step(*args, **kwargs)
         except BaseException as exc:
-            self._step_open = False
-            session.abort_step()
-            if kind is StepKind.OBSERVE and is_out_of_memory(exc):
-                self._plan_after_out_of_memory(exc)
-                return self._open_step(session, args, kwargs)
-            raise
+            self._drop_recorder()
+            if not session.step_failed(exc):
+                raise
+        else:
+            if not self.lightning_module.automatic_optimization:
+                self._end_swap_step()
+            return out
+        return self.training_step(*args, **kwargs)
 
-    def _plan_after_out_of_memory(self, exc: BaseException) -> None:
-        """The observed step is out of memory: the core profiles it on fake tensors (the user's
-        ``training_step`` runs once more there, with ``self.log`` silenced) and plans the step,
-        which the caller runs again (Note [The observed step does not fit] in
-        ``core/scale/fallback.py``)."""
-        self._session.plan_after_out_of_memory(
-            exc, self.profile_step_fn(),
-            advice="Choose a policy for it instead, e.g. CPUSwapStrategy(policy='recompute_offload'), or a smaller batch.",
-        )
-        rank_zero_warn(
-            "lightning-swap: the observed training step is out of memory without a plan; it was profiled on fake tensors "
-            "(training_step ran once more, with self.log silenced) and runs again under the plan. Side effects of "
-            "the failed attempt (counters, metric updates) were not undone."
-        )
+    def _open_step(self, session: SwapSession, args: tuple, kwargs: dict) -> None:
+        """The step's first ``training_step``: the core opens its window (``auto`` guards,
+        observes or plans first); a timeline is recorded over it when one is due."""
+        states = _optimizer_states(self.optimizers)
+        # The planned timeline needs the meter open (Note [No dispatch mode under compile]).
+        timeline_wanted = self.report and self.report_path is None and self._plain_timeline is not None and self.swap_config.is_auto
+        kind = session.open_step(args[0] if args else kwargs.get("batch"), [args, kwargs, states], states, measure=timeline_wanted)
+        self._step_call = (args, kwargs)
+        if kind is StepKind.OBSERVE and self.report and self._plain_timeline is None and session.observing:
+            label = "plain (the observed step)"
+        elif self._report_due():
+            label = f"planned ({session.plan.summary()})"
+        else:
+            return
+        self._recorder = TimelineRecorder(self.lightning_module, session.segments, session.step_meter, label).__enter__()
 
     def _report_due(self) -> bool:
         """The planned timeline is recorded once, in the steady state: the plan's check passed."""
@@ -346,9 +323,8 @@ class _SwapStrategyMixin:
             and self._recorder is None
             and self._plain_timeline is not None
             and not session.pinned
-            and session.runtime is not None
-            and session.runtime.measuring
-            and session.auto is not None
+            and session.measuring
+            and self.swap_config.is_auto
             and not session.check_pending
         )
 
@@ -367,37 +343,36 @@ class _SwapStrategyMixin:
             rank_zero_info(f"lightning-swap memory timeline written to {path}")
         self.report_path = path
 
+    def _drop_recorder(self) -> None:
+        """A step that never reached its backward's end: its timeline is not drawn."""
+        if self._recorder is not None:
+            self._recorder.__exit__(None, None, None)
+            self._recorder = None
+
     @override
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """Inside the core's backward (Note [One step API]). Under automatic optimization a failed
+        backward the core planned for (Note [The observed step does not fit]) runs again here,
+        with its ``training_step``, in Lightning's closure; under manual optimization the error
+        reaches :meth:`training_step`, which runs the whole step again."""
         session = self._session
-        observing = session is not None and session.observing
-        # An observed step's backward may be redone (Note [The observed step does not fit]); only
-        # when it starts without gradients can a failed attempt's partial ones be discarded.
-        fresh = observing and all(p.grad is None for p in self.lightning_module.parameters())
-        if session is not None:
-            session.backward_begins()
+        if session is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
         try:
-            out = super().backward(closure_loss, optimizer, *args, **kwargs)
+            with session.backward():
+                out = super().backward(closure_loss, optimizer, *args, **kwargs)
+                if self._recorder is not None:  # a timeline covers the forward and the backward
+                    self._finish_report()
         except BaseException as exc:
-            if session is None:
+            self._drop_recorder()
+            if not (session.step_failed(exc) and self.lightning_module.automatic_optimization):
                 raise
-            session.abort_step()
-            if not (observing and fresh and is_out_of_memory(exc)):
-                raise
-            # Note [The observed step does not fit], in the backward: plan, then forward again.
-            del closure_loss
-            for p in self.lightning_module.parameters():
-                p.grad = None  # what the failed backward accumulated
-            self._plan_after_out_of_memory(exc)
-            args_, kwargs_ = self._step_call
-            loss = self._open_step(session, args_, kwargs_)
-            loss = loss["loss"] if isinstance(loss, dict) else loss
-            return self.backward(loss, optimizer, *args, **kwargs)
-        if session is not None:
-            if self._recorder is not None:  # a timeline covers the forward and the backward
-                self._finish_report()
-            session.backward_done()
-        return out
+        else:
+            return out
+        del closure_loss
+        args_, kwargs_ = self._step_call
+        loss = self.training_step(*args_, **kwargs_)
+        return self.backward(loss["loss"] if isinstance(loss, dict) else loss, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -418,40 +393,16 @@ class _SwapStrategyMixin:
 
     def _end_swap_step(self) -> None:
         """The whole training step is over (its optimizer step included, when it had one): the
-        window closes, and an observed step becomes the profile the next step plans from.
-        Strategy hooks, not callbacks, call it: Lightning's batch-size finder runs its trial
-        steps with the callbacks removed."""
-        session = self._session
-        if session is None or not self._step_open:
-            return
-        self._step_open = False
-        session.end_step()
-        session.step_done()
-        self._log_measured_plan(wait=False)
-
-    def _log_measured_plan(self, *, wait: bool) -> None:
-        """A plan without predictions is logged once its first step measured its rows; one logged
-        before (``auto`` without a budget: every segment kept) is logged again, with them."""
-        session = self._session
-        runtime = session.runtime if session is not None else None
-        logged = self._logged_plan
-        if runtime is None or not runtime.measure_rows or (logged is not None and (logged.rows or logged.measured)):
-            return
-        measured = runtime.measured_plan(wait=wait)
-        if measured is not None:
-            session.plan = measured
-            self._log_plan(measured, "measured in its first step" if logged is not None else "")
+        core closes it. Strategy hooks, not callbacks, call it: Lightning's batch-size finder
+        runs its trial steps with the callbacks removed."""
+        if self._session is not None and self._session.step_open:
+            self._session.close_step()
 
     @override
     def teardown(self) -> None:
-        if self._recorder is not None:  # a step that never reached backward
-            self._recorder.__exit__(None, None, None)
-            self._recorder = None
+        self._drop_recorder()
         if self._session is not None:
-            self._session.abort_step()
-            self._session.records.resolve(wait=True)  # training is over: the host may wait now
-            self._log_measured_plan(wait=True)
-            self._session.close()
+            self._session.end_training()  # its statistics stay readable (`stats_history`)
         if getattr(self, "_bar_log", None) is not None:
             self._bar_log.remove()
             self._bar_log = None

@@ -1,5 +1,5 @@
 """``accelerate-swap``: what a new user types first. The usage line of a subcommand, the
-README's ``estimate`` command run as written (with the model that ships in ``examples/``), and
+``estimate`` command of ``docs/accelerate.md`` run as written (with the model that ships in ``examples/``), and
 ``--model`` naming the user's code from the working directory or by file path."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from accelerate_swap.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
-#: The command README.md shows; run from the repository root.
-README_ESTIMATE = "accelerate-swap estimate --model examples.models:build --input-shape 1024 --input-dtype int64 --budget 24GiB"
+#: The command docs/accelerate.md shows; run from the repository root.
+DOCS_ESTIMATE = "accelerate-swap estimate --model examples.models:build --input-shape 1024 --input-dtype int64 --budget 24GiB"
 
 _ENTRY_POINT = Path(sys.executable).parent / "accelerate-swap"
 
@@ -50,9 +50,9 @@ def test_subcommand_usage_names_the_subcommand(command, capsys):
 
 
 @pytest.mark.slow
-def test_readme_estimate_command_prints_a_plan():
-    """The README's command, exactly, through the console script from the repository root."""
-    done = _run(shlex.split(README_ESTIMATE)[1:], cwd=REPO)
+def test_docs_estimate_command_prints_a_plan():
+    """docs/accelerate.md's command, exactly, through the console script from the repository root."""
+    done = _run(shlex.split(DOCS_ESTIMATE)[1:], cwd=REPO)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "Training-step memory for `examples.models:build`, input (32, 1024) int64" in out

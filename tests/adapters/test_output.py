@@ -1,7 +1,8 @@
 """What users read (issue 22, item 6): a plan table logged before its numbers existed is logged
 again once its first step measured them (Lightning's default ``"cpu_swap"``, Accelerate with
-``log_plan``); the no-budget warning comes before training starts; and the library's warnings go
-above Lightning's progress bar, not into its line (Note [Warnings above the progress bar])."""
+``log_plan``: one implementation, Note [The plan's log]); the no-budget warning comes before
+training starts; and the library's warnings go above Lightning's progress bar, not into its line
+(Note [Warnings above the progress bar])."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 from types import SimpleNamespace
 
 import lightning as L
+import pytest
 import torch
 from torch.nn import functional as F
 
@@ -49,9 +51,12 @@ def test_default_cpu_swap_logs_its_keep_table_again_with_numbers(caplog, monkeyp
     assert len(warned) == 1 and warned[0] < order.at_start  # before the first step (and any progress bar)
 
 
-def test_accelerate_log_plan_logs_the_measured_table(fresh_state, caplog):
+@pytest.mark.parametrize("policy", ["offload", "auto"])
+def test_accelerate_log_plan_logs_the_measured_table(policy, fresh_state, caplog):
+    """The same plan log as Lightning's (Note [The plan's log], one implementation): a forced
+    plan's table once, measured; ``auto`` without a budget's keep table, then again measured."""
     caplog.set_level(logging.INFO, logger="lightning_swap")
-    accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(policy="offload", min_offload_bytes=0, log_plan=True))
+    accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(policy=policy, min_offload_bytes=0, log_plan=True))
     model = mlp_chain(width=16, depth=3)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     for _ in range(2):
@@ -59,7 +64,10 @@ def test_accelerate_log_plan_logs_the_measured_table(fresh_state, caplog):
         optimizer.step()
         optimizer.zero_grad()
     tables = [r.getMessage() for r in caplog.records if r.getMessage().startswith("lightning-swap plan")]
-    assert len(tables) == 2 and "not measured yet" in tables[0] and "measured in its first step" in tables[1], tables
+    if policy == "auto":
+        assert len(tables) == 2 and "not measured yet" in tables[0] and "measured in its first step" in tables[1], tables
+    else:
+        assert len(tables) == 1 and "not measured yet" not in tables[0] and "offload" in tables[0], tables
     assert accelerator.swap_plan.measured and accelerator.swap_plan.rows
     accelerator.end_training()
 

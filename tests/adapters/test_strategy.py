@@ -182,12 +182,14 @@ def test_every_overridden_lightning_hook_is_marked_override(cls):
 
 @pytest.mark.parametrize("log_plan", [True, False])
 def test_log_plan_switches_the_strategys_plan_log(log_plan, monkeypatch):
-    """``log_plan`` (a SwapConfig field, Note [One option table]) gates the strategy's rank-zero
-    plan log; the plan is applied and measured either way."""
+    """``log_plan`` (a SwapConfig field, Note [One option table]) gates the plan log, which the
+    core writes through the strategy's sink on rank zero (Note [The plan's log]): a forced plan
+    once its first step measured it; the plan is applied and measured either way."""
     said = []
     monkeypatch.setattr("lightning_swap.strategy.rank_zero_info", said.append)
     strategy = CPUSwapStrategy(policy="offload", min_offload_bytes=0, log_plan=log_plan)
     _, trainer = fit("cnn", strategy, steps=2)
     logged = [text for text in said if text.startswith("lightning-swap plan")]
     assert len(logged) == (1 if log_plan else 0), logged
-    assert trainer.strategy.plan.measured and not trainer.strategy.swap_config.log_plan
+    assert all("not measured yet" not in text for text in logged), logged
+    assert trainer.strategy.plan.measured and trainer.strategy.swap_config.log_plan is log_plan

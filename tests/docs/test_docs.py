@@ -1,8 +1,10 @@
 """The written reference stays true to the tree: every path a Note, docstring or comment names
 exists, every Note cited is written somewhere (in the file it is cited in, where one is named),
-every ``:mod:`` / ``:func:`` / ``:class:`` reference with a module resolves, and the
-glossary (``docs/concepts.md``) names files that exist, one concept per heading, at most 25.
-Reads files only: no model runs, about a second."""
+every ``:mod:`` / ``:func:`` / ``:class:`` reference with a module resolves, the
+glossary (``docs/concepts.md``) names files that exist, one concept per heading, at most 25, and
+the pages a user reads (``README.md`` and every page of ``docs/``, :data:`PAGES`) cite only paths,
+Notes and links that exist, every page linked from the README (their code blocks run in
+``tests/docs/test_readme.py``). Reads files only: no model runs, about a second."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml"
 SOURCES = ("lightning_swap", "accelerate_swap", "tests", "benchmarks", "examples")
 CONCEPTS = ROOT / "docs" / "concepts.md"
 MAX_CONCEPTS = 25
+#: The pages a user reads: the README, then every page of ``docs/``.
+PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 
 #: A path the text names: ``engine/offload.py``, ``core/scale/auto.py``, ``benchmarks/RESULTS.md``
 #: (the first part one of the tree's folders), or a bare file name in double backquotes.
@@ -211,3 +215,51 @@ def test_the_glossary_cites_only_notes_that_are_written_and_is_linked_from_the_r
     assert not missing, f"the glossary cites Notes written nowhere: {missing}"
     assert not dead_paths(text), dead_paths(text)
     assert "docs/concepts.md" in (ROOT / "README.md").read_text()
+
+
+#: Markdown: ``Note [A]`` or ``Notes [A], [B] and [C]``, then maybe ``in `file` and `file` ``.
+_MD_NOTES = re.compile(r"Notes?\s+((?:\[[^\]]+\](?:,\s*|,?\s+and\s+)?)+)(?:\([^)]*\)\s*)?(?:,?\s+in\s+((?:`[^`]+`(?:,?\s+(?:and\s+)?)?)+))?")
+#: A Markdown link's target, its ``#anchor`` dropped.
+_MD_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def page_problems(text: str, rel: str = "README.md") -> list[str]:
+    """What the page at ``rel`` (from the root) cites in ``text`` that does not exist: a path, a
+    Note (anywhere, or in the files it is said to be in), a relative link."""
+    folder = (ROOT / rel).parent
+    problems = [f"{rel}: names {p}, no such file" for p in dead_paths(text)]
+    for m in _MD_NOTES.finditer(text):
+        named = re.findall(r"`([^`]+)`", m.group(2) or "")
+        files = [f for path in named for f in resolves(path)]
+        for title in map(_title, re.findall(r"\[([^\]]+)\]", m.group(1))):
+            if title not in _defined():
+                problems.append(f"{rel}:{_line(text, m.start())}: Note [{title}] is written nowhere")
+            elif files and not any(title in _title(_sources().get(f, "")) for f in files):
+                problems.append(f"{rel}:{_line(text, m.start())}: Note [{title}] is not in {named}")
+    for target in _MD_LINK.findall(text):
+        if "://" not in target and not (folder / target).exists():
+            problems.append(f"{rel}: links to {target}, no such file")
+    return problems
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
+def test_a_page_cites_only_paths_notes_and_links_that_exist(page):
+    problems = page_problems(page.read_text(), page.relative_to(ROOT).as_posix())
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("text, rel, problems", [
+    ("Note [Finding the blocks] in `core/segments.py`", "README.md", []),
+    ("Note [Finding the blocks] in `core/scale/auto.py`", "README.md", ["README.md:1: Note [Finding the blocks] is not in ['core/scale/auto.py']"]),
+    ("Notes [Finding the\nblocks] and [No such note]", "docs/x.md", ["docs/x.md:1: Note [No such note] is written nowhere"]),
+    ("[the glossary](concepts.md), [the same](docs/concepts.md)", "docs/x.md", ["docs/x.md: links to docs/concepts.md, no such file"]),
+    ("[the glossary](docs/concepts.md#step), [a site](https://example.org/a.md)", "README.md", []),
+    ("`core/no_such.py`", "README.md", ["README.md: names core/no_such.py, no such file"]),
+])
+def test_a_dead_citation_in_a_page_is_found(text, rel, problems):
+    assert page_problems(text, rel) == problems
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    assert not [p.name for p in PAGES[1:] if f"](docs/{p.name})" not in readme]

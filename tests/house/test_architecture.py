@@ -298,12 +298,12 @@ def test_public_api_is_unchanged():
 
 
 def _readme_layout_bullets() -> dict[str, set[str]]:
-    """README's ``## Layout``: the core's folder each sub-bullet describes (``""`` for the
-    vocabulary, directly in ``core/``) -> the ``*.py`` files it names."""
+    """``docs/development.md``'s ``## Layout`` (the README's until issue 32): the core's folder each
+    sub-bullet describes (``""`` for the vocabulary, directly in ``core/``) -> the ``*.py`` files it names."""
     import re
 
-    readme = (CORE.parents[1] / "README.md").read_text()
-    section = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    page = (CORE.parents[1] / "docs" / "development.md").read_text()
+    section = page.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     core = section.split("- `lightning_swap/core/`", 1)[1].split("\n- ", 1)[0]
     out: dict[str, set[str]] = {}
     for bullet in core.split("\n  - ")[1:]:
@@ -313,7 +313,7 @@ def _readme_layout_bullets() -> dict[str, set[str]]:
 
 
 def test_readme_layout_matches_the_core_tree():
-    """README's layout names each core module under its own layer, and no module that is not there."""
+    """The documented layout names each core module under its own layer, and no module that is not there."""
     tree: dict[str, set[str]] = {}
     for path in CORE.rglob("*.py"):
         if path.name != "__init__.py":

@@ -18,7 +18,7 @@ exceeds the budget (how a simulated budget "runs out" on CPU). The failed batch 
 upper bound. If the trial measured a peak, the effective budget shrinks by the bytes the model
 under-predicted (measured less predicted peak: what the model misses is an amount of memory, not
 a share of the budget — on CPU, ResNet-50's parameters and state are 97% of a budget whose 2%
-shrink left no room for activations: batch 6 after a trial at 35 measured 0.1% over, issue 23)
+shrink left no room for activations: batch 6 after a trial at 35 measured 0.1% over)
 and the search re-plans;
 the first trial that fits ends it. An out-of-memory error measures nothing, so from then on
 the search bisects between the largest batch that fit and the smallest that failed, each
@@ -48,14 +48,14 @@ neighbour's burst) without crediting a candidate for one lucky step as the minim
 sustains). With ``steps_per_trial=2`` that is one step; use 4 or more for a steadier answer.
 Order: plain runs first, so before any trial the search around a training loop warms up until
 the step time is steady (Note [Steady before timing] in ``warmup.py``): in a fresh model's
-first steps plain was charged for a transient whose decay the later candidates were credited
-with (issue 36: "5.11x plain's samples/s" for a GPT measured ~1x at the steady state).
+first steps plain is charged for a transient whose decay the later candidates are credited
+with (a GPT measured ~1x at the steady state read as 5x).
 
 Note [Confirm the winner in the same window]: the answer is the best of several noisy
 measurements, so its own measurement overstates it (the largest of noisy values is biased up),
-and plain, timed first, was timed in another window than the candidates after it. On issue 36's
-shared CPU the GPT's search reported 1.26x plain's samples/s for a plan that ran 0.94x when the
-two were timed in turn. So a candidate that measured faster than plain is timed again right
+and plain, timed first, was timed in another window than the candidates after it (on a shared
+CPU a GPT's search read 1.26x plain's samples/s for a plan that ran 0.94x when the two were
+timed in turn). So a candidate that measured faster than plain is timed again right
 after plain is timed again (two more trial runs, beyond ``max_trials``), and is returned only if
 it is faster in that pair too; :attr:`ScaleResult.speedup` is that pair's ratio (the result's
 ``plain_trial`` and ``chosen_trial`` are the last of each).

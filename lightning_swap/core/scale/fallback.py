@@ -9,9 +9,11 @@ on the main process, broadcast, and planned; the RNG is set back to the state th
 started with, so the step run again under the plan draws what plain training would have drawn.
 The user's side effects of the failed attempt and of the fake one (a counter, a metric update)
 cannot be undone: that is the one case where the user's step runs more often than in plain
-training, and the adapters warn so. The Lightning strategy runs the step again itself; an
-Accelerate or Fabric loop is the user's, so there the error propagates and the user's retry of
-the step runs under the plan (Note [Out of memory in the observed step] in ``hooked.py``).
+training, and the session warns so (:func:`planned_after_out_of_memory`). The Lightning strategy
+runs the step again itself; an Accelerate or Fabric loop is the user's, so there the error
+propagates and the user's retry of the step runs under the plan (Note [Out of memory in the
+observed step] in ``hooked.py``). One implementation for every front end:
+:meth:`SwapSession.step_failed` (Note [One step API] in ``session.py``); no adapter retries.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ..measure.profiler import profile
 from ..tensors import tensors_in
 from .collectives import Collectives
 
-__all__ = ["WeakBatch", "fake_profile_on_main", "restore_rng_state", "rng_state"]
+__all__ = ["WeakBatch", "fake_profile_on_main", "planned_after_out_of_memory", "restore_rng_state", "rng_state"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +109,18 @@ def fake_profile_on_main(
             f"is out of memory on {device}, and profiling it on fake tensors failed too ({type(err).__name__}: "
             f"{err}). {advice}"
         ) from cause
+
+
+def planned_after_out_of_memory(runs_again: bool) -> str:
+    """The warning after the fallback planned: what ran once more, and who runs the step again
+    (the adapter: ``runs_again``; else the user's loop, which got the error)."""
+    then = (
+        "runs again under the plan. Side effects of the failed attempt (counters, metric updates) were not undone."
+        if runs_again else
+        "planned. The error is raised as it was: run the step again (catch torch.OutOfMemoryError) and it runs under "
+        "the plan, from the RNG state it started with."
+    )
+    return (
+        "lightning-swap: the observed training step is out of memory without a plan; it was profiled on fake tensors "
+        f"(its forward ran once more) and {then}"
+    )

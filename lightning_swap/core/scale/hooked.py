@@ -2,9 +2,10 @@
 loop): :class:`HookedSwapSession`, a :class:`~.session.SwapSession` that finds each training
 step's start and end in hooks of its own, on the model and its optimizers.
 
-One implementation for every such front end: the window, the observed step's out-of-memory
-fallback and the per-step bookkeeping live here, and an adapter only says where its backward
-runs (:meth:`HookedSwapSession.backward`), which optimizers it prepared
+The step API is the session's (Note [One step API] in ``session.py``: the window, the observed
+step's out-of-memory fallback and the plan's log, one implementation for every front end); this
+class only finds its calls in hooks, and an adapter only says where its backward runs
+(:meth:`HookedSwapSession.backward`), which optimizers it prepared
 (:meth:`HookedSwapSession.hook_optimizer`) and how its processes agree (``collectives``).
 
 Note [Hooked step window]: the core measures one training step between ``begin_step`` (before
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Optional
@@ -57,7 +57,6 @@ from typing_extensions import override  # a dependency of torch's
 
 from ..config import SwapConfig
 from ..engine.unified.memory import UnifiedMemory
-from ..errors import is_out_of_memory
 from ..runtime.stats import StepStats
 from ..tensors import tensors_in
 from .auto import StepKind
@@ -89,10 +88,12 @@ class HookedSwapSession(SwapSession):
         collectives: Collectives = Collectives(),
         unified: Optional[UnifiedMemory] = None,
     ) -> None:
-        super().__init__(model, config, device, unified=unified, collectives=collectives)
-        self._advice = advice
-        self._forward_context = forward_context
-        self._planning_suspended = False
+        def step_fn(model: nn.Module, call: Any) -> torch.Tensor:
+            """The fallback's step: the model's forward on the step's call, in the adapter's context."""
+            with forward_context():
+                return model_output_loss(model(*call[0], **call[1]))
+
+        super().__init__(model, config, device, unified=unified, collectives=collectives, step_fn=step_fn, advice=advice)
         self._pre_hook: Optional[RemovableHandle] = None
         self._post_hook: Optional[RemovableHandle] = None
         #: The running forward began an observed step (its failure is the fallback's business).
@@ -117,16 +118,6 @@ class HookedSwapSession(SwapSession):
             self._pre_hook = self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
             self._post_hook = self.model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True)
 
-    @contextmanager
-    def planning_suspended(self) -> Iterator[None]:
-        """No planning from the hook inside (the batch-size search); windows still open whenever
-        a runtime is installed."""
-        previous, self._planning_suspended = self._planning_suspended, True
-        try:
-            yield
-        finally:
-            self._planning_suspended = previous
-
     def hook_optimizer(self, optimizer: Any) -> None:
         """End each step after ``optimizer``'s step: the user's torch optimizer, or a wrapper
         holding it as ``.optimizer`` (Accelerate's, Fabric's); its state is tracked as alive."""
@@ -139,34 +130,22 @@ class HookedSwapSession(SwapSession):
         """The hooked optimizers' states (what the step tracks as alive beside the batch)."""
         return [optimizer.state for optimizer, _ in self._optimizers.values()]
 
+    @override
     @contextmanager
     def backward(self) -> Iterator[None]:
         """Around the adapter's backward of the loss: the step's forward is over inside, its
-        backward after (Note [Hooked step window]); a failed one is the fallback's (Note [Out of
-        memory in the observed step]), its error raised as it was."""
-        # Only a backward that starts without gradients can have a failed attempt's discarded.
-        fresh = self.observing and all(p.grad is None for p in self.model.parameters())
-        self.backward_begins()
-        try:
+        backward after (Note [Hooked step window]); a failed one is :meth:`step_failed`'s (Note
+        [Out of memory in the observed step]), its error raised as it was."""
+        with super().backward():
             yield
-        except BaseException as exc:
-            self.abort_step()
-            if fresh and is_out_of_memory(exc):
-                for p in self.model.parameters():
-                    p.grad = None  # what the failed backward accumulated
-                self.plan_after_observed_out_of_memory(exc)
-            raise
-        self.backward_done()  # the step ends after the optimizer's (Note [Hooked step window])
-        self.step_pending = True
+        self.step_pending = True  # the step ends after the optimizer's (Note [Hooked step window])
 
     def finish_pending_step(self) -> None:
         """The step is over: its window closes (the optimizer step inside it), an observed step
         becomes the profile."""
         if self.step_pending:
             self.step_pending = False
-            stats = self.end_step()
-            self.step_done()
-            self.on_step_end(stats if stats is not None else self.records.newest())  # an observed step's own record
+            self.on_step_end(self.close_step())
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.finish_pending_step()
@@ -178,7 +157,7 @@ class HookedSwapSession(SwapSession):
         states = self.optimizer_states()
         track = [args, kwargs, states]
         if self.auto is not None and not self._planning_suspended:
-            self._observed_forward = self.before_step((args, kwargs), track, states) is StepKind.OBSERVE
+            self._observed_forward = self.open_step((args, kwargs), track, states) is StepKind.OBSERVE
         elif self.runtime is not None:
             self.begin_step(track)
         return None
@@ -190,44 +169,18 @@ class HookedSwapSession(SwapSession):
         observed, self._observed_forward = self._observed_forward, False
         error = sys.exc_info()[1]
         if observed and output is None and error is not None:
-            self.abort_step()
-            if is_out_of_memory(error):
-                try:
-                    self.plan_after_observed_out_of_memory(error)
-                except RuntimeError as failed:  # fake mode failed too (its message says what to do)
-                    self._fallback_error = failed
+            try:
+                self.step_failed(error)
+            except RuntimeError as failed:  # fake mode failed too (its message says what to do)
+                self._fallback_error = failed
         return None
 
-    def plan_after_observed_out_of_memory(self, exc: BaseException) -> None:
-        """Note [Out of memory in the observed step]: plan from a fake-mode profile, warn; the
-        caller raises ``exc`` as it was."""
-        context = self._forward_context
-
-        def step_fn(model: nn.Module, call: Any) -> torch.Tensor:
-            with context():
-                return model_output_loss(model(*call[0], **call[1]))
-
-        previous, self._planning_suspended = self._planning_suspended, True  # the fake forward is not a step
-        try:
-            self.plan_after_out_of_memory(exc, step_fn, advice=self._advice)
-        finally:
-            self._planning_suspended = previous
-        if self.collectives.is_main:
-            warnings.warn(
-                "lightning-swap: the observed training step is out of memory without a plan; it was profiled on fake "
-                "tensors (the model's forward ran once more) and planned. The error is raised as it was: run the step "
-                "again (catch torch.OutOfMemoryError) and it runs under the plan, from the RNG state it started with.",
-                UserWarning, stacklevel=2,
-            )
-
+    @override
     def end_training(self) -> Optional[StepStats]:
-        """Training is over: the pending step closes, the host waits for the device's times of the
-        last step (the one wait allowed: no step runs now), and :meth:`close` removes everything.
-        Returns that step's statistics; :attr:`records` keeps every step's."""
+        """Training is over: the pending step closes first (its backward is over), then as
+        :meth:`SwapSession.end_training`."""
         self.finish_pending_step()
-        stats = self.stats(wait=True)
-        self.close()
-        return stats
+        return super().end_training()
 
     @override
     def close(self) -> None:

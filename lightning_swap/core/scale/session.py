@@ -1,21 +1,34 @@
 """What every adapter needs, in one place: options, the model's segments, the plan, the
-runtime, and a measured window around each training step.
+runtime, and the one step API every front end drives.
 
-The Lightning strategies and the Accelerate plugin are thin: they hold a :class:`SwapSession`
-and call :meth:`~SwapSession.before_step` (or :meth:`~SwapSession.begin_step`) /
-:meth:`~SwapSession.end_step` from their hooks. Parameters flow one way: the session is given
-what it needs when it is made — the options, the device, how the processes agree
-(:class:`~.collectives.Collectives`), whether the loop frees gradients before the backward — and
-resolves the budget once; it never calls its adapter back. Under ``policy="auto"`` it hands
-:class:`~.auto.AutoPlanner` values and carries out the decisions it returns (Note [Auto decides
-from values]).
+Note [One step API]: a step is everything from a training batch's start to its end — every
+forward, backward, closure call and optimizer step of that batch. Every front end (the Lightning
+strategies, Lightning Fabric, Accelerate, the Hugging Face Trainer through Accelerate) drives it
+with the same calls and nothing else: :meth:`SwapSession.open_step` at the batch's start (``auto``
+guards, observes or plans first), :meth:`SwapSession.backward` around each backward pass,
+:meth:`SwapSession.close_step` at its end, :meth:`SwapSession.step_failed` when it raised, and
+:meth:`SwapSession.end_training`. The session owns the step's memory window, the observed step's
+out-of-memory fallback (Note [The observed step does not fit] in ``fallback.py``: one
+implementation, here) and the plan's log (Note [The plan's log] in ``plan_log.py``); an adapter
+says only where its step begins and ends, how its processes agree (:class:`~.collectives.Collectives`),
+what its training step is for the fallback, whether it runs a failed step again itself, and where
+a plan's text goes. No adapter reads the runtime, the observation or the planner.
+:class:`~.hooked.HookedSwapSession` finds the same calls in hooks, for loops that have no step hook.
+
+Parameters flow one way: the session is given what it needs when it is made — the options, the
+device, how the processes agree, whether the loop frees gradients before the backward — and
+resolves the budget once; it never calls its adapter back but through what it was given. Under
+``policy="auto"`` it hands :class:`~.auto.AutoPlanner` values and carries out the decisions it
+returns (Note [Auto decides from values]).
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
@@ -40,7 +53,8 @@ from ..sharded import is_sharded, units_inside
 from ..tensors import device_budget_bytes, normalize_device, tensors_in
 from .auto import REVISIT_AFTER_STEPS, AutoPlanner, BatchKey, StepInputs, StepKind
 from .collectives import Collectives
-from .fallback import WeakBatch, fake_profile_on_main, restore_rng_state, rng_state
+from .fallback import WeakBatch, fake_profile_on_main, planned_after_out_of_memory, restore_rng_state, rng_state
+from .plan_log import PlanLog, PlanSink
 from .steady_state import StateSizes, steady_plain_timeline
 
 __all__ = ["SwapSession"]
@@ -87,18 +101,26 @@ def _observed_record(profile: Any) -> StepRecord:
 
 
 class SwapSession:
-    """The segments, plan and runtime of one model on one device.
+    """The segments, plan and runtime of one model on one device, and the step API
+    (Note [One step API]).
 
     ``unified``: unified memory the adapter installed before the model reached the device
     (``config.um``); ``collectives``: how the processes agree (plans and verdicts are decided
     on the main process and broadcast); ``grads_freed_before_backward``: the loop frees the
-    gradients between forward and backward (Note [Steady-state shift]). The budget is resolved
-    once, here: ``config.budget_bytes``, else what the CUDA device offers now (less
+    gradients between forward and backward (Note [Steady-state shift]). The out-of-memory
+    fallback (Note [The observed step does not fit]): ``step_fn``, the adapter's training step
+    as the fallback profiles it on fake tensors (none: no fallback); ``advice``, what its error
+    says to do when that fails too; ``runs_failed_step_again``, the adapter runs the failed step
+    again itself (Lightning), else the error reaches the user's loop. ``plan_sink``: where a
+    plan's text goes (Note [The plan's log]). The budget is resolved once, here:
+    ``config.budget_bytes``, else what the CUDA device offers now (less
     :data:`~lightning_swap.core.tensors.CUDA_BUDGET_MARGIN`), else none."""
 
     def __init__(
         self, model: nn.Module, config: SwapConfig, device: torch.device | str, *, unified: Optional[UnifiedMemory] = None,
         collectives: Collectives = Collectives(), grads_freed_before_backward: bool = False,
+        step_fn: Optional[Callable[[nn.Module, Any], Any]] = None, advice: str = "Choose a policy for it instead, or a smaller batch.",
+        runs_failed_step_again: bool = False, plan_sink: Optional[PlanSink] = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -138,7 +160,15 @@ class SwapSession:
         self._guard_costs: Optional[tuple[BatchKey, dict]] = None
         #: ``policy="auto"``'s decisions (Note [Auto: observe, plan, check]); ``None`` for a forced policy.
         self.auto = self._new_planner() if config.is_auto else None
-        self._measured_logged = False
+        #: Note [The plan's log]: on the main process only.
+        self.plan_log = PlanLog(plan_sink, enabled=config.log_plan and collectives.is_main)
+        #: Note [The observed step does not fit]: the adapter's step, its advice, who runs it again.
+        self._fallback = (step_fn, advice, runs_failed_step_again)
+        self._planning_suspended = False
+        #: The step API's state (Note [One step API]): a step is open; a backward pass is running,
+        #: and began without gradients; (id, verdict) of the last failure :meth:`step_failed` judged.
+        self._step_open = self._in_backward = self._backward_fresh = False
+        self._failure: Optional[tuple[int, bool]] = None
         if self.auto is not None and self._budget_bytes is None and self.segments and collectives.is_main:
             self.warn_no_budget()  # now, before training starts: not in the middle of a progress bar
         if self.auto is not None and self.segments:
@@ -213,7 +243,115 @@ class SwapSession:
         """The budget the planner works to, resolved when the session was made."""
         return self._budget_bytes
 
-    # -- one training step, as the adapters drive it ----------------------------------------
+    # -- the step API (Note [One step API]) ------------------------------------------------
+    @property
+    def step_open(self) -> bool:
+        """A step was opened (:meth:`open_step`) and has not ended or failed."""
+        return self._step_open
+
+    @property
+    def measuring(self) -> bool:
+        """The open step runs under a plan and is measured."""
+        return self.runtime is not None and self.runtime.measuring
+
+    @property
+    def step_meter(self) -> Any:
+        """The meter of the open step's window (the observer's in an observed step), else ``None``:
+        for a timeline recorded over the step."""
+        if self.observation is not None:
+            return self.observation.meter
+        return self.runtime.meter if self.measuring else None
+
+    def open_step(self, batch: Any, track: Any, states: Any, *, measure: bool = False) -> StepKind:
+        """A training batch starts: ``auto`` guards, observes or plans (a plan made is logged:
+        Note [The plan's log]), and the step's window opens. ``batch``: what the step's batch
+        is to the fallback's ``step_fn``; ``track``, ``states``, ``measure``: as
+        :meth:`before_step`'s."""
+        self._failure = None
+        self._in_backward = False
+        kind = self.before_step(batch, track, states, measure=measure)
+        if kind is StepKind.PLAN:
+            self.plan_log.made(self.plan)
+        self._step_open = True
+        return kind
+
+    @contextmanager
+    def backward(self) -> Iterator[None]:
+        """Around one backward pass of the step (a step may have several: Note [A step of
+        several passes]). A failed one is :meth:`step_failed`'s, its error raised as it was."""
+        self.backward_begins()
+        try:
+            yield
+        except BaseException as exc:
+            self.step_failed(exc)
+            raise
+        self.backward_done()
+
+    def step_failed(self, exc: BaseException) -> bool:
+        """The open step raised ``exc``: nothing of it is kept (its window and observation are
+        dropped). When it is the observed step, out of memory in a forward or in a backward that
+        began without gradients (those it accumulated are discarded), the fallback plans it
+        (Note [The observed step does not fit]) and this returns ``True``: the step, run again,
+        runs under the plan. Asked again about the same ``exc`` (a failed backward seen again by
+        the code around it), the same answer, nothing done twice."""
+        if self._failure is not None and self._failure[0] == id(exc):
+            return self._failure[1]
+        in_backward, fresh = self._in_backward, self._backward_fresh
+        recoverable = (
+            self.observing and self._fallback[0] is not None and is_out_of_memory(exc) and (fresh or not in_backward)
+        )
+        self.abort_step()
+        self._failure = (id(exc), recoverable)
+        if recoverable:
+            if in_backward:
+                for p in self.model.parameters():
+                    p.grad = None  # what the failed backward accumulated
+            self.plan_after_out_of_memory(exc)
+        return recoverable
+
+    def close_step(self) -> Optional[StepStats]:
+        """The step is over (its optimizer steps included): the window closes (a plan made without
+        numbers gets the ones its first step measured: Note [The plan's log]), an observed step
+        becomes the profile. Its statistics: the window's, or an observed step's own record."""
+        self._step_open = False
+        stats = self.end_step()
+        self.step_done()
+        return stats if stats is not None else self.records.newest()
+
+    def end_training(self) -> Optional[StepStats]:
+        """Training is over: a step still open never finished (it is dropped), the host waits for
+        the device's times (the one wait allowed: no step runs now), the plan's measured table is
+        logged if it was not yet, and :meth:`close` removes everything. Returns the last step's
+        statistics; :attr:`records` keeps every step's."""
+        self.abort_step()
+        self.records.resolve(wait=True)
+        self._note_measured_plan(wait=True)
+        stats = self.stats(wait=True)
+        self.close()
+        return stats
+
+    @contextmanager
+    def planning_suspended(self) -> Iterator[None]:
+        """No planning inside (the batch-size search, the fallback's fake step): a hooked
+        session's windows still open whenever a runtime is installed."""
+        previous, self._planning_suspended = self._planning_suspended, True
+        try:
+            yield
+        finally:
+            self._planning_suspended = previous
+
+    def _note_measured_plan(self, *, wait: bool) -> None:
+        """Note [Measured rows]: a plan made without numbers becomes the plan its first step
+        measured, which is logged (Note [The plan's log])."""
+        runtime = self.runtime
+        measured = runtime.measured_plan(wait=wait) if runtime is not None and runtime.measure_rows else None
+        if measured is None:  # no rows to measure, or not yet: the device has not finished the step
+            return
+        if self.plan is not None and not self.plan.rows:
+            self.plan = measured
+        self.plan_log.measured(measured)
+
+    # -- the parts of a step ------------------------------------------------------------
     def before_step(self, batch: Any, track: Any, states: Any, *, measure: bool = False) -> StepKind:
         """Before a training step's forward: guard it, observe it, (re-)plan, or open the
         installed plan's window. ``track``: what is alive besides the model (the batch,
@@ -338,12 +476,16 @@ class SwapSession:
         return plan
 
     def apply_forced_plan(self) -> Plan:
-        """Install the forced policy's plan, the main process's on every process."""
+        """Install the forced policy's plan, the main process's on every process (logged once
+        its first step measured it: Note [The plan's log])."""
         return self.apply(self._received(self.collectives.on_main(self.forced_plan)))
 
     def backward_begins(self) -> None:
         """The loss exists and its backward is about to run (once per backward pass of the step)."""
         self._backwards += 1
+        self._in_backward = True
+        # Only a backward that starts without gradients can have a failed attempt's discarded.
+        self._backward_fresh = self.observing and all(p.grad is None for p in self.model.parameters())
         if self.auto is not None and self.auto.guarding and self.runtime is not None and self.runtime.measuring:
             self.auto.guard_forward_done(self.runtime.meter.peak_bytes)
         for observation in (self.observation, self._under):
@@ -407,7 +549,8 @@ class SwapSession:
         return profile
 
     def abort_step(self) -> None:
-        """The step failed (out of memory, an exception): nothing observed is kept."""
+        """The step failed (out of memory, an exception): nothing observed is kept, no step is open."""
+        self._step_open = self._in_backward = False
         for name in ("observation", "_under"):
             observation = getattr(self, name)
             if observation is not None:
@@ -416,21 +559,24 @@ class SwapSession:
         if self.runtime is not None and self.runtime.measuring:
             self.runtime.abort_step()
 
-    def plan_after_out_of_memory(self, exc: BaseException, step_fn: Callable[[nn.Module, Any], Any], *, advice: str) -> None:
-        """The observed step ran out of memory (``exc``; the adapter called :meth:`abort_step`):
-        it is profiled on fake tensors with ``step_fn`` (the adapter's training step), the next
-        step plans from that profile, and the RNG is back at the state the failed step started
-        with (Note [The observed step does not fit]). ``advice``: what the error says to do if
-        fake mode fails too."""
+    def plan_after_out_of_memory(self, exc: BaseException) -> None:
+        """The observed step ran out of memory (``exc``; :meth:`step_failed` aborted it): it is
+        profiled on fake tensors with the adapter's ``step_fn`` (no step: planning suspended),
+        the next step plans from that profile, the RNG is back at the state the failed step
+        started with, and the main process warns (Note [The observed step does not fit])."""
         if self._observed_call is None:
             raise RuntimeError("plan_after_out_of_memory: no observed step to plan for") from exc
         batch, key, states, rng = self._observed_call
-        profile = fake_profile_on_main(
-            self.model, batch, step_fn, segments=self.segments, states=states, config=self.config, device=self.device,
-            collectives=self.collectives, advice=advice, cause=exc,
-        )
+        step_fn, advice, runs_again = self._fallback
+        with self.planning_suspended():
+            profile = fake_profile_on_main(
+                self.model, batch, step_fn, segments=self.segments, states=states, config=self.config, device=self.device,
+                collectives=self.collectives, advice=advice, cause=exc,
+            )
         self.use_profile(profile, key)
         restore_rng_state(self.device, rng)
+        if self.collectives.is_main:
+            warnings.warn(planned_after_out_of_memory(runs_again), UserWarning, stacklevel=3)
 
     def use_profile(self, profile: ModelProfile, batch: Optional[BatchKey], *, steady: bool = False) -> None:
         """``"auto"`` plans the next step from ``profile`` (:meth:`AutoPlanner.set_profile`)."""
@@ -532,9 +678,6 @@ class SwapSession:
         )
         runtime.install()
         self.runtime, self.plan = runtime, plan
-        self._measured_logged = False
-        if self.config.log_plan:
-            log.info("lightning-swap plan (%s):\n%s", plan.summary(), plan.render())
         return plan
 
     def begin_step(self, track: Iterable[Any] = (), *, measure: bool = False) -> None:
@@ -552,6 +695,7 @@ class SwapSession:
     def backward_done(self) -> None:
         """The loss's backward is over (what follows, the optimizer step, is its own window in
         an observed step)."""
+        self._in_backward = False
         if self.auto is not None and self.auto.guarding and self.runtime is not None and self.runtime.measuring:
             self.auto.guard_backward_done(self.collectives.largest(self.runtime.meter.peak_bytes))
         for observation in (self.observation, self._under):
@@ -572,20 +716,8 @@ class SwapSession:
         self.records.add(self.runtime.records.newest_record())
         for name, why in self.runtime.refusals.items():
             self.refusals.setdefault(name, why)
-        self._log_measured_plan()
+        self._note_measured_plan(wait=False)
         return self.last_stats
-
-    def _log_measured_plan(self) -> None:
-        """A plan without numbers (a forced policy's, every segment kept) becomes the plan its first
-        step measured (Note [Measured rows]); with ``log_plan`` it is logged again, with them."""
-        if self._measured_logged or not self.runtime.measure_rows or self.plan is None or self.plan.rows:
-            return
-        measured = self.runtime.measured_plan(wait=False)  # None until the device has finished it
-        if measured is not None:
-            self._measured_logged = True
-            self.plan = measured
-            if self.config.log_plan:
-                log.info("lightning-swap plan (%s), measured in its first step:\n%s", measured.summary(), measured.render())
 
     def stats(self, *, wait: bool = False) -> Optional[StepStats]:
         """The newest step whose device times are known; ``wait=True`` (outside a step) waits

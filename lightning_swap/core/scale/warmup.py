@@ -1,16 +1,15 @@
-"""Warm-up until the step time is steady, before a step time is read as a cost (issue 36).
+"""Warm-up until the step time is steady, before a step time is read as a cost.
 
 Note [Steady before timing]: the first steps of training can be several times slower than the
-steps after them for reasons no plan causes. On a CPU, denormal floats: the benchmarks' GPT
-starts with wide logits, so 40% of its softmax gradient is denormal at initialisation and none
-of it after ~15 SGD steps (measured 2026-11-27), and a core that traps on denormals pays for
-every one (issue 36 measured plain steps of 616, 595, 583, 577, 562, 551, 532, 504, 448, 367,
-288, 214, 156, 127, 115, 109 ms, then ~100; none of that with ``torch.set_flush_denormal``).
-On any device, the allocator's first growth and each kernel's first call. A step timed in those
-steps is charged for them, and candidates timed one after another are charged unequally (the
-first one most): a throughput search that timed plain training first and its candidates later
-credited them with the transient's decay (issue 36: "5.11x plain's samples/s" for a GPT whose
-steady ratio is ~1x).
+steps after them for reasons no plan causes. On a CPU, denormal floats: a GPT that starts with
+wide logits has ~40% of its softmax gradient denormal at initialisation and none of it after
+~15 SGD steps, and a core that traps on denormals pays for every one (plain steps of 616, 595,
+583, 577, 562, 551, 532, 504, 448, 367, 288, 214, 156, 127, 115, 109 ms, then ~100: the series
+the tests replay; none of that with ``torch.set_flush_denormal``). On any device, the
+allocator's first growth and each kernel's first call. A step timed in those steps is charged
+for them, and candidates timed one after another are charged unequally (the first one most): a
+throughput search that times plain training first and its candidates later credits them with
+the transient's decay (a GPT whose steady ratio is ~1x read as 5x).
 
 So a step time is read only once the step time has settled: a series of step times is *steady*
 when the median of its last ``window`` times is within ``tolerance`` of the median of the
@@ -18,11 +17,10 @@ when the median of its last ``window`` times is within ``tolerance`` of the medi
 skipped, newest window). Medians, so one step slowed by a neighbour on a shared machine does not
 hold the warm-up up; windows ``2 * window`` steps apart, so that a slow drift is seen: the series
 above falls ~2% a step at its start, where the spread of one window (616-577 ms: 7%) would call
-it steady, and adjacent windows of 4 were measured 4% apart (a transient injected on CPU, whose
-step was larger: 423 and 406 ms) while the decay went on. The warm-up ends there or after
-``max_steps``. On a GPU the denormal part does not arise (NVIDIA GPUs compute fp32 denormals at
-full rate) and the rule ends after ``3 * window`` steps once the first calls are over. ``benchmarks/common.py`` times every benchmark's methods
-by the same rule.
+it steady, and adjacent windows of 4 can be 4% apart while the decay goes on. The warm-up ends
+there or after ``max_steps``. On a GPU the denormal part does not arise (NVIDIA GPUs compute
+fp32 denormals at full rate) and the rule ends after ``3 * window`` steps once the first calls
+are over. ``benchmarks/common.py`` times every benchmark's methods by the same rule.
 """
 
 from __future__ import annotations

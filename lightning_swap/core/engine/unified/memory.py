@@ -28,7 +28,7 @@ GIL while waiting for the CUDA allocator from another thread would deadlock; we 
 
 Note [Page-fault time]: the time the GPU spends waiting for faulted pages is not visible to
 torch or the runtime API (it needs CUPTI's unified-memory counters); ``fault_ms`` is
-``None`` and the README says so. The step time against the default allocator is the measure.
+``None`` and ``docs/unified-memory.md`` says so. The step time against the default allocator is the measure.
 """
 
 from __future__ import annotations
