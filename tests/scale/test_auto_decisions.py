@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
+from typing import Optional
 
 import pytest
 import torch
 
 from lightning_swap.core import Action, Collectives, InfeasibleBudgetError, PlanRow, SwapConfig, min_budget_bytes, solve
 from lightning_swap.core.decide.costmodel import copy_window_of, recompute_ms
-from lightning_swap.core.scale.auto import REVISIT_AFTER_STEPS, REVISIT_TOLERANCE, AutoPlanner, BatchKey, StepInputs, StepKind, Verdict
+from lightning_swap.core.scale.auto import MAX_SHAPES, REVISIT_AFTER_STEPS, REVISIT_TOLERANCE, AutoPlanner, BatchKey, StepInputs, StepKind, Verdict
 from lightning_swap.core.scale.steady_state import StateSizes, state_growth
 
 from ..decide.test_solver import random_chain
@@ -44,17 +45,22 @@ GROWN = StateSizes(10 * MiB, 20 * MiB, (4, 4))
 
 def guard_step(
     auto: AutoPlanner, *, peak: int, backward_peak: int, held: int, before: StateSizes, after: StateSizes, forward_peak: int = 80 * MiB,
+    offloaded: Optional[int] = None, shape: tuple = TOKENS,
 ) -> None:
     """One guard step, as the session drives it: the plan, the forward's and the backward's
-    peaks, the step's end."""
-    assert auto.next_step(step(state=before)) is StepKind.GUARD
-    plan = auto.begin_guard(step(state=before))
+    peaks, the step's end (``offloaded``: what the step offloaded in all, the regions outside
+    the segments included; ``None``: not told)."""
+    assert auto.next_step(step(shape=shape, state=before)) is StepKind.GUARD
+    plan = auto.begin_guard(step(shape=shape, state=before))
     # the lowest-memory uniform plan: on CPU, with no prefetch, offload (Note [Observe only what fits])
     assert dict(plan.actions) == {name: Action.OFFLOAD for name in auto.segments}
     assert auto.guarding
     auto.guard_forward_done(min(forward_peak, backward_peak))
     auto.guard_backward_done(backward_peak)
-    auto.end_guard(peak, rows(held), after)
+    if offloaded is None:
+        auto.end_guard(peak, rows(held), after)
+    else:
+        auto.end_guard(peak, rows(held), after, offloaded_bytes=offloaded)
     assert not auto.guarding
 
 
@@ -181,8 +187,10 @@ def test_a_check_over_the_budget_learns_the_miss_and_plans_for_less():
     profile = random_chain(0, 4)
     budget = (min_budget_bytes(profile) + profile.peak_bytes) // 2
     auto = _observed(budget, profile)
+    assert auto.next_step(step()) is StepKind.PLAN  # the plan's first step
     plan = auto.plan(StateSizes())
     auto.applied(plan, StateSizes())
+    assert auto.next_step(step()) is StepKind.PLAN  # its check (Note [A check is of its own batch])
     miss = budget - plan.predicted_peak_bytes + MiB
     replanned = auto.plan(StateSizes(), plan.predicted_peak_bytes + miss)
     assert auto.correction_bytes == miss
@@ -288,6 +296,7 @@ def _recomputing_plan():
     profile = dataclasses.replace(profile, segments=tuple(dataclasses.replace(s, recompute_ms=s.forward_ms) for s in profile.segments))
     budget = int(min_budget_bytes(profile) + 0.2 * (profile.peak_bytes - min_budget_bytes(profile)))
     auto = _observed(budget, profile)
+    assert auto.next_step(step()) is StepKind.PLAN
     plan = auto.plan(StateSizes())
     assert [a for a in plan.actions.values()] == [Action.RECOMPUTE, Action.RECOMPUTE, Action.KEEP, Action.KEEP]
     auto.applied(plan, StateSizes())
@@ -352,6 +361,186 @@ def test_a_revisit_does_not_reprice_from_steps_still_speeding_up(caplog):
     assert auto.plan(StateSizes(), plan.predicted_peak_bytes, falling) is plan
     assert [r for r in caplog.records if "still changing: the plan is not re-priced" in r.getMessage()]
     assert auto.plan(StateSizes(), plan.predicted_peak_bytes, slow).predicted_step_ms == pytest.approx(slow[0][0], rel=1e-6)
+
+
+# -- Note [Plans per batch shape], Note [A check is of its own batch] ------------------------------
+SHORT = (((16,), torch.int64),)  # the same model's batches padded to another length
+
+
+class _Loop:
+    """The session's side of the decision table, from values: each step's kind carried out, a
+    step under a plan measured at ``measured(plan, batch size)`` (its prediction, unless told),
+    a guard step at ``guard_peak`` with ``held`` bytes not held, an observed step giving its
+    shape's profile from ``profiles``. The state is steady from the start (``GROWN``)."""
+
+    def __init__(self, auto: AutoPlanner, profiles: dict, *, measured=None, guard_peak: int = MiB, held: int = MiB) -> None:
+        self.auto, self.profiles, self.guard_peak, self.held = auto, profiles, guard_peak, held
+        self.measured = measured or (lambda plan, size: plan.predicted_peak_bytes)
+        self.peak = None  # the newest step's measured peak, as the session hands it to plan()
+        self.installed = None  # the plan the session has installed
+        self.kinds, self.ran, self.peaks = [], [], []
+
+    def step(self, shape: tuple = TOKENS, size: int = 8) -> StepKind:
+        auto, inputs = self.auto, StepInputs(BatchKey(shape, size), GROWN)
+        kind = auto.next_step(inputs)
+        if kind is StepKind.VERDICT:
+            auto.take_verdict(pickle.loads(pickle.dumps(auto.guard_verdict())))
+            kind = auto.next_step(inputs)
+        if kind is StepKind.GUARD:
+            self.installed = auto.begin_guard(inputs)
+            auto.guard_forward_done(self.guard_peak)
+            auto.guard_backward_done(self.guard_peak)
+            auto.end_guard(self.guard_peak, rows(self.held), GROWN)
+            self.peak = self.guard_peak
+        elif kind is StepKind.OBSERVE:
+            self.installed = None
+            auto.begin_observe(inputs)
+            auto.finish_observe(self.profiles[shape])
+            self.peak = self.profiles[shape].peak_bytes
+        else:
+            if kind is StepKind.PLAN:
+                self.installed = auto.plan(GROWN, self.peak)
+                auto.applied(self.installed, GROWN)
+            self.peak = self.measured(self.installed, size)
+        self.kinds.append(kind)
+        self.ran.append(self.installed)
+        self.peaks.append(self.peak)
+        return kind
+
+
+def _two_profiles():
+    long, short = random_chain(0, 4), random_chain(1, 4)
+    assert long.names == short.names  # the same model's segments
+    budget = (max(min_budget_bytes(long), min_budget_bytes(short)) + min(long.peak_bytes, short.peak_bytes)) // 2
+    return {TOKENS: long, SHORT: short}, budget
+
+
+def test_dynamic_padding_guards_each_shape_once_and_each_shape_gets_its_own_plan_back():
+    """Note [Plans per batch shape]: lengths alternating every step. Each shape is guarded once,
+    observed once, planned once and checked once (against a step of its own); then every step
+    gets its own shape's plan back, the one solved from its own profile."""
+    profiles, budget = _two_profiles()
+    auto = planner(budget, names=profiles[TOKENS].names)
+    loop = _Loop(auto, profiles)
+    for _ in range(8):
+        loop.step(TOKENS)
+        loop.step(SHORT)
+    G, O, P = StepKind.GUARD, StepKind.OBSERVE, StepKind.PLAN
+    # every step after the first plans is PLAN: the other shape's plan is installed, so this
+    # shape's goes back in (the session applies it only where it differs)
+    assert loop.kinds == [G, G, O, O] + [P] * 12
+    for shape, plans in ((TOKENS, loop.ran[4::2]), (SHORT, loop.ran[5::2])):
+        expected = solve(profiles[shape], budget_bytes=budget, **WINDOWS)
+        assert all(dict(p.actions) == dict(expected.actions) and p.predicted_peak_bytes == expected.predicted_peak_bytes for p in plans)
+        assert all(p is plans[0] for p in plans)  # the shape's plan, remembered, never solved again
+    assert not auto.check_pending and auto.correction_bytes == 0
+    assert max(loop.peaks[4:]) <= budget  # (the guard's made-up numbers let plain be observed: not a plan's step)
+
+
+def test_a_returning_shape_runs_its_plan_without_reinstalling_when_it_is_installed():
+    profiles, budget = _two_profiles()
+    auto = planner(budget, names=profiles[TOKENS].names)
+    loop = _Loop(auto, profiles)
+    for shape in (TOKENS, SHORT, TOKENS, SHORT, TOKENS, SHORT, TOKENS, TOKENS, TOKENS, TOKENS):
+        loop.step(shape)
+    # guard, guard, observe, observe, plan, plan, the long plan back, its check, then its own steps
+    assert loop.kinds[-3:] == [StepKind.RUN] * 3
+
+
+def test_shapes_beyond_the_remembered_ones_are_forgotten_least_recently_used_first():
+    auto = planner(200 * MiB)
+    shapes = [(((n,), torch.int64),) for n in range(1, MAX_SHAPES + 2)]
+    for shape in shapes:
+        assert auto.next_step(step(shape=shape, state=GROWN)) is StepKind.GUARD
+        auto.begin_guard(step(shape=shape, state=GROWN))
+        auto.end_guard(MiB, rows(MiB), GROWN)
+    assert auto.next_step(step(shape=shapes[-1], state=GROWN)) is StepKind.VERDICT  # remembered
+    assert auto.next_step(step(shape=shapes[1], state=GROWN)) is StepKind.VERDICT
+    assert auto.next_step(step(shape=shapes[0], state=GROWN)) is StepKind.GUARD  # the oldest, forgotten
+
+
+def test_a_plan_is_checked_against_a_step_of_its_own_batch_size():
+    """Note [A check is of its own batch]: a plan made for batch 9 (its profile's), applied at
+    a batch-8 step, is checked by the next batch-9 step, not by the batch-8 one (which peaks
+    lower): the miss of the batch-9 step is learned and the plan solved again for less."""
+    profile = dataclasses.replace(random_chain(0, 4), batch_size=9)
+    budget = (min_budget_bytes(profile) + profile.peak_bytes) // 2
+    first = solve(profile, budget_bytes=budget, **WINDOWS)
+    miss = budget - first.predicted_peak_bytes + MiB  # batch 9 peaks 1 MiB over the budget under the first plan
+
+    def measured(plan, size):
+        return plan.predicted_peak_bytes + (miss if size == 9 else -MiB)
+
+    auto = planner(budget, names=profile.names)
+    loop = _Loop(auto, {TOKENS: profile}, measured=measured)
+    for size in (9, 9, 8, 9, 8, 9, 8, 9, 8, 9):
+        loop.step(TOKENS, size)
+    G, O, P, R = StepKind.GUARD, StepKind.OBSERVE, StepKind.PLAN, StepKind.RUN
+    # plan (at 8), its own batch's step, the check (miss learned, re-planned), the new plan's own
+    # batch's step, its check (kept), then it runs
+    assert loop.kinds == [G, O, P, R, P, R, P, R, R, R]
+    assert auto.correction_bytes == miss
+    assert loop.ran[2] == first and loop.peaks[3] > budget
+    assert max(loop.peaks[5:]) <= budget  # no step over after the first plan's check
+
+
+
+@pytest.mark.parametrize(
+    ("budget_mib", "offloaded_mib", "expected"),
+    [
+        # least 120 (test_verdict_after_the_first_guard_step); rows: 10 recomputed, 20 offloaded;
+        # the regions outside the segments (a stem, the head's input) offloaded 25 more: plain's
+        # bound = 120 + 10 + 45
+        (175, 45, Verdict(StepKind.OBSERVE, 175 * MiB, 120 * MiB)),
+        (174, 45, Verdict(StepKind.GUARD, None, 120 * MiB)),  # the rows alone said 150: observed, and over
+        (150, 20, Verdict(StepKind.OBSERVE, 150 * MiB, 120 * MiB)),  # nothing outside the segments
+    ],
+)
+def test_the_bound_on_plain_counts_the_regions_outside_the_segments(budget_mib, offloaded_mib, expected):
+    """Note [Observe only what fits]: plain holds what the guard step did not, the regions
+    outside the segments included."""
+    auto = planner(budget_mib * MiB)
+    guard_step(auto, peak=100 * MiB, backward_peak=90 * MiB, held=30 * MiB, before=StateSizes(), after=GROWN, offloaded=offloaded_mib * MiB)
+    assert auto.guard_verdict() == expected
+
+
+def test_the_steady_bound_counts_the_regions_outside_the_segments():
+    auto = planner(160 * MiB)
+    guard_step(auto, peak=100 * MiB, backward_peak=90 * MiB, held=30 * MiB, before=StateSizes(), after=GROWN, offloaded=45 * MiB)
+    auto.take_verdict(auto.guard_verdict())
+    guard_step(auto, peak=115 * MiB, backward_peak=95 * MiB, held=30 * MiB, before=GROWN, after=GROWN, offloaded=45 * MiB)
+    assert auto.guard_verdict() == Verdict(StepKind.RUN, 170 * MiB, 115 * MiB)  # 115 + 10 + 45: the rows alone said 145
+
+
+def _least_warnings(caplog):
+    return [r for r in caplog.records if r.levelno == logging.WARNING and "ran the lowest-memory plan" in r.getMessage()]
+
+
+@pytest.mark.parametrize(("budget_mib", "warned"), [(130, True), (120, False)])
+def test_the_lowest_memory_plan_kept_with_room_in_the_budget_says_why_once(caplog, budget_mib, warned):
+    """Note [Say why the lowest-memory plan stays]: plain's bound (145) over the budget, no
+    profile: the lowest-memory plan (115) stays. More than a few steps of it with 5% of the
+    budget unused: one WARNING with the reason; at 120 (4% unused) none."""
+    caplog.set_level(logging.INFO, logger="lightning_swap")
+    auto = _two_guard_steps(budget_mib * MiB)
+    auto.take_verdict(auto.guard_verdict())
+    kinds = [auto.next_step(step(state=GROWN)) for _ in range(2)]
+    assert not _least_warnings(caplog)  # two guard steps and two steps of the plan: a few
+    kinds += [auto.next_step(step(state=GROWN)) for _ in range(10)]
+    assert kinds == [StepKind.RUN] * 12
+    said = _least_warnings(caplog)
+    assert len(said) == (1 if warned else 0)
+    if warned:
+        assert "no profile could be made" in said[0].getMessage() and "115.0 MiB" in said[0].getMessage(), said[0].getMessage()
+
+
+def test_a_new_shape_at_every_step_says_why_once(caplog):
+    caplog.set_level(logging.INFO, logger="lightning_swap")
+    auto = planner(200 * MiB)
+    for n in range(1, 9):
+        guard_step(auto, peak=100 * MiB, backward_peak=90 * MiB, held=30 * MiB, before=GROWN, after=GROWN, shape=(((n,), torch.int64),))
+    said = _least_warnings(caplog)
+    assert len(said) == 1 and "the batch shape was new in each of the last 5 steps" in said[0].getMessage(), said
 
 
 # -- Collectives.on_main: the one way processes agree -----------------------------------------------

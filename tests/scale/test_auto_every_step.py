@@ -197,7 +197,7 @@ def test_a_miss_is_attributed_to_its_cause_and_over_the_budget_only_when_it_was(
     import logging
 
     from lightning_swap.core import SwapConfig
-    from lightning_swap.core.scale.auto import AutoPlanner
+    from lightning_swap.core.scale.auto import AutoPlanner, BatchKey, StepInputs, StepKind
     from lightning_swap.core.scale.steady_state import StateSizes
 
     from ..decide.test_solver import random_chain
@@ -211,7 +211,11 @@ def test_a_miss_is_attributed_to_its_cause_and_over_the_budget_only_when_it_was(
     state = {"now": StateSizes()}
     peak = {"bytes": 0}
 
+    def step():  # each step is decided first (Note [A check is of its own batch])
+        assert planner.next_step(StepInputs(BatchKey((), profile.batch_size), state["now"])) is StepKind.PLAN
+
     def first_step(measured):
+        step()
         plan = planner.plan(state["now"], peak["bytes"])
         planner.applied(plan, state["now"])
         peak["bytes"] = measured(plan.predicted_peak_bytes)
@@ -220,6 +224,7 @@ def test_a_miss_is_attributed_to_its_cause_and_over_the_budget_only_when_it_was(
     caplog.set_level(logging.INFO, logger="lightning_swap")
     first_step(lambda predicted: predicted + (1 << 20))  # within the budget, above the prediction
     state["now"] = StateSizes(gradient_bytes=64 * 64 * 4, signature=(1, 0))  # the state grew meanwhile: a Linear(64, 64)'s gradient
+    step()
     planner.plan(state["now"], peak["bytes"])
     assert planner.correction_bytes == 0
     assert not [r for r in caplog.records if "over the budget" in r.getMessage()]
@@ -227,6 +232,7 @@ def test_a_miss_is_attributed_to_its_cause_and_over_the_budget_only_when_it_was(
 
     caplog.clear()
     first_step(lambda predicted: budget + (1 << 20))  # over the budget, nothing grew
+    step()
     try:
         planner.plan(state["now"], peak["bytes"])
     except InfeasibleBudgetError:

@@ -3,19 +3,22 @@
 Note [Auto: observe, plan, check]: before every training step the session asks
 :meth:`AutoPlanner.next_step` and gets a :class:`StepKind`:
 
-- ``GUARD``: no profile covers this batch (the first step, or a batch larger or shaped
-  differently than the one profiled): the step runs under the lowest-memory plan, measured
-  and observed on every process (Note [Observe only what fits]); after it the main process
-  decides for every process (``VERDICT``, broadcast) what comes next;
+- ``GUARD``: no profile covers this batch (the first step of a batch shape, or a batch larger
+  than its shape's profile): the step runs under the lowest-memory plan, measured and observed
+  on every process (Note [Observe only what fits]); after it the main process decides for every
+  process (``VERDICT``, broadcast) what comes next;
 - ``OBSERVE``: the guard step's profile predicts that plain training fits (or, where none could
   be made, its bound does): the step runs with every segment kept and every process observes
   it (Note [Observe, do not re-run] in ``observe.py``);
 - ``PLAN``: a plan is due: the first step after a profile was made (the profile is shifted to
   the state alive now, Note [Steady-state shift]), the step after a new plan's first step (the
   check below), the gradients and optimizer state grew, a segment refused an action since
-  (Note [Refused actions] in ``model_profile.py``), or the plan's steady state has been
-  measured (Note [Re-plan from the steady state]);
+  (Note [Refused actions] in ``model_profile.py``), the plan's steady state has been
+  measured (Note [Re-plan from the steady state]), or the step's shape has a plan of its own
+  while another shape's is installed (Note [Plans per batch shape]: that plan, as it was);
 - ``RUN``: the installed plan runs (the lowest-memory one where plain's bound is over budget).
+
+Each batch shape has its own state through this table (Note [Plans per batch shape]).
 
 The answer depends only on what every data-parallel process sees alike (batch shapes agreed
 across processes, the order of steps, the sizes of gradients and optimizer state), so all
@@ -23,7 +26,8 @@ enter the plan's broadcast together; the main process alone solves, from the lar
 process's measurements (the profiles merge by their largest values: Note [Decide from the
 largest measurement] in ``collectives.py``).
 
-The check: the first step under a new plan is measured. If its peak exceeded the prediction,
+The check: the first step under a new plan at the batch size it was made for is measured (Note
+[A check is of its own batch]). If its peak exceeded the prediction,
 the difference is learned (the model misses allocator rounding, workspaces, ...: it only grows)
 and, if the peak also exceeded the budget, the plan is solved again with the budget less what
 was learned — logged once, with the numbers. A plan that cannot be kept raises
@@ -44,6 +48,7 @@ from __future__ import annotations
 import enum
 import logging
 import statistics
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -128,7 +133,7 @@ def guard_action(device_type: str, config: SwapConfig = SwapConfig()) -> Action:
 
 # Note [Observe only what fits]: the profile that plans are solved from was first taken by
 # observing a plain step (Note [Observe, do not re-run]), and a plain step can need several
-# times the budget (issue 20: 2.4x on a 6-block MLP). So the first step on a new batch shape
+# times the budget (2.4x on a 6-block MLP). So the first step on a new batch shape
 # runs under the lowest-memory plan instead (:func:`guard_action` on every segment: if any plan
 # fits, it does), measured, with its rows (Note [Measured rows]), and observed on every process
 # as a step under that plan (Note [A step measured under a plan] in ``decide/under_plan.py``):
@@ -139,15 +144,19 @@ def guard_action(device_type: str, config: SwapConfig = SwapConfig()) -> Action:
 # appearing in the first optimizer step, gradients under accumulation), so the guard's peak is
 # that of a steady step: the lowest-memory plan's minimum, measured, and the profile is a
 # steady step's. From that profile the main process predicts plain's peak (exactly, on the
-# tests' models and the issue's LM: the cost model run backwards) and decides for every
+# tests' models and their LM: the cost model run backwards) and decides for every
 # process before any of them runs the next step: ``OBSERVE`` plain when it fits (its profile is
 # then exact), else ``PLAN`` the fastest mix that fits from the guard's profile. Where no
 # profile could be made (a segment that cannot run alone, FSDP), plain's peak is bounded instead —
 #
-#     plain <= guard peak + sum over segments (recomputed + offloaded bytes)
+#     plain <= guard peak + recomputed bytes + offloaded bytes (segments and regions)
 #
 # (at every moment plain holds at most what the guard held plus the saved tensors the guard did
-# not hold on the device) — and plain is observed only when the bound fits; otherwise the
+# not hold on the device). Every byte counts: the lowest-memory plan offloads the regions outside
+# the segments too (the stem, the glue between blocks, the head's input, the loss: Note [Regions
+# outside the segments] in ``model_profile.py``), and a model whose stem saves more than its
+# blocks holds most of plain's activations there, so the step's offloaded bytes in all are
+# added, not the segments' rows alone. Plain is observed only when the bound fits; otherwise the
 # lowest-memory plan stays. Either way the guard's measured peak is within the budget, or
 # InfeasibleBudgetError names it: nothing known uses less. ``training_step`` still runs once
 # per step: the guard step is an ordinary step of training.
@@ -158,8 +167,8 @@ def guard_action(device_type: str, config: SwapConfig = SwapConfig()) -> Action:
 # two optimizers stepping in one manual ``training_step``, a second backward) is not predicted by
 # them. So when a guard step ran several, the lowest-memory plan, measured over the whole step,
 # is what ``auto`` keeps for that shape: guarded until the state is steady (the infeasible check
-# applies to that steady peak), then run, with one WARNING that says why. Planning such steps
-# pass by pass is future work (issue 33).
+# applies to that steady peak), then run, with one WARNING that says why. Such steps are not
+# planned pass by pass.
 @dataclass
 class _Guard:
     """The guard steps on one batch shape (Note [Observe only what fits])."""
@@ -169,7 +178,7 @@ class _Guard:
     backward_peak: Optional[int] = None  # the same up to the end of the backward
     forward_peak: Optional[int] = None  # the same up to the start of the backward
     grown_forward: int = 0  # what the last guard step grew the state by, as a steady forward holds it
-    held: int = 0  # the saved bytes the lowest-memory plan did not hold (recomputed + offloaded)
+    held: int = 0  # the saved bytes the lowest-memory plan did not hold: recomputed, offloaded (regions included)
     grown: int = 0  # what the last guard step grew the state by, as a steady backward holds it
     bound: Optional[int] = None  # plain's bound, once a guard step began in the steady state
     least: Optional[int] = None  # the lowest-memory plan's steady peak (from the verdict)
@@ -216,26 +225,20 @@ REVISIT_AFTER_STEPS = 5
 REVISIT_TOLERANCE = 0.15
 MAX_REVISITS = 2
 REPLAN_GAIN = 0.05
-# Note [Auto's times in a fresh model's first steps] (issue 36): auto reads times within a run's
-# first dozen steps: the observed (or guard) step's own time, each segment timed alone right
-# after it, and the revisit's ``REVISIT_AFTER_STEPS`` steps. On a CPU that pays for denormals a
-# fresh model's first ~15 steps run up to 6x slower (Note [Steady before timing] in
-# ``warmup.py``). Measured on CPU (2026-11-27, torch 2.14.1: the benchmarks' GPT, SGD, budgets
-# of 45, 60 and 80% of plain's peak, no flushing; issue 36's transient injected into the loss's
-# backward, since this host's CPU pays little for denormals; step times read as CPU time, the
-# machine being shared): auto made the same plans from a fresh model as from one trained 30
-# steps first. The transient lies in the loss and the head's backward, outside every segment, so
-# it adds the same time to every plan; what differed was the plan's predicted step time (1215-1335
-# ms from the transient against 278-322 from steady steps), which the revisit, reading steps
-# 6-10, found within its tolerance and kept. On a GPU it cannot matter: NVIDIA GPUs compute fp32
-# denormals at full rate, and the first-call costs (the allocator's growth, kernel selection)
-# fall in the first step of a batch shape, the guard or observed step, whose time prices no
-# segment (segments are timed alone afterwards, medians) and which the revisit's steps follow.
-# What is done here, on any device: a revisit whose steps are still changing (the last more than
-# ``REVISIT_TOLERANCE`` from the one two steps before: a transient's decay, or a neighbour's
-# burst; Note [Steady before timing] with windows of one step, all five steps allow) neither
-# re-prices nor re-plans, and the log says so; the state machine is unchanged (such a revisit
-# counts as one that kept the plan).
+# Note [Auto's times in a fresh model's first steps]: auto reads times within a run's first
+# dozen steps: the observed (or guard) step's own time, each segment timed alone right after
+# it, and the revisit's ``REVISIT_AFTER_STEPS`` steps. On a CPU that pays for denormals a fresh
+# model's first steps run several times slower (Note [Steady before timing] in ``warmup.py``).
+# Such a transient lies mostly in the loss and the head's backward, outside every segment, so
+# it adds the same time to every plan and changes no choice; what it changes is the plan's
+# predicted step time, which the revisit then reads against steadier steps. On a GPU it does
+# not arise: fp32 denormals run at full rate, and the first-call costs (the allocator's growth,
+# kernel selection) fall in the first step of a batch shape, the guard or observed step, whose
+# time prices no segment (segments are timed alone afterwards, medians). So, on any device: a
+# revisit whose steps are still changing (the last more than ``REVISIT_TOLERANCE`` from the one
+# two steps before: a transient's decay, or a neighbour's burst; Note [Steady before timing]
+# with windows of one step, all five steps allow) neither re-prices nor re-plans, and the log
+# says so; the state machine is unchanged (such a revisit counts as one that kept the plan).
 _REVISIT_STEADY = SteadyRule(window=1, tolerance=REVISIT_TOLERANCE, max_steps=REVISIT_AFTER_STEPS)
 
 
@@ -253,6 +256,92 @@ def _choice(plan: Plan) -> tuple[dict, dict, dict]:
     """What a plan chose, by value: its segments' actions, its regions', and the ops its selective
     segments save (Note [Lighter selective] in ``measure/profiler.py``)."""
     return dict(plan.actions), dict(plan.outside), dict(plan.selective_ops)
+
+
+# Note [Plans per batch shape]: real training changes the batch's shape (dynamic padding pads
+# each batch to its own longest sequence; the last batch of an epoch is smaller), and what a
+# step holds depends on it. So everything the table above knows and decides is kept per shape
+# (the batch's shapes and dtypes past the batch dimension; a larger batch of a shape is guarded
+# again, a smaller one runs that shape's plan): its guard steps and verdict, its profile, its
+# plan, its check and revisits, in a :class:`_Shape`. A shape that comes back finds its own: it
+# is never guarded again, and its plan, already checked, is installed as it was (a ``PLAN``
+# step whose plan is the one remembered: the session applies it where another is installed)
+# rather than solved again. What holds for every shape stays on the planner: the budget, the
+# correction the checks learned (a miss of the model on one shape is assumed on all), the
+# refusals, and the state the last guard step ended with (gradients and optimizer state have
+# no shape). The shapes are an LRU of ``MAX_SHAPES``: a run with more shapes than that guards
+# a forgotten one again (and, guarding at every step, says so: Note [Say why the lowest-memory
+# plan stays]). A revisit reads the plan's last ``REVISIT_AFTER_STEPS`` steps, which must all
+# be its shape's: a step of another shape starts its count again.
+# Note [A check is of its own batch]: a plan is made for one batch size (its profile's: the
+# largest of its shape that was measured) and smaller batches of the shape run it too. A smaller
+# batch's step peaks lower, so it cannot check the plan: the plan is checked by the first step
+# that ran it at the size it was made for (on a step with several passes, the profile's miss
+# shows there and only there). The measured peak the session hands :meth:`AutoPlanner.plan` is
+# the last step's; every process knows which shape and size that step ran (from the decisions),
+# so every process knows whether it checks the plan of that step's shape, and the main process
+# keeps the peak with that shape until its next step plans. Until then the plan runs unchecked
+# (at batch sizes it over-provisions for) and stays pending.
+@dataclass(eq=False)
+class _Shape:
+    """What ``auto`` knows and decided for one batch shape (Note [Plans per batch shape])."""
+
+    shape: Optional[tuple]
+    guard: Optional[_Guard] = None
+    profile: Optional[ModelProfile] = None  # the main process's: plans are solved from it
+    profile_shape: Optional[tuple] = None  # every process: plans come from a profile of this shape
+    profile_batch: int = 0
+    scalable: bool = False  # the profile predicts other batch sizes (a batch-size search's)
+    planned_batch: int = 0
+    observed_state: StateSizes = StateSizes()
+    signature: Optional[tuple[int, int]] = None
+    planned_state: int = 0
+    plan_due: bool = True  # no plan made for the profile in use (or none at all)
+    current: Optional[Plan] = None  # the last plan applied
+    last_applied: Optional[tuple[Plan, int]] = None
+    check_pending: bool = False
+    #: Note [A check is of its own batch]: a step ran the plan at its own batch size and a
+    #: ``plan()`` heard its peak (every process knows), and that peak (the main process's).
+    checkable: bool = False
+    check_peak: Optional[int] = None
+    #: Note [Re-plan from the steady state]: steps the current plan ran since its check, the
+    #: revisits of this profile, whether this step revisits, and the plans a revisit kept.
+    steps_run: int = 0
+    revisits: int = 0
+    revisit_due: bool = False
+    settled: list[tuple] = field(default_factory=list)
+    #: Note [A plan's first step refines its profile]: the next plan applied is observed (every
+    #: process), this one is, and its step's profile has replaced the guard's.
+    refinable: bool = False
+    refine_due: bool = False
+    refined: bool = False
+    applied_state: StateSizes = StateSizes()
+    refusals_planned: int = 0  # how many refusals the last plan knew of
+    #: The plan stays as it is; only installed again, the step after another shape's.
+    reinstall: bool = False
+
+
+#: Note [Plans per batch shape]: the batch shapes remembered, the least recently used forgotten.
+MAX_SHAPES = 16
+
+
+def _check_size(s: _Shape) -> int:
+    """Note [A check is of its own batch]: the batch size a step must run ``s``'s plan at to
+    check it (the size the plan was made for)."""
+    made_for = s.current.batch_size if s.current is not None else None
+    return made_for or s.planned_batch
+
+
+# Note [Say why the lowest-memory plan stays]: the lowest-memory plan is the slowest; a user who
+# gave a budget it runs well within should not find out from the step times alone. When more
+# than ``LEAST_STEPS_BEFORE_WARNING`` steps in a row ran it (guard steps, or the plan kept after a
+# verdict) while its measured peak left at least ``LEAST_HEADROOM`` of the budget unused, one
+# WARNING names the reason, from what the planner knows: no profile to plan from (plain's peak
+# only bounded, over the budget), a batch shape new at every step (more than ``MAX_SHAPES``), or
+# guard steps that never began in the steady state. Once per planner; a step of several passes
+# has its own warning (Note [A step of several passes]).
+LEAST_STEPS_BEFORE_WARNING = 4
+LEAST_HEADROOM = 0.05
 
 
 class AutoPlanner:
@@ -278,35 +367,23 @@ class AutoPlanner:
         self.grads_freed_before_backward = grads_freed_before_backward
         self.device_type = device_type
         self.guard_action = guard_action(device_type, config)
-        self.profile: Optional[ModelProfile] = None
+        #: Note [Plans per batch shape]: what is known and decided for each batch shape seen last
+        #: (least recently used first), and the shape of the step running now.
+        self._shapes: OrderedDict[tuple, _Shape] = OrderedDict()
+        self._s = _Shape(None)
+        #: Note [A check is of its own batch]: (the shape whose plan ran, ``None`` where none did;
+        #: the batch size) of the step running and of the one before; the shape whose plan (or
+        #: kept lowest-memory plan) the session has installed.
+        self._running: tuple[Optional[_Shape], int] = (None, 0)
+        self._previous: tuple[Optional[_Shape], int] = (None, 0)
+        self._installed: Optional[_Shape] = None
+        #: The plan applied last is its shape's remembered plan, installed again after another
+        #: shape's step (Note [Plans per batch shape]): not a new plan (nothing to log again).
+        self.reinstalled = False
         self._warned_passes = False
-        self._profile_shape: Optional[tuple] = None
-        self._profile_batch = 0
-        self._scalable = False  # the profile predicts other batch sizes (a batch-size search's)
         self._adopt_shape = False
-        self._planned_batch = 0
         self._observing: Optional[BatchKey] = None
-        self._observed_state = StateSizes()
-        self._signature: Optional[tuple[int, int]] = None
-        self._planned_state = 0
-        self._plan_due = True  # no plan made for the profile in use (or none at all)
-        self._current: Optional[Plan] = None  # the last plan applied
-        self._last_applied: Optional[tuple[Plan, int]] = None
-        self._check_pending = False
-        self._guard: Optional[_Guard] = None
         self._guard_end: Optional[StateSizes] = None  # the state the last guard step ended with
-        #: Note [Re-plan from the steady state]: steps the current plan ran since its check, the
-        #: revisits of this profile, whether this step revisits, and the plan revisited last.
-        self._steps_run = 0
-        self._revisits = 0
-        self._revisit_due = False
-        self._settled: list[tuple] = []  # plans (what they chose) a revisit kept: not revisited again
-        #: Note [A plan's first step refines its profile]: the next plan applied is observed (every
-        #: process), this one is, and its step's profile has replaced the guard's.
-        self._refinable = False
-        self._refine_due = False
-        self._refined = False
-        self._applied_state = StateSizes()
         #: Bytes the measured peaks exceeded the predictions by, learned from the checks.
         self.correction_bytes = 0
         #: Plain training's peak as the last guard verdict predicted (or bounded) it.
@@ -314,61 +391,154 @@ class AutoPlanner:
         #: Segment -> why its recomputation cannot run as planned, as the session's steps found
         #: (Note [Refused actions] in ``model_profile.py``): never planned, offloaded when guarding.
         self.refusals: dict[str, str] = {}
-        self._refusals_planned = 0  # how many of them the last plan knew of
+        #: Note [Say why the lowest-memory plan stays]: its steps in a row, and whether it was said.
+        self._least_steps = 0
+        self._least_shapes: set[tuple] = set()  # the shapes of those steps
+        self._least_now = False  # this step runs the lowest-memory plan a verdict kept
+        self._guard_peak: Optional[int] = None  # the last guard step's measured peak
+        self._warned_least = False
+
+    @property
+    def profile(self) -> Optional[ModelProfile]:
+        """The profile the current batch shape's plans are solved from (the main process's)."""
+        return self._s.profile
+
+    @profile.setter
+    def profile(self, value: Optional[ModelProfile]) -> None:
+        self._s.profile = value
 
     @property
     def check_pending(self) -> bool:
         """The plan applied last has not been checked yet: the step running it is measured."""
-        return self._check_pending
+        return self._s.check_pending
 
     @property
     def refine_due(self) -> bool:
         """The plan just applied is the first made from a guard step's profile: its first step is
         observed under it (every process) and refines the profile (Note [A plan's first step
         refines its profile])."""
-        return self._refine_due
+        return self._s.refine_due
 
     @property
     def revisit_due(self) -> bool:
         """This step's plan is solved again from the steady state's measured times (Note
         [Re-plan from the steady state]): the session hands :meth:`plan` those times."""
-        return self._revisit_due
+        return self._s.revisit_due
 
     # -- what the next step does ---------------------------------------------------------
     def next_step(self, step: StepInputs) -> StepKind:
-        """The decision table (Note [Auto: observe, plan, check])."""
+        """The decision table (Note [Auto: observe, plan, check]), for the step's batch shape
+        (Note [Plans per batch shape])."""
         if self.budget_bytes is None or not self.segments:
-            return StepKind.PLAN if self._plan_due else StepKind.RUN
+            return StepKind.PLAN if self._s.plan_due else StepKind.RUN
+        self._enter(step.batch.shape)
+        self._least_now = False
+        kind = self._decide(step)
+        if kind is StepKind.RUN and self._installed is not self._s:
+            self._s.reinstall = True  # another shape's plan is installed: this shape's, as it was
+            kind = StepKind.PLAN
+        if kind is not StepKind.VERDICT:  # the step's kind is decided: it runs now
+            ran, size = self._running
+            if kind is StepKind.PLAN and ran is not None and ran.check_pending and size >= _check_size(ran):
+                ran.checkable = True  # Note [A check is of its own batch]: this plan() hears that step's peak
+            self._previous = self._running
+            self._running = (self._s if kind in (StepKind.RUN, StepKind.PLAN) else None, step.batch.size)
+            self._count_least(kind, step.batch)
+        return kind
+
+    def _enter(self, shape: tuple) -> None:
+        """Note [Plans per batch shape]: ``shape``'s state becomes the current one (made when the
+        shape is new; the least recently used forgotten beyond ``MAX_SHAPES``)."""
+        s = self._s
+        if self._adopt_shape or s.shape is None:  # a profile adopted for the next step's shape, or the first step
+            if self._shapes.get(s.shape) is s:
+                del self._shapes[s.shape]
+            s.shape = shape
+        elif s.shape != shape:
+            s = self._shapes.get(shape) or _Shape(shape)
+            s.steps_run = 0  # a revisit reads the plan's last steps, which must all be this shape's
+        self._shapes[shape] = s
+        self._shapes.move_to_end(shape)
+        while len(self._shapes) > MAX_SHAPES:
+            self._shapes.popitem(last=False)
+        self._s = s
+
+    def _decide(self, step: StepInputs) -> StepKind:
         batch = step.batch
         if self._adopt_shape:  # a profile made elsewhere (a batch-size search): this batch's shape
             self._adopt_shape = False
-            self._profile_shape, self._planned_batch = batch.shape, batch.size
+            self._s.profile_shape, self._s.planned_batch = batch.shape, batch.size
             return StepKind.PLAN
-        if self._profile_shape is None or batch.shape != self._profile_shape:
+        if self._s.profile_shape is None or batch.shape != self._s.profile_shape:
             return self._observe_or_guard(batch)
-        if batch.size > self._profile_batch and not self._scalable:
+        if batch.size > self._s.profile_batch and not self._s.scalable:
             return self._observe_or_guard(batch)
-        if self._scalable and batch.size != self._planned_batch:
-            self._planned_batch = batch.size
+        if self._s.scalable and batch.size != self._s.planned_batch:
+            self._s.planned_batch = batch.size
             return StepKind.PLAN  # a profile measured at two batch sizes rescales (Note [Batch scaling])
-        if self._plan_due or self._check_pending or len(self.refusals) != self._refusals_planned:
+        if self._s.plan_due or len(self.refusals) != self._s.refusals_planned:
             return StepKind.PLAN  # ... or a segment refused an action since (Note [Refused actions])
-        if step.state.signature != self._signature:
-            self._signature = step.state.signature
-            if step.state.total_bytes > self._planned_state:
+        if self._s.check_pending:
+            ran, size = self._running
+            if (
+                self._s.checkable or (ran is self._s and size >= _check_size(ran))
+                or step.state.total_bytes > self._s.planned_state
+            ):
+                return StepKind.PLAN
+            return StepKind.RUN  # Note [A check is of its own batch]: not yet measured at its own batch size
+        if step.state.signature != self._s.signature:
+            self._s.signature = step.state.signature
+            if step.state.total_bytes > self._s.planned_state:
                 return StepKind.PLAN
         return self._run_or_revisit()
+
+    def _count_least(self, kind: StepKind, batch: BatchKey) -> None:
+        """Note [Say why the lowest-memory plan stays]."""
+        if kind is not StepKind.GUARD and not self._least_now:
+            self._least_steps, self._least_shapes = 0, set()
+            return
+        self._least_steps += 1
+        self._least_shapes.add(batch.shape)
+        guard = self._s.guard
+        least = guard.least if self._least_now else self._guard_peak
+        if (
+            self._warned_least or self._warned_passes or self._least_steps <= LEAST_STEPS_BEFORE_WARNING
+            or least is None or least > (1 - LEAST_HEADROOM) * self.budget_bytes
+        ):
+            return
+        self._warned_least = True
+        if self._least_now:
+            why = (
+                f"no profile could be made from the step measured under it (a segment that cannot run alone, "
+                f"or a sharded model, whose segments never run alone), and plain training's peak, bounded at "
+                f"{format_bytes(self.plain_predicted_bytes or 0)}, may exceed the budget"
+            )
+        elif len(self._least_shapes) > 1:
+            why = (
+                f"the batch shape was new in each of the last {self._least_steps} steps ({len(self._least_shapes)} "
+                f"shapes; {MAX_SHAPES} are remembered), and a new shape is guarded: pad batches to a few lengths"
+            )
+        else:
+            why = (
+                "the gradients or the optimizer state grew in every guard step, so no steady step was measured "
+                "to plan from"
+            )
+        log.warning(
+            "lightning-swap: policy='auto' ran the lowest-memory plan (every segment %s) for %d steps, measured at "
+            "%s within a budget of %s: %s.", self.guard_action.value, self._least_steps, format_bytes(least),
+            format_bytes(self.budget_bytes), why,
+        )
 
     def _run_or_revisit(self) -> StepKind:
         """Note [Re-plan from the steady state]: the plan's ``REVISIT_AFTER_STEPS`` steps after its
         check are measured; the step after them revisits it (once per plan, a few per profile)."""
-        self._steps_run += 1
+        self._s.steps_run += 1
         if (
-            self._steps_run > REVISIT_AFTER_STEPS and self._revisits < MAX_REVISITS and self.profile_made_here
-            and self._current is not None and self._current.predicted_step_ms is not None
-            and _choice(self._current) not in self._settled
+            self._s.steps_run > REVISIT_AFTER_STEPS and self._s.revisits < MAX_REVISITS and self.profile_made_here
+            and self._s.current is not None and self._s.current.predicted_step_ms is not None
+            and _choice(self._s.current) not in self._s.settled
         ):
-            self._revisit_due = True
+            self._s.revisit_due = True
             return StepKind.PLAN
         return StepKind.RUN
 
@@ -376,15 +546,16 @@ class AutoPlanner:
     def profile_made_here(self) -> bool:
         """Every process knows whether the plans come from a profile of this run's steps (a
         guard's or an observed one's), not from a batch-size search's (whose steps were others)."""
-        return not self._scalable
+        return not self._s.scalable
 
     # -- guarding (Note [Observe only what fits]) ------------------------------------------
     def _observe_or_guard(self, batch: BatchKey) -> StepKind:
-        guard = self._guard
+        guard = self._s.guard
         if guard is None or not guard.covers(batch):
             return StepKind.GUARD
         if guard.decision is None:
             return StepKind.VERDICT  # after every guard step, on every process: the main process decides
+        self._least_now = guard.decision is StepKind.RUN  # the lowest-memory plan stays for this shape
         return guard.decision
 
     def guard_plan(self) -> Plan:
@@ -396,37 +567,44 @@ class AutoPlanner:
 
     def begin_guard(self, step: StepInputs) -> Plan:
         """The lowest-memory plan for this step; :meth:`end_guard` takes what it measured."""
-        if self._guard is None or not self._guard.covers(step.batch):
-            self._guard = _Guard(step.batch)
-        self._guard.start, self._guard.decision, self._guard.open = step.state, None, True
-        self._guard.plan = self.guard_plan()  # what it runs, refusals known (Note [Refused actions])
-        return self._guard.plan
+        if self._s.guard is None or not self._s.guard.covers(step.batch):
+            self._s.guard = _Guard(step.batch)
+        self._s.guard.start, self._s.guard.decision, self._s.guard.open = step.state, None, True
+        self._s.guard.plan = self.guard_plan()  # what it runs, refusals known (Note [Refused actions])
+        self._installed = self._s
+        return self._s.guard.plan
 
     def guard_forward_done(self, peak_bytes: int) -> None:
         """The guard step's peak up to the start of its backward (the loss computed)."""
-        self._guard.forward_peak = max(self._guard.forward_peak or 0, peak_bytes)
+        self._s.guard.forward_peak = max(self._s.guard.forward_peak or 0, peak_bytes)
 
     def guard_passes(self, passes: int) -> None:
         """How many backward passes the guard step ran (Note [A step of several passes])."""
-        self._guard.passes = max(self._guard.passes, passes)
+        self._s.guard.passes = max(self._s.guard.passes, passes)
 
     def guard_backward_done(self, peak_bytes: int) -> None:
         """The guard step's peak up to the end of its backward (its optimizer step not yet run)."""
-        self._guard.backward_peak = max(self._guard.backward_peak or 0, peak_bytes)
+        self._s.guard.backward_peak = max(self._s.guard.backward_peak or 0, peak_bytes)
 
-    def end_guard(self, peak_bytes: Optional[int], rows: Optional[Sequence[Any]], state: StateSizes) -> None:
-        """A guard step is over: its measured peak, the rows it measured (each with
-        ``recomputed_bytes`` and ``offloaded_bytes``) and the state alive after it. Guarding goes
+    def end_guard(
+        self, peak_bytes: Optional[int], rows: Optional[Sequence[Any]], state: StateSizes, *, offloaded_bytes: Optional[int] = None,
+    ) -> None:
+        """A guard step is over: its measured peak, the rows it measured (each segment's
+        ``recomputed_bytes`` and ``offloaded_bytes``), the state alive after it, and the bytes the
+        step offloaded in all (the segments' and the regions' outside them: Note [Observe only
+        what fits]; ``None``: the rows' alone). Guarding goes
         on while the step grew the state (the optimizer state appearing in the first optimizer
         step, the gradients of accumulation): the peak that counts is that of a step that begins
         in the steady state, so the lowest-memory plan's minimum is measured, not predicted.
         :attr:`guard_steady` says whether this one was such a step."""
-        guard = self._guard
+        guard = self._s.guard
         guard.open = False
         if peak_bytes is None or not rows:
             return  # nothing measured: the verdict is to guard again
         guard.peak = max(guard.peak, peak_bytes)
-        guard.held = max(guard.held, sum(r.recomputed_bytes + r.offloaded_bytes for r in rows))
+        self._guard_peak = peak_bytes
+        offloaded = max(sum(r.offloaded_bytes for r in rows), offloaded_bytes or 0)
+        guard.held = max(guard.held, sum(r.recomputed_bytes for r in rows) + offloaded)
         # What a step that began with the state alive now would add in its backward.
         guard.grown_forward, guard.grown = state_growth(guard.start, state, grads_freed_before_backward=self.grads_freed_before_backward)
         # Steady once a step ends with no more state than the previous guard step ended with
@@ -442,14 +620,14 @@ class AutoPlanner:
     def guard_steady(self) -> bool:
         """The guard step that just ended began in the steady state: its profile is the one to
         plan from (every process makes it: :meth:`guard_observed`)."""
-        return self._guard is not None and self._guard.steady
+        return self._s.guard is not None and self._s.guard.steady
 
     def guard_observed(self, profile: Optional[ModelProfile]) -> None:
         """Every process: the steady guard step observed under the lowest-memory plan (its
         windows as measured: Note [A step measured under a plan]); ``None``: no profile."""
         if profile is not None:
-            profile = self._held_gradients(self._as_plain(profile, self._guard.plan), self._guard.start)
-        self._guard.profile = profile
+            profile = self._held_gradients(self._as_plain(profile, self._s.guard.plan), self._s.guard.start)
+        self._s.guard.profile = profile
 
     def _held_gradients(self, profile: ModelProfile, start: StateSizes) -> ModelProfile:
         """Note [Steady-state shift] under accumulation: a step observed with gradients alive may
@@ -465,7 +643,7 @@ class AutoPlanner:
         """What the next steps do, decided on the main process (the session broadcasts it).
         Raises :class:`InfeasibleBudgetError` as soon as a guard step was over the budget:
         nothing known uses less memory than it."""
-        guard, budget = self._guard, self.budget_bytes
+        guard, budget = self._s.guard, self.budget_bytes
         least, plain = guard.peak, guard.bound
         if plain is None:
             # Not yet steady: a steady step's forward and backward hold what this one grew (the
@@ -486,7 +664,7 @@ class AutoPlanner:
                 return Verdict(StepKind.OBSERVE, least + guard.held, least)
             return Verdict(StepKind.GUARD, None, least)
         if guard.profile is not None:  # plain predicted from the guard's profile
-            self.profile, self._observed_state = guard.profile, guard.start
+            self._s.profile, self._s.observed_state = guard.profile, guard.start
             predicted = self.steady_profile(guard.start).peak_bytes + self.correction_bytes
             if predicted > budget:
                 return Verdict(StepKind.PLAN, predicted, least, guard.profile.batch_size)
@@ -499,7 +677,7 @@ class AutoPlanner:
 
     def take_verdict(self, verdict: Verdict) -> None:
         """Every process, with the main process's verdict."""
-        guard = self._guard
+        guard = self._s.guard
         decision = verdict.decision
         if decision in (StepKind.RUN, StepKind.PLAN) and dict(self.guard_plan().actions) != dict(guard.plan.actions):
             # A segment refused the recomputation the guard plan gave it (it ran on a copy of its
@@ -511,7 +689,7 @@ class AutoPlanner:
         if decision is StepKind.PLAN:  # plans from the guard's profile (on the main process)
             guard.decision = StepKind.GUARD  # a batch it covers but the profile does not: guarded again
             self._adopt(BatchKey(guard.batch.shape, verdict.batch_size or guard.batch.size), guard.start)
-            self._refinable = True
+            self._s.refinable = True
             log.info(
                 "lightning-swap: plain training is predicted to need %s, over the budget of %s: planning from the "
                 "step measured under the lowest-memory plan (%s).", format_bytes(verdict.plain_bound_bytes),
@@ -535,27 +713,27 @@ class AutoPlanner:
             "lightning-swap: a training step ran %d backward passes (a closure optimizer such as LBFGS or SAM, several "
             "optimizers, a second backward): policy='auto' plans one forward and one backward, so it keeps the "
             "lowest-memory plan (every segment %s, measured %s over the whole step, within the budget of %s). "
-            "A forced policy may be faster: e.g. policy='offload'.", self._guard.passes, self.guard_action.value,
+            "A forced policy may be faster: e.g. policy='offload'.", self._s.guard.passes, self.guard_action.value,
             format_bytes(least or 0), format_bytes(self.budget_bytes),
         )
 
     def _adopt(self, batch: BatchKey, state: StateSizes) -> None:
         """Every process: plans are made from now on from a profile of a step on ``batch`` that
         began with ``state`` (the main process holds the profile)."""
-        self._profile_shape, self._profile_batch, self._planned_batch = batch.shape, batch.size, batch.size
-        self._scalable, self._observed_state = False, state
-        self._plan_due, self._check_pending, self._revisits, self._settled = True, False, 0, []
-        self._refinable = False
+        self._s.profile_shape, self._s.profile_batch, self._s.planned_batch = batch.shape, batch.size, batch.size
+        self._s.scalable, self._s.observed_state = False, state
+        self._s.plan_due, self._s.check_pending, self._s.revisits, self._s.settled = True, False, 0, []
+        self._s.refinable, self._s.checkable, self._s.check_peak = False, False, None
 
     @property
     def guarding(self) -> bool:
         """A guard step is running: its measurements are taken when it is over."""
-        return self._guard is not None and self._guard.open
+        return self._s.guard is not None and self._s.guard.open
 
     @property
     def guard_measured(self) -> tuple[Optional[int], Optional[int]]:
         """The lowest-memory plan's measured steady peak and the batch size it ran at."""
-        return (None, None) if self._guard is None else (self._guard.least, self._guard.batch.size)
+        return (None, None) if self._s.guard is None else (self._s.guard.least, self._s.guard.batch.size)
 
     # -- observing ------------------------------------------------------------------------
     def begin_observe(self, step: StepInputs) -> None:
@@ -563,6 +741,7 @@ class AutoPlanner:
         recorded everywhere, so that all take the same decisions afterwards."""
         self._adopt(step.batch, step.state)
         self._observing = step.batch
+        self._installed = None  # the step runs plain
 
     def finish_observe(self, profile: ModelProfile) -> None:
         """Every process: the observed step's profile (the largest over the processes), which the
@@ -574,26 +753,29 @@ class AutoPlanner:
         next step plans. ``steady``: it was measured in the steady state (a batch-size search
         warms up first), so no shift is added; a profile measured at two batch sizes is used at
         any."""
-        self.profile = profile
+        if batch is not None and self._s.shape not in (None, batch.shape):
+            self._enter(batch.shape)
+        self._s.profile = profile
         self._adopt_shape = batch is None
-        self._profile_shape = None if batch is None else batch.shape
-        self._profile_batch = profile.batch_size
-        self._scalable = profile.reference is not None
-        self._planned_batch = profile.batch_size if batch is None else batch.size
+        self._s.profile_shape = None if batch is None else batch.shape
+        self._s.profile_batch = profile.batch_size
+        self._s.scalable = profile.reference is not None
+        self._s.planned_batch = profile.batch_size if batch is None else batch.size
         if steady:
-            self._observed_state = StateSizes(1 << 62, 1 << 62)
-        self._plan_due, self._check_pending, self._revisits, self._settled = True, False, 0, []
+            self._s.observed_state = StateSizes(1 << 62, 1 << 62)
+        self._s.plan_due, self._s.check_pending, self._s.revisits, self._s.settled = True, False, 0, []
+        self._s.checkable, self._s.check_peak = False, None
 
     # -- planning --------------------------------------------------------------------------
     def steady_shift(self, state: StateSizes) -> tuple[int, int]:
         """(forward bytes, backward bytes) the state alive now adds to the observed step's
         (Note [Steady-state shift])."""
-        return state_growth(self._observed_state, state, grads_freed_before_backward=self.grads_freed_before_backward)
+        return state_growth(self._s.observed_state, state, grads_freed_before_backward=self.grads_freed_before_backward)
 
     def steady_profile(self, state: StateSizes) -> ModelProfile:
         """The observed profile shifted to the state alive now (Note [Steady-state shift])."""
         forward, backward = self.steady_shift(state)
-        return self.profile.with_state(forward_bytes=forward, backward_bytes=backward)
+        return self._s.profile.with_state(forward_bytes=forward, backward_bytes=backward)
 
     def plan(
         self, state: StateSizes, measured_peak_bytes: Optional[int] = None, step_times: Sequence[tuple[float, float, float]] = (),
@@ -602,27 +784,42 @@ class AutoPlanner:
         ``measured_peak_bytes``: the newest step's measured peak, the check of the plan applied
         last when one is pending; ``step_times``: when :attr:`revisit_due`, the measured (step,
         recomputation, exposed copies) milliseconds of the plan's last steps."""
-        self._refusals_planned = len(self.refusals)
+        s = self._s
+        s.refusals_planned = len(self.refusals)
         if self.budget_bytes is None or not self.segments:
             return Plan(actions={name: Action.KEEP for name in self.segments})
-        if self._revisit_due:
+        ran = self._previous[0]
+        if ran is not None and ran.checkable and ran.check_peak is None:
+            ran.check_peak = measured_peak_bytes  # Note [A check is of its own batch]: that step's
+        if s.reinstall:
+            return self._installed_plan()
+        if s.revisit_due:
             return self._revisit(state, step_times)
-        grown = state.total_bytes > self._planned_state
-        if self._check_pending and self._current is not None and self._current.predicted_peak_bytes is not None:
-            self._check_pending = False
-            if self._refined:
-                self._refined = False
-                return self._after_refinement(state, measured_peak_bytes, grown)
-            if measured_peak_bytes is not None and self._checked(measured_peak_bytes, grown):
-                return self._current
+        grown = state.total_bytes > s.planned_state
+        if s.check_pending and s.current is not None and s.current.predicted_peak_bytes is not None:
+            measured = s.check_peak if s.checkable else None
+            s.check_pending = False
+            if s.refined:
+                s.refined = False
+                return self._after_refinement(state, measured, grown)
+            if measured is not None and self._checked(measured, grown):
+                return s.current
         return self._solve(state)
+
+    def _installed_plan(self) -> Plan:
+        """Note [Plans per batch shape]: the plan this shape ran last, installed again after another
+        shape's step: its current plan, or the lowest-memory plan where that stays."""
+        guard = self._s.guard
+        if self._least_now or self._s.current is None:
+            return replace(guard.plan, predicted_peak_bytes=guard.least, budget_bytes=self.budget_bytes, batch_size=guard.batch.size)
+        return self._s.current
 
     def _after_refinement(self, state: StateSizes, measured: Optional[int], grown: bool) -> Plan:
         """Note [A plan's first step refines its profile]: the plan is checked against the refined
         profile (a miss learned as a correction) and solved again from it; a plan measured within
         the budget stays unless the re-solved one is predicted faster."""
-        current, priced = self._current, self._as_run(self._current)
-        refined = self._profile_for(self._applied_state)
+        current, priced = self._s.current, self._as_run(self._s.current)
+        refined = self._profile_for(self._s.applied_state)
         stays = measured is not None and not grown and measured <= self.budget_bytes
         if measured is not None and not grown:
             self.correction_bytes = max(self.correction_bytes, measured - simulate(refined, current.actions, **priced).peak_bytes)
@@ -635,16 +832,16 @@ class AutoPlanner:
         """Every process: the first step of the plan applied last, observed under it (Note [A
         plan's first step refines its profile]); ``None``: no profile, the guard's stays, as it
         does when the step's batch was not the profile's (a smaller last batch)."""
-        if profile is not None and profile.batch_size == self._profile_batch:
-            self.profile = self._held_gradients(self._as_plain(profile, self._current), self._applied_state)
-            self._observed_state, self._refined = self._applied_state, True
+        if profile is not None and profile.batch_size == self._s.profile_batch:
+            self._s.profile = self._held_gradients(self._as_plain(profile, self._s.current), self._s.applied_state)
+            self._s.observed_state, self._s.refined = self._s.applied_state, True
 
     def _checked(self, measured: int, grown: bool) -> bool:
         """The check of the plan applied last against its first step's ``measured`` peak: whether
         it stays. A miss is learned only when nothing else explains it: gradients or optimizer
         state that grew since the plan was made are priced by the re-plan (Note [Steady-state
         shift]), not stored as a permanent correction."""
-        budget, predicted = self.budget_bytes, self._current.predicted_peak_bytes
+        budget, predicted = self.budget_bytes, self._s.current.predicted_peak_bytes
         if not grown:
             self.correction_bytes = max(self.correction_bytes, measured - predicted)
         if measured <= budget and not grown:
@@ -665,8 +862,8 @@ class AutoPlanner:
 
     def _profile_for(self, state: StateSizes) -> ModelProfile:
         profile = self.steady_profile(state).refusing(self.refusals)
-        if self._scalable and self._planned_batch != profile.batch_size:
-            profile = profile.at_batch(self._planned_batch)
+        if self._s.scalable and self._s.planned_batch != profile.batch_size:
+            profile = profile.at_batch(self._s.planned_batch)
         return profile
 
     def _solve(self, state: StateSizes, profile: Optional[ModelProfile] = None) -> Plan:
@@ -683,7 +880,7 @@ class AutoPlanner:
         except InfeasibleBudgetError as err:
             least = self._guard_least(profile.batch_size)  # measured: what the guard step needs
             if least is not None and least <= budget:
-                guard = self._guard.plan  # the plan that measured it
+                guard = self._s.guard.plan  # the plan that measured it
                 return replace(
                     guard, predicted_peak_bytes=least, predicted_step_ms=simulate(profile, guard.actions, **self._as_run(guard)).step_ms,
                     budget_bytes=budget, batch_size=profile.batch_size,
@@ -711,8 +908,8 @@ class AutoPlanner:
     def _guard_least(self, batch_size: int) -> Optional[int]:
         """The lowest-memory plan's measured steady peak, when a guard measured it for this shape
         and batch size (or a larger one)."""
-        guard = self._guard
-        if guard is None or guard.least is None or not guard.covers(BatchKey(self._profile_shape, batch_size)):
+        guard = self._s.guard
+        if guard is None or guard.least is None or not guard.covers(BatchKey(self._s.profile_shape, batch_size)):
             return None
         return guard.least
 
@@ -722,7 +919,7 @@ class AutoPlanner:
         ``REVISIT_TOLERANCE`` it stays; else the profile is re-priced with the measured times
         and re-solved, and the new plan replaces the current one only when predicted faster by
         ``REPLAN_GAIN`` (hysteresis). Logged, with the numbers, either way it changes."""
-        current = self._current
+        current = self._s.current
         times = [t for t in step_times if t[0] is not None and t[0] > 0]
         if len(times) < REVISIT_AFTER_STEPS or _still_changing(times):
             return current
@@ -732,7 +929,7 @@ class AutoPlanner:
             return current
         priced = self._as_run(current)
         factors = time_factors(self._profile_for(state), current.actions, *measured, **priced)
-        self.profile = self.profile.with_times(*factors)
+        self._s.profile = self._s.profile.with_times(*factors)
         profile = self._profile_for(state)
         try:
             fresh = self._solve(state, profile)
@@ -752,17 +949,22 @@ class AutoPlanner:
 
     def applied(self, plan: Plan, state: StateSizes) -> None:
         """Every process, after applying ``plan``: what it was made for, and a check is due."""
-        if self._revisit_due:
-            self._revisit_due, self._revisits = False, self._revisits + 1
-            if self._current is not None and _choice(plan) == _choice(self._current):
-                self._settled.append(_choice(plan))
-        self._signature, self._planned_state, self._applied_state = state.signature, state.total_bytes, state
-        self._current, self._plan_due, self._steps_run = plan, False, 0
-        self._refine_due, self._refinable = self._refinable and self.budget_bytes is not None, False
+        self._installed, self.reinstalled = self._s, self._s.reinstall
+        if self._s.reinstall:  # the shape's plan as it was, its check still pending where it was
+            self._s.reinstall, self._s.refine_due = False, False
+            return
+        self._s.checkable, self._s.check_peak = False, None
+        if self._s.revisit_due:
+            self._s.revisit_due, self._s.revisits = False, self._s.revisits + 1
+            if self._s.current is not None and _choice(plan) == _choice(self._s.current):
+                self._s.settled.append(_choice(plan))
+        self._s.signature, self._s.planned_state, self._s.applied_state = state.signature, state.total_bytes, state
+        self._s.current, self._s.plan_due, self._s.steps_run = plan, False, 0
+        self._s.refine_due, self._s.refinable = self._s.refinable and self.budget_bytes is not None, False
         # By value, with the state it was made for: on the other processes every broadcast plan
         # is a new object (unpickled), and an identity test there made every step a check, a
         # broadcast rank 0 never entered. A plan kept after its check comes back equal in the
         # same state; a re-plan is new in value or made for another state.
-        made_for = (plan, self._planned_state)
-        self._check_pending = plan.predicted_peak_bytes is not None and made_for != self._last_applied
-        self._last_applied = made_for
+        made_for = (plan, self._s.planned_state)
+        self._s.check_pending = plan.predicted_peak_bytes is not None and made_for != self._s.last_applied
+        self._s.last_applied = made_for

@@ -270,7 +270,7 @@ class SwapSession:
         self._failure = None
         self._in_backward = False
         kind = self.before_step(batch, track, states, measure=measure)
-        if kind is StepKind.PLAN:
+        if kind is StepKind.PLAN and not (self.auto is not None and self.auto.reinstalled):  # a shape's own plan again: logged once
             self.plan_log.made(self.plan)
         self._step_open = True
         return kind
@@ -519,6 +519,7 @@ class SwapSession:
         self.auto.end_guard(
             self.collectives.largest(stats.peak_device_bytes if stats is not None else None), rows,
             self._state_sizes(self._guard_states),
+            offloaded_bytes=self.collectives.largest(stats.offloaded_bytes if stats is not None else None),
         )
         self._guard_states = None
         if measured is not None:
