@@ -396,3 +396,47 @@ def test_finder_explains_which_strategies_it_needs():
     trainer = _trainer("auto", SwapBatchSizeFinder(budget_bytes=1 << 30))
     with pytest.raises(MisconfigurationException, match="cpu_swap"):
         trainer.fit(module)
+
+
+def test_a_trial_meters_its_first_step_and_only_times_the_rest():
+    """Note [The CPU meter's cost]: on CPU the meter costs a fixed time per op, so a throughput
+    comparison between batch sizes read from metered steps leans to the larger batch. A pinned
+    plan's first step (a trial's) measures the peak; its later steps run unmetered, and the
+    trial's time is theirs. Counted here by the meter's dispatch calls, not by timing."""
+    from lightning_swap.core import Plan, SwapConfig, SwapSession
+    from lightning_swap.core.engine.meter import DeviceMemoryMeter
+
+    torch.manual_seed(0)
+    build, make_batch, _ = MODELS["mlp"]
+    model = build()
+    session = SwapSession(model, SwapConfig(policy="keep", min_offload_bytes=0, log_plan=False), "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, _ = make_batch(4)
+    entered = []
+    enter = DeviceMemoryMeter.__enter__
+    original = enter
+
+    def counting(self):
+        entered.append(True)
+        return original(self)
+
+    DeviceMemoryMeter.__enter__ = counting
+    try:
+        session.apply(Plan(actions={s: Action.KEEP for s in session.segments}), pinned=True)
+        stats = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            session.begin_step([x, opt.state], measure=True)
+            model(x).square().mean().backward()
+            stats.append(session.end_step())
+            opt.step()
+        session.apply(session.plan, pinned=True)  # the next trial: its first step is metered again
+        opt.zero_grad(set_to_none=True)
+        session.begin_step([x, opt.state])
+        model(x).square().mean().backward()
+        stats.append(session.end_step())
+    finally:
+        DeviceMemoryMeter.__enter__ = enter
+        session.close()
+    assert [s.peak_device_bytes is not None for s in stats] == [True, False, False, True]
+    assert len(entered) == 2 and stats[0].peak_device_bytes == stats[3].peak_device_bytes

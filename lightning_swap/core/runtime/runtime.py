@@ -34,6 +34,15 @@ a plan without rows (Note [Measured rows]), ``auto``'s observed step and its bud
 batch-size finder's trials and the report's timelines. On CUDA the allocator's statistics need
 no mode: every step is measured, compiled.
 
+Note [The CPU meter's cost]: the CPU meter sees every allocation and free through its dispatch
+mode, a fixed cost per op: a DenseNet-121 step at batch 8 (many small ops) ran ~1.5-2x its
+unmetered time, at batch 32 ~1.5x. A time read from metered steps therefore charges a small
+batch more per sample than a large one, and a throughput comparison between batch sizes leans
+to the larger. So a step read only for its time (the batch-size finder's trial steps after each
+trial's first, which measures the peak) opens with ``timed_only=True`` and runs unmetered on
+CPU. Ordinary training steps on CPU stay metered: their peaks are what a simulated budget is
+checked against.
+
 Note [Direct forward calls]: the offload engine learns where a segment's forward starts and
 ends from the module's forward (pre-)hooks; ``block.forward(x)`` (some codebases, some
 Hugging Face paths) skips them, and every source would then stay on the device until
@@ -644,19 +653,21 @@ class SwapRuntime:
         """Whether the model (any module of it) is compiled, as of the last install or step."""
         return self._compiled
 
-    def begin_step(self, track: Iterable[Any] = (), *, measure: bool = False) -> None:
+    def begin_step(self, track: Iterable[Any] = (), *, measure: bool = False, timed_only: bool = False) -> None:
         """Open the step window; ``track`` holds tensors alive before it (batch, optimizer
         state), nested in lists, tuples, dicts or dataclasses.
 
         On CPU a compiled model's step is not measured (``peak_device_bytes=None``) unless
-        ``measure=True``, which runs that step eagerly (Note [No dispatch mode under compile])."""
+        ``measure=True``, which runs that step eagerly (Note [No dispatch mode under compile]).
+        ``timed_only=True``: a step read for its time alone is not metered on CPU either (Note
+        [The CPU meter's cost]); on CUDA the allocator's peak is read anyway."""
         if self.meter._open:
             self.meter.__exit__(None, None, None)
         if self.installed:
             self._refresh_compiled()
         # The first step of a plan without rows measures them with the meter (Note [Measured rows]).
         rows = self.measure_rows and self._row_measure is None
-        self._metered = self.meter.is_cuda or measure or rows or not self._compiled
+        self._metered = self.meter.is_cuda or rows or (not timed_only and (measure or not self._compiled))
         if not self._metered and not self._logged_unmetered:
             self._logged_unmetered = True
             log.info(

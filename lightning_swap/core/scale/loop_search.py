@@ -68,8 +68,8 @@ def search_for_loop(
        the largest batch that profile predicts (Note [Profile near the answer]); the profiles
        are gathered and merged by their largest values.
     3. :func:`search_batch_size`, each trial applying its plan pinned and running
-       ``config.steps_per_trial`` steps; a trial's peak is the max over its steps, its step
-       time the median of the steps after the first (the first includes warm-up); peaks and step
+       ``config.steps_per_trial`` steps; a trial's peak is its first step's, its time the median
+       of the later, unmetered ones (Note [The CPU meter's cost] in ``runtime.py``); peaks and step
        times are reduced by max over the processes, so all see the same measurement and take
        the same path.
     4. Every process agrees on the smallest answer.

@@ -141,7 +141,7 @@ class SwapSession:
         #: Every measured step of this session, across plans (device times filled in lazily).
         self.records = StatsHistory()
         self._measured: Optional[ModelProfile] = None
-        self._pinned = False
+        self._pinned, self._pinned_steps = False, 0
         self._backwards = 0  # backward passes of the running step
         self._warned_no_budget = False
         self._state: Optional[StateSizes] = None
@@ -659,13 +659,13 @@ class SwapSession:
             self.abort_step()
             self._guard_costs = None
             self.auto = self._new_planner()
-        self._pinned = False
+        self._pinned, self._pinned_steps = False, 0
 
     def apply(self, plan: Plan, *, pinned: bool = False) -> Plan:
         """Install ``plan`` (replacing any installed one). A ``pinned`` plan stays whatever the
         batch (the batch-size finder's trials); :meth:`reset` unpins."""
         self.remove()
-        self._pinned = pinned
+        self._pinned, self._pinned_steps = pinned, 0
         runtime = SwapRuntime(
             self.model,
             plan,
@@ -684,14 +684,19 @@ class SwapSession:
     def begin_step(self, track: Iterable[Any] = (), *, measure: bool = False) -> None:
         """Open the step window. ``measure=True`` measures device memory even for a compiled model
         on CPU (running that step eagerly: Note [No dispatch mode under compile] in runtime.py);
-        a pinned plan's steps (the batch-size finder's trials) are always measured, and so is a
-        new plan's first step (its check: Note [Auto: observe, plan, check])."""
+        a pinned plan's first step (a batch-size finder's trial) is always measured, its later
+        ones only timed (unmetered on CPU: Note [The CPU meter's cost] in runtime.py), and a new
+        plan's first step is measured (its check: Note [Auto: observe, plan, check])."""
         if self.runtime is None:
             if self.config.is_auto:
                 raise RuntimeError("policy='auto': call before_step() (or apply() a plan) before the first step")
             self.apply(self.forced_plan())
         assert self.runtime is not None
-        self.runtime.begin_step(tensors_in(list(track)), measure=measure or self._pinned or self.check_pending)
+        timed_only = self._pinned and self._pinned_steps > 0
+        self._pinned_steps += self._pinned
+        self.runtime.begin_step(
+            tensors_in(list(track)), measure=measure or (self._pinned and not timed_only) or self.check_pending, timed_only=timed_only
+        )
 
     def backward_done(self) -> None:
         """The loss's backward is over (what follows, the optimizer step, is its own window in
