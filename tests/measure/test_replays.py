@@ -26,6 +26,25 @@ SEQ, BATCH, STEPS, VOCAB = 16, 4, 6, 100
 LOWEST = ["offload", "recompute", "recompute_offload"]  # the forced plans that hold least
 
 
+
+def _train_step(session, optimizer, loss_fn, batch, track):
+    """One training step, under ``session`` when given (through its lower-level calls, as a loop
+    of one's own drives it); returns the step's kind (``None`` without a session)."""
+    states = [optimizer.state]
+    kind = session.before_step(batch, [*track, states], states) if session is not None else None
+    loss = loss_fn()
+    if session is not None:
+        session.backward_begins()
+    loss.backward()
+    if session is not None:
+        session.backward_done()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if session is not None:
+        session.end_step()
+        session.step_done()
+    return kind
+
 def _transformers():
     return pytest.importorskip("transformers", reason="the Hugging Face models need transformers (the `test` extra)")
 
@@ -67,22 +86,9 @@ def _train(name: str, policy, budget=None) -> tuple:
     peaks, kinds, plan = [], [], None
     try:
         for ids in _batches():
-            states = [optimizer.state]
             with DeviceMemoryMeter("cpu") as meter:
                 meter.track([*model.parameters(), *(t for s in optimizer.state.values() for t in s.values()), ids])
-                if session is not None:
-                    kinds.append(session.before_step(ids, [ids, states], states))
-                loss = model(input_ids=ids, labels=ids).loss
-                if session is not None:
-                    session.backward_begins()
-                loss.backward()
-                if session is not None:
-                    session.backward_done()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                if session is not None:
-                    session.end_step()
-                    session.step_done()
+                kinds.append(_train_step(session, optimizer, lambda: model(input_ids=ids, labels=ids).loss, ids, [ids]))
             peaks.append(meter.peak_bytes)
         plan = None if session is None else session.plan
     finally:
@@ -219,22 +225,9 @@ def _net_steps(model: Net, session, steps: int = 4) -> list[int]:
     peaks = []
     for _ in range(steps):
         x, y = torch.randn(256, 64, generator=g), torch.randint(0, 10, (256,), generator=g)
-        states = [optimizer.state]
         with DeviceMemoryMeter("cpu") as meter:
             meter.track([*model.parameters(), x, y])
-            if session is not None:
-                session.before_step(x, [x, y, states], states)
-            loss = nn.functional.cross_entropy(model(x), y)
-            if session is not None:
-                session.backward_begins()
-            loss.backward()
-            if session is not None:
-                session.backward_done()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if session is not None:
-                session.end_step()
-                session.step_done()
+            _train_step(session, optimizer, lambda: nn.functional.cross_entropy(model(x), y), x, [x, y])
         peaks.append(meter.peak_bytes)
     return peaks
 

@@ -487,7 +487,9 @@ class _InPlaceWatch(TorchDispatchMode):
 
 
 def _is_cache(value: Any) -> bool:
-    """A transformers key/value cache, by its interface (no import of transformers)."""
+    """A transformers key/value cache, by its interface (no import of transformers). Not
+    ``tensors.is_kv_cache``: this runs inside compiled graphs, where walking the class's MRO
+    breaks the graph (test_compile's Hugging Face tests count the graphs)."""
     return type(value).__name__.endswith("Cache") and callable(getattr(value, "update", None)) and hasattr(value, "get_seq_length")
 
 
