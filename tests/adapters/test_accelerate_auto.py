@@ -100,10 +100,13 @@ def test_auto_without_a_budget_on_cpu_keeps_everything(fresh_state, caplog):
 
 
 def test_auto_replans_for_a_new_batch_shape(fresh_state):
-    """A smaller batch keeps the plan (it fits); a batch of another shape is observed again."""
+    """A smaller batch keeps the plan (it fits), and so does a smaller shape (Note [A smaller shape
+    runs a larger one's plan]); a larger shape is guarded, observed and planned."""
+    from ..models import _images as images_of
+
     accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=1 << 40, min_offload_bytes=0))
-    small = _images(6)[0][:, :, :12, :12].contiguous(), _images(6)[1]
-    _, _, plans, profiles = _train(accelerator, [8, 8, 8, 8, 5, small, small, small], with_profiles=True)
+    small, large = (_images(6)[0][:, :, :12, :12].contiguous(), _images(6)[1]), images_of(6, 20)
+    _, _, plans, profiles = _train(accelerator, [8, 8, 8, 8, 5, small, large, large, large], with_profiles=True)
     # Note [Observe only what fits]: one guard step (the lowest-memory plan: on CPU every segment
     # offloaded; its bound on plain's peak, the momentum that appeared in it included, is far
     # within 1 TiB), the second observed, the third planned; the smaller batch keeps the plan.
@@ -111,10 +114,11 @@ def test_auto_replans_for_a_new_batch_shape(fresh_state):
     assert set(plans[0].actions.values()) == guard and plans[1] is None
     assert plans[2] is not None and plans[3] is plans[2] and plans[4] is plans[2]
     assert profiles[1] is profiles[2] is profiles[4] and profiles[4].batch_size == 8
-    # The new shape: one guard step, observed, planned.
-    assert set(plans[5].actions.values()) == guard and plans[6] is None
-    assert plans[7] is not None and plans[7] is not plans[2] and profiles[7].batch_size == 6
-    assert profiles[7] is profiles[6] and profiles[7] is not profiles[4]  # observed again
+    assert plans[5].actions == plans[2].actions  # 12x12 images: the 16x16 plan, never guarded
+    # The larger shape: one guard step, observed, planned.
+    assert set(plans[6].actions.values()) == guard and plans[7] is None
+    assert plans[8] is not None and plans[8] is not plans[2] and profiles[8].batch_size == 6
+    assert profiles[8] is profiles[7] and profiles[8] is not profiles[4]  # observed again
     accelerator.free_memory()
 
 

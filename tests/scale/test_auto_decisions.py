@@ -485,6 +485,26 @@ def test_a_plan_is_checked_against_a_step_of_its_own_batch_size():
 
 
 
+def test_a_new_shape_that_fits_in_a_planned_one_runs_its_plan_without_a_guard():
+    """Note [A smaller shape runs a larger one's plan]: once the long shape's plan is checked, a
+    new shorter length runs it at once (never guarded); a longer length, another dtype or a
+    larger batch is guarded."""
+    profile = random_chain(0, 4)
+    budget = (min_budget_bytes(profile) + profile.peak_bytes) // 2
+    auto = planner(budget, names=profile.names)
+    loop = _Loop(auto, {TOKENS: profile})
+    for _ in range(4):  # guard, observe, plan, its check
+        loop.step(TOKENS)
+    assert not auto.check_pending
+    long_plan = loop.ran[-1]
+    G, P, R = StepKind.GUARD, StepKind.PLAN, StepKind.RUN
+    assert [loop.step(SHORT), loop.step(SHORT), loop.step((((24,), torch.int64),), 4)] == [P, R, P]
+    assert all(plan is long_plan for plan in loop.ran[-3:])  # its plan, installed again (not a new one)
+    assert not auto.check_pending
+    longer, other_dtype = (((64,), torch.int64),), (((16,), torch.int32),)
+    for shape, size in ((longer, 8), (other_dtype, 8), (SHORT, 16)):
+        assert auto.next_step(step(size, shape=shape, state=GROWN)) is G, (shape, size)
+
 @pytest.mark.parametrize(
     ("budget_mib", "offloaded_mib", "expected"),
     [

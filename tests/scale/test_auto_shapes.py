@@ -118,6 +118,9 @@ def test_dynamic_padding_guards_no_shape_twice_and_stays_within_the_budget(monke
         else:
             settled.add(length)
     assert guards <= len(set(_LENGTHS)) + 1, list(zip(_LENGTHS, kinds))
+    # a length first seen after a longer one was planned runs that plan at once (Note [A smaller
+    # shape runs a larger one's plan])
+    assert kinds[_LENGTHS.index(24)] != "guard", list(zip(_LENGTHS, kinds))
     # the last shape runs a plan of its own, not the lowest-memory plan (every segment offloaded)
     assert Action.KEEP in set(trainer.strategy.plan.actions.values()), trainer.strategy.plan.summary()
 

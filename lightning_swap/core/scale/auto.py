@@ -3,8 +3,8 @@
 Note [Auto: observe, plan, check]: before every training step the session asks
 :meth:`AutoPlanner.next_step` and gets a :class:`StepKind`:
 
-- ``GUARD``: no profile covers this batch (the first step of a batch shape, or a batch larger
-  than its shape's profile): the step runs under the lowest-memory plan, measured and observed
+- ``GUARD``: no profile covers this batch (the first step of a batch shape that no planned
+  shape holds, or a batch larger than its shape's profile): the step runs under the lowest-memory plan, measured and observed
   on every process (Note [Observe only what fits]); after it the main process decides for every
   process (``VERDICT``, broadcast) what comes next;
 - ``OBSERVE``: the guard step's profile predicts that plain training fits (or, where none could
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import statistics
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -273,6 +274,16 @@ def _choice(plan: Plan) -> tuple[dict, dict, dict]:
 # a forgotten one again (and, guarding at every step, says so: Note [Say why the lowest-memory
 # plan stays]). A revisit reads the plan's last ``REVISIT_AFTER_STEPS`` steps, which must all
 # be its shape's: a step of another shape starts its count again.
+# Note [A smaller shape runs a larger one's plan]: a shape seen for the first time is not guarded
+# when a remembered shape holds it — every tensor of the same dtype and no larger in any
+# dimension, the batch no larger than that shape's profile's — and has a plan of its own, checked
+# (not the lowest-memory plan kept for want of a profile). It runs that plan, from the smallest
+# such shape: what a step saves grows with every dimension of its batch (the sequence, the image,
+# the batch itself, as Note [Batch scaling] has it for the batch), so the plan's checked peak
+# bounds the new shape's. It is planned from that shape's profile from then on (where the state
+# grows, say), and not revisited (the profile's times are another shape's). The plan is the
+# larger shape's, so it may keep less than the new shape could; dynamic padding, whose lengths
+# are many, then guards only a new longest length, and every shorter one runs a plan at once.
 # Note [A check is of its own batch]: a plan is made for one batch size (its profile's: the
 # largest of its shape that was measured) and smaller batches of the shape run it too. A smaller
 # batch's step peaks lower, so it cannot check the plan: the plan is checked by the first step
@@ -323,6 +334,25 @@ class _Shape:
 
 #: Note [Plans per batch shape]: the batch shapes remembered, the least recently used forgotten.
 MAX_SHAPES = 16
+
+
+def _fits_in(small: tuple, large: tuple) -> bool:
+    """Every tensor of batch shape ``small`` is no larger in any dimension than the same tensor of
+    ``large``, with its dtype (Note [A smaller shape runs a larger one's plan])."""
+    if len(small) != len(large):
+        return False
+    for a, b in zip(small, large):
+        if not (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 2):
+            return False  # not a (shape, dtype) pair: processes whose shapes differ (``_agreed``)
+        (dims_a, dtype_a), (dims_b, dtype_b) = a, b
+        if dtype_a != dtype_b or len(dims_a) != len(dims_b) or any(x > y for x, y in zip(dims_a, dims_b)):
+            return False
+    return True
+
+
+def _elements(shape: tuple) -> int:
+    """The elements of one sample of a batch shape (for choosing the nearest larger shape)."""
+    return sum(math.prod(dims) for dims, _ in shape)
 
 
 def _check_size(s: _Shape) -> int:
@@ -431,7 +461,7 @@ class AutoPlanner:
         (Note [Plans per batch shape])."""
         if self.budget_bytes is None or not self.segments:
             return StepKind.PLAN if self._s.plan_due else StepKind.RUN
-        self._enter(step.batch.shape)
+        self._enter(step.batch.shape, step.batch.size)
         self._least_now = False
         kind = self._decide(step)
         if kind is StepKind.RUN and self._installed is not self._s:
@@ -446,22 +476,42 @@ class AutoPlanner:
             self._count_least(kind, step.batch)
         return kind
 
-    def _enter(self, shape: tuple) -> None:
+    def _enter(self, shape: tuple, size: int = 0) -> None:
         """Note [Plans per batch shape]: ``shape``'s state becomes the current one (made when the
-        shape is new; the least recently used forgotten beyond ``MAX_SHAPES``)."""
+        shape is new: from a planned shape it fits in, Note [A smaller shape runs a larger one's
+        plan], else afresh; the least recently used forgotten beyond ``MAX_SHAPES``)."""
         s = self._s
         if self._adopt_shape or s.shape is None:  # a profile adopted for the next step's shape, or the first step
             if self._shapes.get(s.shape) is s:
                 del self._shapes[s.shape]
             s.shape = shape
         elif s.shape != shape:
-            s = self._shapes.get(shape) or _Shape(shape)
+            s = self._shapes.get(shape) or self._within_planned(shape, size) or _Shape(shape)
             s.steps_run = 0  # a revisit reads the plan's last steps, which must all be this shape's
         self._shapes[shape] = s
         self._shapes.move_to_end(shape)
         while len(self._shapes) > MAX_SHAPES:
             self._shapes.popitem(last=False)
         self._s = s
+
+    def _within_planned(self, shape: tuple, size: int) -> Optional[_Shape]:
+        """Note [A smaller shape runs a larger one's plan]: a new shape's state, taken from the
+        smallest remembered shape that holds it and has a checked plan of its own; ``None``: none."""
+        best = None
+        for m in self._shapes.values():
+            if (
+                m.current is None or m.plan_due or m.check_pending or m.profile_shape != m.shape
+                or (size > m.profile_batch and not m.scalable) or not _fits_in(shape, m.shape)
+            ):
+                continue
+            if best is None or _elements(m.shape) < _elements(best.shape):
+                best = m
+        if best is None:
+            return None
+        return replace(
+            best, shape=shape, profile_shape=shape, guard=None, settled=list(best.settled), revisits=MAX_REVISITS,
+            revisit_due=False, refine_due=False, refinable=False, refined=False, checkable=False, check_peak=None, reinstall=False,
+        )
 
     def _decide(self, step: StepInputs) -> StepKind:
         batch = step.batch
