@@ -95,3 +95,21 @@ def test_warnings_go_above_the_progress_bar(monkeypatch):
     # Configured logging decides by itself: nothing is installed.
     monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])
     assert _ProgressBarLog.install(trainer) is None
+
+
+def test_a_shapes_plan_installed_again_is_not_logged_again():
+    """Note [The plan's log]: batch shapes alternating, each with its remembered plan installed
+    again (the same object, Note [Plans per batch shape]), log each plan once; a new plan is
+    logged even with actions seen before, unless they are the last logged plan's."""
+    from lightning_swap.core import Action, Plan
+    from lightning_swap.core.scale.plan_log import PlanLog
+
+    texts = []
+    log = PlanLog(texts.append, enabled=True)
+    short, long = Plan(actions={"a": Action.KEEP, "b": Action.KEEP}), Plan(actions={"a": Action.OFFLOAD, "b": Action.KEEP})
+    for plan in (short, long, short, long, short):
+        log.made(plan)
+    assert len(texts) == 2 and "keep=2" in texts[0] and "offload=1" in texts[1]
+    log.made(Plan(actions=dict(short.actions)))  # a new plan: its actions are not the last logged
+    log.made(Plan(actions=dict(short.actions)))  # ... and now they are
+    assert len(texts) == 3

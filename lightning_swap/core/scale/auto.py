@@ -407,9 +407,6 @@ class AutoPlanner:
         self._running: tuple[Optional[_Shape], int] = (None, 0)
         self._previous: tuple[Optional[_Shape], int] = (None, 0)
         self._installed: Optional[_Shape] = None
-        #: The plan applied last is its shape's remembered plan, installed again after another
-        #: shape's step (Note [Plans per batch shape]): not a new plan (nothing to log again).
-        self.reinstalled = False
         self._warned_passes = False
         self._adopt_shape = False
         self._observing: Optional[BatchKey] = None
@@ -999,7 +996,7 @@ class AutoPlanner:
 
     def applied(self, plan: Plan, state: StateSizes) -> None:
         """Every process, after applying ``plan``: what it was made for, and a check is due."""
-        self._installed, self.reinstalled = self._s, self._s.reinstall
+        self._installed = self._s
         if self._s.reinstall:  # the shape's plan as it was, its check still pending where it was
             self._s.reinstall, self._s.refine_due = False, False
             return

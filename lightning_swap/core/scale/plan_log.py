@@ -3,7 +3,9 @@ implementation for every front end (Note [The plan's log]).
 
 Note [The plan's log]: with ``log_plan`` on, the main process logs a plan's table
 (:meth:`Plan.render`) when ``auto`` makes it in a step, unless its actions are those of the plan
-logged last. A plan without numbers — a forced policy's, ``auto``'s lowest-memory guard plan,
+logged last, or it is a plan already logged (the same object: ``auto`` installs a batch shape's
+remembered plan again after another shape's, Note [Plans per batch shape] in ``auto.py``). A
+plan without numbers — a forced policy's, ``auto``'s lowest-memory guard plan,
 ``auto``'s without a budget — gets the rows its first step measured (Note [Measured rows] in
 ``runtime/measured_rows.py``) and is logged with them: once, after that step (a forced policy's,
 a guard's; not again for a guard plan applied again), or again, "measured in its first step",
@@ -15,10 +17,12 @@ prints it above its progress bar. No adapter logs a plan itself.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Optional
 
 from ..decide.plan import Plan
+from .auto import MAX_SHAPES
 
 __all__ = ["PlanLog", "plan_text"]
 
@@ -45,9 +49,12 @@ class PlanLog:
         self._sink = sink if sink is not None else _to_logging
         self.enabled = enabled
         self._logged: Optional[Plan] = None
+        #: The plans logged lately, by identity: one per batch shape ``auto`` remembers.
+        self._recent: deque[Plan] = deque(maxlen=MAX_SHAPES)
 
     def made(self, plan: Plan) -> None:
-        """``plan`` was made: logged unless its actions are those of the plan logged last."""
+        """``plan`` was made: logged unless its actions are those of the plan logged last, or it
+        was logged already (a shape's plan installed again)."""
         self._log(plan, "")
 
     def measured(self, plan: Plan) -> None:
@@ -62,9 +69,10 @@ class PlanLog:
         self._log(plan, "measured in its first step" if same else "")
 
     def _log(self, plan: Plan, why: str) -> None:
-        if plan is self._logged:
+        if any(plan is seen for seen in self._recent):
             return
         previous, self._logged = self._logged, plan
+        self._recent.append(plan)
         if self.enabled and not (previous is not None and _same_actions(previous, plan) and not why):
             self._sink(plan_text(plan, why))
 

@@ -270,7 +270,7 @@ class SwapSession:
         self._failure = None
         self._in_backward = False
         kind = self.before_step(batch, track, states, measure=measure)
-        if kind is StepKind.PLAN and not (self.auto is not None and self.auto.reinstalled):  # a shape's own plan again: logged once
+        if kind is StepKind.PLAN:
             self.plan_log.made(self.plan)
         self._step_open = True
         return kind
