@@ -48,7 +48,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from .core import HookedSwapSession, Plan, StepStats, SwapConfig
+from .core import HookedSwapSession, SessionViews, SwapConfig
 from .core import UnifiedMemory, unified_memory_for
 from .core import process_group_collectives
 
@@ -64,7 +64,7 @@ SWAP_OPTIONS = tuple(f.name for f in fields(SwapConfig))
 _ADVICE = "Choose a policy for it instead, e.g. CPUSwapFabricStrategy(policy='recompute_offload'), or a smaller batch."
 
 
-class _FabricSwapMixin:
+class _FabricSwapMixin(SessionViews):
     """Wires a :class:`HookedSwapSession` into a Fabric strategy."""
 
     strategy_name: str = ""
@@ -90,27 +90,6 @@ class _FabricSwapMixin:
         if unknown:
             allowed = sorted({*SWAP_OPTIONS, *params} - {"self"})
             raise ValueError(f"{cls.__name__}: unknown options {unknown}; allowed: {allowed}.")
-
-    # -- what users read ----------------------------------------------------------------
-    @property
-    def swap_session(self) -> Optional[HookedSwapSession]:
-        """The session of the module set up for training (``None`` before; kept after teardown)."""
-        return self._session
-
-    @property
-    def plan(self) -> Optional[Plan]:
-        """The plan applied to the model (``None`` before one was made)."""
-        return self._session.plan if self._session is not None else None
-
-    @property
-    def step_stats(self) -> Optional[StepStats]:
-        """The newest training step whose statistics are complete (never waits for the device)."""
-        return self._session.stats() if self._session is not None else None
-
-    @property
-    def stats_history(self) -> list[StepStats]:
-        """The last (up to 64) steps' statistics, oldest first, as known now; after teardown too."""
-        return self._session.records.all() if self._session is not None else []
 
     # -- hooks --------------------------------------------------------------------------
     @override

@@ -23,10 +23,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from .core import Collectives
-from .core import Plan
-from .core import StepStats
 from .core import SwapConfig, build_options, check_bool, describe_options, option, split_options
-from .core import StepKind, SwapSession
+from .core import SessionViews, StepKind, SwapSession
 from .core import Timeline, TimelineRecorder
 from .core import UnifiedMemory, unified_memory_for
 from .report import plot_timelines
@@ -86,7 +84,7 @@ class _StrategyOptions(SwapConfig):
     )
 
 
-class _SwapStrategyMixin:
+class _SwapStrategyMixin(SessionViews):
     """Wires a :class:`SwapSession` into a Lightning strategy's hooks.
 
     Note [Lightning's step]: a step is everything from a training batch's start to its end. Under
@@ -145,28 +143,6 @@ class _SwapStrategyMixin:
         self._stats_callback = None
         self._step_call: Any = None
         self._bar_log: Optional[_ProgressBarLog] = None
-
-    # -- what users read ----------------------------------------------------------------
-    @property
-    def plan(self) -> Optional[Plan]:
-        """The plan applied to the model (``None`` before setup)."""
-        return self._session.plan if self._session is not None else None
-
-    @property
-    def swap_session(self) -> Optional[SwapSession]:
-        return self._session
-
-    @property
-    def step_stats(self) -> Optional[StepStats]:
-        """The newest training step whose statistics are complete. Reading it never waits for
-        the device: on CUDA, during training, that is usually the step before the last one
-        (Note [Stream protocol]); after ``fit`` it is the last step."""
-        return self._session.stats() if self._session is not None else None
-
-    @property
-    def stats_history(self) -> list[StepStats]:
-        """The last (up to 64) steps' statistics, oldest first, as known now."""
-        return self._session.records.all() if self._session is not None else []
 
     # -- device -------------------------------------------------------------------------
     def _pick_device(self, trainer: Any) -> None:

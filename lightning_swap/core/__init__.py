@@ -41,7 +41,7 @@ from .scale.auto import StepKind
 from .scale.collectives import Collectives, process_group_collectives
 from .scale.hooked import HookedSwapSession, model_output_loss
 from .scale.loop_search import adopt_search_profile, search_for_loop
-from .scale.session import SwapSession
+from .scale.session import SessionViews, SwapSession
 from .segments import SegmentSpec, find_segments, split_call
 from .tensors import tensors_in
 from .units import ByteSize, format_bytes, parse_bytes
@@ -67,6 +67,7 @@ __all__ = [
     "ScaleResult",
     "SegmentProfile",
     "SegmentSpec",
+    "SessionViews",
     "StepKind",
     "StepStats",
     "SwapConfig",

@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from lightning_swap.core import Action, SwapRuntime
 
 from ..stream_double import DoubleFactory
+from .test_recompute_state import _retain  # a second backward through a retained graph
 
 torch.set_num_threads(1)
 
@@ -124,12 +125,6 @@ def _eval_then_train(model, x, y):
     a = model(x)
     model.train()
     (F.mse_loss(model(x), y) + 0.5 * F.mse_loss(a, y)).backward()
-
-
-def _retain(model, x, y):
-    out = model(x)
-    F.mse_loss(out, y).backward(retain_graph=True)
-    out.pow(2).mean().backward()
 
 
 def _penalty(model, x, y):

@@ -57,7 +57,7 @@ from .fallback import WeakBatch, fake_profile_on_main, planned_after_out_of_memo
 from .plan_log import PlanLog, PlanSink
 from .steady_state import StateSizes, steady_plain_timeline
 
-__all__ = ["SwapSession"]
+__all__ = ["SessionViews", "SwapSession"]
 
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,35 @@ def _observed_record(profile: Any) -> StepRecord:
         deduplicated_tensors=0, host_pool_bytes=0, recompute_ms=None, exposed_transfer_ms=None, step_ms=None,
     )
     return StepRecord(stats, step, Timing(SyncOps()), None, 0.0)
+
+
+class SessionViews:
+    """What a front end's users read of its session (``self._session``: ``None`` before setup),
+    the same under Lightning's strategies and Fabric's."""
+
+    _session: Optional["SwapSession"]
+
+    @property
+    def swap_session(self) -> Optional["SwapSession"]:
+        """The session of the module set up for training (``None`` before; kept after teardown)."""
+        return self._session
+
+    @property
+    def plan(self) -> Optional[Plan]:
+        """The plan applied to the model (``None`` before one was made)."""
+        return self._session.plan if self._session is not None else None
+
+    @property
+    def step_stats(self) -> Optional[StepStats]:
+        """The newest training step whose statistics are complete. Reading it never waits for
+        the device: on CUDA, during training, that is usually the step before the last one
+        (Note [Stream protocol]); after training it is the last step."""
+        return self._session.stats() if self._session is not None else None
+
+    @property
+    def stats_history(self) -> list[StepStats]:
+        """The last (up to 64) steps' statistics, oldest first, as known now; after teardown too."""
+        return self._session.records.all() if self._session is not None else []
 
 
 class SwapSession:
