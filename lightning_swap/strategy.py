@@ -95,7 +95,7 @@ class _SwapStrategyMixin(SessionViews):
     start). Under manual optimization everything (each ``manual_backward``, each ``opt.step()``,
     two optimizers) happens inside the user's ``training_step``, which therefore is the step. A
     step of several backward passes is measured whole (Note [A step of several passes] in
-    ``core/scale/auto.py``). The hooks only say where the step begins and ends; what happens then
+    ``core/scale/guard.py``). The hooks only say where the step begins and ends; what happens then
     is the core's step API (Note [One step API] in ``core/scale/session.py``)."""
 
     _stats_callback_class: type = None  # set per Lightning package

@@ -68,6 +68,35 @@ def tiny_gpt(**kwargs) -> nn.Module:
     return TinyGPT(**kwargs)
 
 
+class Stem(nn.Module):
+    """A high-resolution stem (32x32, 16 channels) pooled 4x before four blocks at 8x8: the
+    regions outside the segments save far more than the segments (Note [Observe only what fits]
+    in ``scale/guard.py``; ``tests/scale/test_auto_shapes.py``, and on 2 FSDP2 ranks
+    ``tests/adapters/test_fsdp.py``)."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
+            nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(), nn.MaxPool2d(4),
+        )
+        self.blocks = nn.Sequential(*[StemBlock(c) for _ in range(4)])
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x):
+        return self.head(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1).flatten(1))
+
+
+class StemBlock(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
 def resnet18_small(classes: int = 10) -> nn.Module:
     return torchvision.models.resnet18(num_classes=classes)
 

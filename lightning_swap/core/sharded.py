@@ -49,7 +49,31 @@ the forward's working set, which in the step they are not; the gathered paramete
 are added back from the step's trace. Unmeasured, an offloading segment's forward was priced
 as kept: on the tests' GPT at batch 8 per rank 11% over the measured peak (torch 2.14.1).
 FSDP1 units keep that price: their forward outside the root's checks the execution order and
-is not run alone.
+is not run alone. A gathered unit runs alone by its own ``forward`` (:func:`unhooked`), as a
+recomputation runs it (Note [Recompute under FSDP gathers nothing more]): called as a module,
+FSDP's hooks would take the lone call for the root's forward (it would reshard the unit after
+it, and, in a backward, gather it again and reduce what it finds in the unsharded gradients).
+
+Note [Sharded segments timed in lockstep]: ``auto`` plans from each segment timed and traced
+alone (Note [Timing a segment leaves no trace] and Note [A segment measured alone] in
+``measure/action_costs.py``); under FSDP2 they run so on every rank, after the same step, in the
+same order, and the only collectives among them are each unit's gather and reshard: every
+segment is gathered in the step's order on every rank (:func:`unsharded`), whether or not this
+rank runs it (identical blocks share one measurement, and which ones are identical can differ
+between ranks: a block's selective choice comes from its own timed ops), and each runs by its
+own ``forward`` (:func:`unhooked`), gradients returned by ``autograd.grad``, so no hook
+gathers, reduce-scatters or writes a ``.grad``, and a run that fails on one rank only fails
+there. That holds when every segment is a unit of its own with no unit inside
+(:func:`runs_alone`: the per-block ``fully_shard`` of torchtitan and the tests' GPT); a segment
+that is not (its parameters the root's, or units inside it, whose hooks are collectives) is
+not run alone, nor is any segment of an FSDP1 model: ``auto`` then bounds plain's peak instead
+of predicting it (Note [Observe only what fits] in ``scale/guard.py``). The ranks reuse costs
+measured on an earlier step only where every rank has them (``SwapSession``), so all measure
+again or none does; each rank measures its own, and the plan is made from the largest (Note
+[Decide from the largest measurement] in ``scale/collectives.py``). The lone runs change no
+weight, gradient, optimizer state or buffer: ``tests/adapters/test_fsdp.py`` trains ``auto``
+on 2 ranks to plain FSDP's weights, bit for bit. A timed segment runs with its unit already
+gathered, so its times leave the gather out, as its recomputation's does.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ def test_auto_without_a_budget_on_cpu_keeps_everything():
 
 def test_auto_keeps_its_plan_for_a_smaller_batch_and_observes_a_new_shape():
     """Note [Auto: observe, plan, check]: a smaller last batch fits the plan made for the
-    larger one; a batch of another shape (here longer sequences) is observed again."""
+    larger one; a batch of another shape (here longer sequences) is guarded once and planned from
+    that step's profile (every segment kept: plain fits), not observed again."""
     from unittest import mock
 
     import lightning as L
@@ -64,8 +65,9 @@ def test_auto_keeps_its_plan_for_a_smaller_batch_and_observes_a_new_shape():
     with mock.patch.object(AutoPlanner, "finish_observe", autospec=True, side_effect=AutoPlanner.finish_observe) as observed:
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=5, **QUIET_TRAINER)
         trainer.fit(module)
-    assert observed.call_count == 2  # the first step, and the first step of sequence length 32
+    assert observed.call_count == 1  # the first step (its guard step grew the state: no profile from it)
     assert strategy.swap_session.profile.batch_size == 16
+    assert set(strategy.plan.actions.values()) == {Action.KEEP}, strategy.plan.summary()
     assert len(strategy.stats_history) == 5
 
 

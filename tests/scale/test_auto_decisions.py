@@ -14,7 +14,7 @@ import torch
 
 from lightning_swap.core import Action, Collectives, InfeasibleBudgetError, PlanRow, SwapConfig, min_budget_bytes, solve
 from lightning_swap.core.decide.costmodel import copy_window_of, recompute_ms
-from lightning_swap.core.scale.auto import MAX_SHAPES, REVISIT_AFTER_STEPS, REVISIT_TOLERANCE, AutoPlanner, BatchKey, StepInputs, StepKind, Verdict
+from lightning_swap.core.scale.auto import MAX_SHAPES, REVISIT_AFTER_STEPS, REVISIT_TOLERANCE, AutoPlanner, BatchKey, Phase, StepInputs, StepKind, Verdict
 from lightning_swap.core.scale.steady_state import StateSizes, state_growth
 
 from ..decide.test_solver import random_chain
@@ -30,8 +30,15 @@ def step(size: int = 8, shape: tuple = TOKENS, state: StateSizes = StateSizes())
     return StepInputs(BatchKey(shape, size), state)
 
 
+def _as_received(decide):
+    """The main process's decision as the other processes receive it (pickled)."""
+    return pickle.loads(pickle.dumps(decide()))
+
+
 def planner(budget_bytes, *, freed: bool = False, names=("a", "b", "c", "d")) -> AutoPlanner:
-    return AutoPlanner(budget_bytes=budget_bytes, segments=list(names), config=SwapConfig(), grads_freed_before_backward=freed)
+    return AutoPlanner(
+        budget_bytes=budget_bytes, segments=list(names), config=SwapConfig(), grads_freed_before_backward=freed, on_main=_as_received,
+    )
 
 
 def rows(held_bytes: int) -> list[PlanRow]:
@@ -65,14 +72,16 @@ def guard_step(
 
 
 def test_step_kinds_are_an_enum_of_the_names_adapters_logged():
-    assert [k.value for k in StepKind] == ["guard", "verdict", "observe", "plan", "run"]
+    assert [k.value for k in StepKind] == ["guard", "observe", "plan", "run"]
     assert StepKind.GUARD == "guard" and StepKind("run") is StepKind.RUN
 
 
 def test_the_first_step_guards_and_a_verdict_follows_every_guard_step():
     auto = planner(200 * MiB)
+    assert auto.phase is Phase.GUARD
     guard_step(auto, peak=100 * MiB, backward_peak=90 * MiB, held=30 * MiB, before=StateSizes(), after=GROWN)
-    assert auto.next_step(step(state=GROWN)) is StepKind.VERDICT
+    assert auto.phase is Phase.VERDICT  # taken on the main process before the next step, inside next_step
+    assert auto.next_step(step(state=GROWN)) is StepKind.OBSERVE and auto.phase is Phase.OBSERVE
 
 
 @pytest.mark.parametrize(
@@ -120,7 +129,7 @@ def _two_guard_steps(budget_bytes: int) -> AutoPlanner:
     guard_step(auto, peak=100 * MiB, backward_peak=90 * MiB, held=30 * MiB, before=StateSizes(), after=GROWN)
     auto.take_verdict(Verdict(StepKind.GUARD, None, 120 * MiB))
     guard_step(auto, peak=115 * MiB, backward_peak=95 * MiB, held=30 * MiB, before=GROWN, after=GROWN)
-    assert auto.next_step(step(state=GROWN)) is StepKind.VERDICT
+    assert auto.phase is Phase.VERDICT
     return auto
 
 
@@ -383,9 +392,6 @@ class _Loop:
     def step(self, shape: tuple = TOKENS, size: int = 8) -> StepKind:
         auto, inputs = self.auto, StepInputs(BatchKey(shape, size), GROWN)
         kind = auto.next_step(inputs)
-        if kind is StepKind.VERDICT:
-            auto.take_verdict(pickle.loads(pickle.dumps(auto.guard_verdict())))
-            kind = auto.next_step(inputs)
         if kind is StepKind.GUARD:
             self.installed = auto.begin_guard(inputs)
             auto.guard_forward_done(self.guard_peak)
@@ -454,8 +460,8 @@ def test_shapes_beyond_the_remembered_ones_are_forgotten_least_recently_used_fir
         assert auto.next_step(step(shape=shape, state=GROWN)) is StepKind.GUARD
         auto.begin_guard(step(shape=shape, state=GROWN))
         auto.end_guard(MiB, rows(MiB), GROWN)
-    assert auto.next_step(step(shape=shapes[-1], state=GROWN)) is StepKind.VERDICT  # remembered
-    assert auto.next_step(step(shape=shapes[1], state=GROWN)) is StepKind.VERDICT
+    for shape in (shapes[-1], shapes[1]):  # remembered: the verdict on their guard step is taken, no guard step again
+        assert auto.next_step(step(shape=shape, state=GROWN)) is not StepKind.GUARD
     assert auto.next_step(step(shape=shapes[0], state=GROWN)) is StepKind.GUARD  # the oldest, forgotten
 
 
@@ -594,3 +600,22 @@ def test_on_main_sends_an_error_that_cannot_travel_as_a_runtime_error():
         main.on_main(lambda: (_ for _ in ()).throw(Local("boom")))
     kind, body = sent[0]
     assert kind == "error" and isinstance(body, RuntimeError) and "Local: boom" in str(body)
+
+
+# -- Note [A shape's lifecycle] -------------------------------------------------------------------
+def test_each_shape_goes_through_its_phases_and_the_log_says_why_at_debug(caplog):
+    """Two shapes alternating: each goes guard -> verdict -> observe -> plan -> check -> run, every
+    change one DEBUG line with its reason; a change the table does not allow is refused."""
+    caplog.set_level(logging.DEBUG, logger="lightning_swap")
+    profiles, budget = _two_profiles()
+    auto = planner(budget, names=profiles[TOKENS].names)
+    loop = _Loop(auto, profiles)
+    for _ in range(4):
+        loop.step(TOKENS)
+        loop.step(SHORT)
+    for shape in ("[32]int64", "[16]int64"):
+        changes = [r.getMessage().split(": ")[2] for r in caplog.records if f"batch shape {shape}:" in r.getMessage()]
+        assert [c.split(" -> ")[1] for c in changes] == ["verdict", "observe", "plan", "check", "run"], changes
+    assert auto.phase is Phase.RUN
+    with pytest.raises(RuntimeError, match="cannot go from 'run' to 'refined'"):
+        auto._go(auto._s, Phase.REFINED, "not a change the table has")

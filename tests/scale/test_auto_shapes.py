@@ -197,3 +197,27 @@ def test_input_gradient_steps_with_alternating_batch_sizes_stay_within_the_budge
     # guard (8), guard (9), the plan applied (8), its first step of 9 (may be over: the check), ...
     assert len(peaks) == len(batches) and max(peaks[4:]) <= budget, (budget, peaks, kinds)
     _assert_same_weights(plain, module)
+
+
+# Dynamic padding whose longest length grows: three lengths planned, then two longer ones, each
+# predicted from the shapes planned before it (Note [A larger shape predicted]).
+_GROWING = [16] * 5 + [24] * 4 + [32] * 4 + [40, 16, 40, 24, 44, 32, 44, 40]
+
+
+@pytest.mark.slow
+def test_a_longer_batch_is_planned_from_the_shorter_ones_without_a_guard_step(monkeypatch):
+    batches = [_tokens(n, 100 + i) for i, n in enumerate(_GROWING)]
+    _, keep, _ = _fit(_gpt, lm_loss, batches, CPUSwapStrategy(policy="keep", min_offload_bytes=0, log_plan=False))
+    budget = int(0.8 * max(_peaks(keep)))  # 0.8 x plain's peak on the longest batch
+    plain, _, _ = _fit(_gpt, lm_loss, batches)
+    module, trainer, kinds = _fit(
+        _gpt, lm_loss, batches, CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0, log_plan=False), monkeypatch=monkeypatch,
+    )
+    peaks = _peaks(trainer)
+    steps = list(zip(_GROWING, kinds, peaks))
+    assert len(peaks) == len(batches) and max(peaks) <= budget, (budget, steps)
+    _assert_same_weights(plain, module)
+    # each new longest length after three were planned: a plan at once, not a guard step
+    for length in (40, 44):
+        assert kinds[_GROWING.index(length)] == "plan", steps
+    assert "guard" not in kinds[13:], steps

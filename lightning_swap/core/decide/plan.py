@@ -82,7 +82,7 @@ class Plan:
     ) -> "Plan":
         """The plan that leaves the least on the device without a profile: every segment
         ``action`` (``RECOMPUTE_OFFLOAD``; ``auto``'s guard gives ``OFFLOAD`` where offloaded bytes
-        come back per op, on CPU: ``guard_action`` in ``scale/auto.py``), ``OFFLOAD`` for one in
+        come back per op, on CPU: ``guard_action`` in ``scale/guard.py``), ``OFFLOAD`` for one in
         ``refused``, whose recomputation is refused (Note [Refused actions] in
         ``measure/model_profile.py``), every region outside them offloaded (Note [Names of the
         regions outside the segments] in ``segments.py``), copies waited for when issued and

@@ -175,7 +175,7 @@ def time_factors(
     inflight_segments: int = 1, prefetch_bytes: Optional[int] = None, inflight_bytes: Optional[int] = None,
     selective_ops: Optional[Mapping[str, Sequence[str]]] = None,
 ) -> tuple[float, float, float]:
-    """Note [Re-plan from the steady state] in ``scale/auto.py``: by what ``profile``'s times are
+    """Note [Re-plan from the steady state] in ``scale/revisit.py``: by what ``profile``'s times are
     off, from a steady step measured under ``actions`` (and ``outside`` for the regions outside
     the segments; its time, what recomputation took in it, what copies left exposed): (compute,
     recomputation, copies), for :meth:`~..measure.model_profile.ModelProfile.with_times`. The

@@ -10,7 +10,7 @@ a few runs) and once under ``SELECTIVE`` — the runtime's own wrapper — forwa
 time, timed with events on the compute stream. ``RECOMPUTE`` reruns the forward: it is priced at
 the kept forward's time (Note [An action is never free] in ``decide/costmodel.py``), and the
 steady state's measurements re-price it (Note [Re-plan from the steady state] in
-``scale/auto.py``). Each run costs a segment's step, so the runs are few: Note [Planning costs
+``scale/revisit.py``). Each run costs a segment's step, so the runs are few: Note [Planning costs
 a few steps] in ``observe.py``. What the runs find a segment cannot do is refused for planning
 (Note [Refused actions] in ``model_profile.py``): a write into its input, heard by the wrapper
 (every recomputing action), or an action that fails (``SELECTIVE`` alone, or, when ``RECOMPUTE``

@@ -325,7 +325,7 @@ class ModelProfile:
 
     def with_times(self, compute: float, recompute: float, copy: float) -> "ModelProfile":
         """This profile with its times multiplied by measured factors (Note [Re-plan from the
-        steady state] in ``scale/auto.py``): every forward, backward and the plain step by
+        steady state] in ``scale/revisit.py``): every forward, backward and the plain step by
         ``compute``, the measured costs of recomputation by ``recompute``, and the copy
         bandwidths divided by ``copy``; the regions outside the segments as the segments."""
 

@@ -23,7 +23,7 @@ runs plain three times (a median), ``SELECTIVE`` once, ``RECOMPUTE`` not at all 
 its forward's), once forward without saving (its working bytes) and, under a plan, once traced
 if the plan does not keep it. Timing every action four times each costs about twelve steps'
 worth (14-26 s added to an 8-step run of ~1.9 s steps); the steady state's measurements correct
-the prices afterwards instead (Note [Re-plan from the steady state] in ``scale/auto.py``).
+the prices afterwards instead (Note [Re-plan from the steady state] in ``scale/revisit.py``).
 
 Note [An observed step holds no batch]: an observed step (plain, a guard step, a plan's first
 step) must hold on the device what the same step holds in plain training, or its measured peak
@@ -42,17 +42,20 @@ fits, under Accelerate and Lightning.
 
 Note [Observe every rank]: under FSDP every process runs every collective of the step (the
 gathers of each unit's parameters, the gradients' reduce-scatters), so nothing that runs the
-model may run on one process alone: the segments of a sharded model are not timed on their own
-afterwards (``time_actions`` is off: recomputation is priced from the forward's time, and a
-forward's working set without saved tensors is taken as the kept one's, which never
-under-predicts: on CPU an offloading segment's forward is priced up to its saved bytes over,
-measured 5% of the peak on the tests' GPT at batch 8), nor measured alone (Note [A segment
-measured alone]: so a guard step is not observed under its plan there, and plain's peak is
-bounded from the guard's measurements instead: Note [Observe only what fits] in
-``scale/auto.py``), and every process observes the same step. What each measured is its own
-(its shards, the units it gathered); the plan is made from the largest of every process's
-measurements (:func:`~.model_profile.max_profile`), so it fits the fullest rank. Without FSDP
-every process observes too, and measures its segments alone on its own.
+model may run on one process alone, and every process observes the same step. Under FSDP2, where
+every segment is a unit of its own, the segments are then timed and traced alone on every rank
+in lockstep (Note [Sharded segments timed in lockstep] in ``sharded.py``), as they are without
+FSDP: a guard step is observed under its plan and ``auto`` plans a mix from it. Elsewhere (FSDP1,
+or a segment that is no unit, or holds units) they are not (``time_actions`` is off:
+recomputation is priced from the forward's time, and a forward's working set without saved
+tensors is taken as the kept one's, which never under-predicts: on CPU an offloading segment's
+forward is priced up to its saved bytes over, measured 5% of the peak on the tests' GPT at batch
+8), nor measured alone (Note [A segment measured alone]: so a guard step is not observed under
+its plan there, and plain's peak is bounded from the guard's measurements instead: Note [Observe
+only what fits] in ``scale/guard.py``). What each process measured is its own (its shards, the
+units it gathered); the plan is made from the largest of every process's measurements
+(:func:`~.model_profile.max_profile`), so it fits the fullest rank. Without FSDP every process
+observes too, and measures its segments alone on its own.
 
 Note [A segment that cannot be replayed]: a segment's replay (Note [A replay has no side effects]
 in ``replay.py``) can still fail: a layer that reads state the step set up around it, an argument
@@ -66,7 +69,7 @@ per model and segment (a DEBUG line buried it before, while ``auto`` stayed on i
 - under a plan that does not keep it (``auto``'s guard step): what it saves when kept is known
   only from its run alone (Note [A segment measured alone]), so no profile is made from that
   step: ``auto`` keeps the lowest-memory plan unless the guard's bound says plain training fits
-  (Note [Observe only what fits] in ``scale/auto.py``), and the WARNING says so. A later step on
+  (Note [Observe only what fits] in ``scale/guard.py``), and the WARNING says so. A later step on
   the same shape reuses the costs measured then (``costs``): a segment they leave out is taken
   as unreplayable again.
 """

@@ -2,7 +2,7 @@
 
 Note [The observed step does not fit]: under ``policy="auto"`` the observed step runs without a
 plan, and only once the guard steps bound its peak within the budget (Note [Observe only what
-fits] in ``auto.py``). When it is out of memory all the same (the bound comes from a model: a
+fits] in ``guard.py``). When it is out of memory all the same (the bound comes from a model: a
 last resort, not the path), the step is profiled in fake mode — the adapter's step function
 runs once more, on fake tensors, with the RNG, buffers and gradients restored by the profiler —
 on the main process, broadcast, and planned; the RNG is set back to the state the failed step

@@ -4,7 +4,7 @@ implementation for every front end (Note [The plan's log]).
 Note [The plan's log]: with ``log_plan`` on, the main process logs a plan's table
 (:meth:`Plan.render`) when ``auto`` makes it in a step, unless its actions are those of the plan
 logged last, or it is a plan already logged (the same object: ``auto`` installs a batch shape's
-remembered plan again after another shape's, Note [Plans per batch shape] in ``auto.py``). A
+remembered plan again after another shape's, Note [Plans per batch shape] in ``shapes.py``). A
 plan without numbers — a forced policy's, ``auto``'s lowest-memory guard plan,
 ``auto``'s without a budget — gets the rows its first step measured (Note [Measured rows] in
 ``runtime/measured_rows.py``) and is logged with them: once, after that step (a forced policy's,

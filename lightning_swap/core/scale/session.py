@@ -209,6 +209,7 @@ class SwapSession:
         planner = AutoPlanner(
             budget_bytes=self._budget_bytes, segments=self.segments, config=self.config,
             grads_freed_before_backward=self._grads_freed, device_type=self.device.type, actions=self.allowed_actions(),
+            on_main=self.collectives.on_main,
         )
         planner.refusals = self.refusals  # the session's, as its steps find them (Note [Refused actions])
         return planner
@@ -450,14 +451,12 @@ class SwapSession:
         return self._state
 
     def _next_step(self, step: StepInputs) -> StepKind:
-        """The planner's answer; a verdict due first is decided on the main process and taken by
-        every process (Note [Observe only what fits])."""
+        """The planner's answer (a verdict due first is decided on the main process and taken by
+        every process inside it: Note [Observe only what fits])."""
         kind = self.auto.next_step(step)
-        if kind is StepKind.VERDICT:
-            self.auto.take_verdict(self.collectives.on_main(self.auto.guard_verdict))
-            kind = self.auto.next_step(step)
-            if kind is StepKind.RUN and self.plan is not None:  # the lowest-memory plan stays: its peak is measured
-                least, batch_size = self.auto.guard_measured
+        if kind is StepKind.RUN and self.auto.keeps_least and self.plan is not None:  # its peak is measured
+            least, batch_size = self.auto.guard_measured
+            if (self.plan.predicted_peak_bytes, self.plan.batch_size) != (least, batch_size):
                 self.plan = replace(self.plan, predicted_peak_bytes=least, budget_bytes=self._budget_bytes, batch_size=batch_size)
         return kind
 
