@@ -1,6 +1,7 @@
-"""FSDP2 on 2 processes, side by side: plain, with ``torch.utils.checkpoint`` on every block, and
-with the library's ``policy="auto"`` under a per-rank budget — each rank's peak and step time,
-and their ratios to plain.
+"""FSDP2 on 2 processes, side by side: plain, with ``torch.utils.checkpoint`` on every block, under
+the library's lowest-memory plan (the one ``auto`` guards with), and with ``policy="auto"`` under a
+per-rank budget — each rank's peak and step time, their ratios to plain, and ``auto``'s step time
+over the lowest-memory plan's.
 
     python benchmarks/fsdp.py              # a 6-block GPT, width 256, 256 tokens, batch 8 per rank (CPU, ~1 min)
     python benchmarks/fsdp.py --smoke      # tiny sizes (the suite's smoke test)
@@ -10,14 +11,17 @@ Every method is the same training loop (AdamW) on a GPT whose blocks, then the w
 are ``fully_shard``-ed (FSDP2, gloo on the CPU, NCCL on CUDA), each rank on its own half of the
 batch. Peak memory is each rank's, from the library's ``DeviceMemoryMeter`` around every step
 (the CPU's live-storage tracker, or the CUDA allocator's peak), the same for every method
-(plain and checkpointing run under an all-``keep`` runtime that only meters); step time is the
+(plain and checkpointing run under an all-``keep`` runtime that only meters, the lowest-memory
+plan under its own runtime: ``Plan.lowest_memory`` with ``auto``'s guard action); step time is the
 median wall time of ``steps`` steps after a warm-up that lasts until the step time (the slower
 rank's) is steady, every one metered (the CPU meter slows every op alike); AdamW at learning rate
 0, so every method is timed on the seeded weights, and denormals flushed on CPU unless
 ``--keep-denormals`` (Note [Every method at the same steady state] in ``common.py``). ``auto`` runs its own decisions in those steps (Note [Auto: observe, plan, check]):
 its per-rank budget lies ``--budget-fraction`` of the way from checkpointing's peak to plain's
 (the largest over the ranks of each), so it has more memory than checkpointing and less than
-plain needs.
+plain needs. Under FSDP2 ``auto`` plans a mix from its guard step, each block timed alone on
+both ranks in lockstep (Note [Sharded segments timed in lockstep] in ``core/sharded.py``), so its
+steps should be faster than the lowest-memory plan's: the last line says by how much.
 Measured numbers, on the machine it runs on; RESULTS.md says which.
 """
 
@@ -40,9 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from common import STEADY, denormals_flushed, denormals_line, keep_denormals_arg  # noqa: E402
 from examples.models import GPT  # noqa: E402
-from lightning_swap.core import Action, Collectives, SwapConfig, SwapRuntime, SwapSession, find_segments  # noqa: E402
+from lightning_swap.core import Action, Collectives, Plan, SwapConfig, SwapRuntime, SwapSession, find_segments  # noqa: E402
+from lightning_swap.core.scale.auto import guard_action  # noqa: E402
 
-METHODS = ("plain FSDP2", "FSDP2 + checkpoint", "FSDP2 + auto")
+METHODS = ("plain FSDP2", "FSDP2 + checkpoint", "FSDP2 + lowest-memory", "FSDP2 + auto")
 SIZES = {
     "default": dict(vocab=512, dim=256, heads=4, layers=6, seq=256, batch=8, steps=5, rule="full"),
     "smoke": dict(vocab=64, dim=32, heads=2, layers=3, seq=16, batch=2, steps=2, rule="smoke"),
@@ -109,12 +114,15 @@ def _steady(step, size: dict) -> tuple[list, list[float], int]:
     return peaks, times, len(warm)
 
 
-def _run_metered(size: dict, checkpointed: bool, rank: int) -> tuple[list[int], list[float], int]:
-    """Plain training (or every block checkpointed) under an all-keep runtime that only meters."""
+def _run_metered(size: dict, checkpointed: bool, rank: int, *, lowest: bool = False) -> tuple[list[int], list[float], int]:
+    """Plain training (or every block checkpointed) under an all-keep runtime that only meters;
+    ``lowest``: under the lowest-memory plan (``auto``'s guard steps' plan)."""
     model = _model(size, checkpointed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # the same weights for every method
     batch = _batch(size, rank)
-    with SwapRuntime(model, {n: Action.KEEP for n in find_segments(model)}, device="cpu") as runtime:
+    segments = find_segments(model)
+    plan = Plan.lowest_memory(segments, action=guard_action("cpu")) if lowest else {n: Action.KEEP for n in segments}
+    with SwapRuntime(model, plan, device="cpu") as runtime:
 
         def step() -> int:
             runtime.begin_step([batch, optimizer.state])
@@ -164,13 +172,13 @@ def _rank(rank: int, port: int, size: dict, fraction: float, flush: bool, result
     rows = {}
     try:
         with denormals_flushed(flush):
-            for name, checkpointed in ((METHODS[0], False), (METHODS[1], True)):
-                peaks, times, warm = _run_metered(size, checkpointed, rank)
+            for name, checkpointed, lowest in ((METHODS[0], False, False), (METHODS[1], True, False), (METHODS[2], False, True)):
+                peaks, times, warm = _run_metered(size, checkpointed, rank, lowest=lowest)
                 rows[name] = (max(peaks), statistics.median(times), warm, "")
             plain, checkpointed = _largest(rows[METHODS[0]][0]), _largest(rows[METHODS[1]][0])
             budget = int(checkpointed + fraction * (plain - checkpointed))
             peaks, times, warm, plan = _run_auto(size, budget, rank)
-        rows[METHODS[2]] = (max(p for p in peaks if p is not None), statistics.median(times), warm, plan)
+        rows[METHODS[3]] = (max(p for p in peaks if p is not None), statistics.median(times), warm, plan)
         results[rank] = (rows, budget)
     finally:
         dist.destroy_process_group()
@@ -208,7 +216,7 @@ def main() -> None:
         f"auto's budget: {budget / 2**20:.2f} MiB per rank ({args.budget_fraction:.0%} of the way from checkpointing's "
         f"largest per-rank peak to plain's); warm-up steps: {warm}\n"
     )
-    header = f"{'method':<20} | rank | peak MiB | x plain peak | step ms | x plain time | plan"
+    header = f"{'method':<21} | rank | peak MiB | x plain peak | step ms | x plain time | plan"
     print(header)
     print("-" * len(header))
     for rank in (0, 1):
@@ -216,7 +224,9 @@ def main() -> None:
         plain_peak, plain_ms, _, _ = rows[METHODS[0]]
         for name in METHODS:
             peak, ms, _, plan = rows[name]
-            print(f"{name:<20} | {rank:>4} | {peak / 2**20:>8.2f} | {peak / plain_peak:>12.2f} | {ms:>7.1f} | {ms / plain_ms:>12.2f} | {plan}")
+            print(f"{name:<21} | {rank:>4} | {peak / 2**20:>8.2f} | {peak / plain_peak:>12.2f} | {ms:>7.1f} | {ms / plain_ms:>12.2f} | {plan}")
+    ratios = ", ".join(f"rank {r} {results[r][0][METHODS[3]][1] / results[r][0][METHODS[2]][1]:.3f}x" for r in (0, 1))
+    print(f"\nauto's step time over the lowest-memory plan's (medians, each rank's own): {ratios}")
 
 if __name__ == "__main__":
     main()

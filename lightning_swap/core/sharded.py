@@ -87,7 +87,10 @@ from torch import nn
 
 from .tensors import local_tensor
 
-__all__ = ["gathered_bytes", "gathered_parameters", "is_sharded", "like_shard", "lone_forwards", "unsharded", "units_inside", "world_size"]
+__all__ = [
+    "gathered_bytes", "gathered_parameters", "is_sharded", "like_shard", "lone_forwards", "runs_alone", "unhooked", "unsharded",
+    "units_inside", "world_size",
+]
 
 _FSDP2 = ("torch.distributed.fsdp", "FSDPModule")
 _FSDP1 = ("torch.distributed.fsdp", "FullyShardedDataParallel")
@@ -160,11 +163,11 @@ def like_shard(shard: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 def lone_forwards(model: nn.Module):
     """Whether ``model``'s segments may run their forward alone (Note [A sharded segment's forward
     alone]): unsharded, or FSDP2 only; FSDP2's records of the forwards run inside are dropped."""
-    fsdp1, fsdp2 = _class(_FSDP1), _class(_FSDP2)
+    fsdp2 = _class(_FSDP2)
     if not is_sharded(model):
         yield True
         return
-    if (fsdp1 is not None and any(isinstance(m, fsdp1) for m in model.modules())) or fsdp2 is None:
+    if not _fsdp2_only(model):
         yield False
         return
     try:
@@ -172,9 +175,7 @@ def lone_forwards(model: nn.Module):
     finally:
         for m in model.modules():
             if isinstance(m, fsdp2):
-                state = m._get_fsdp_state()
-                groups = getattr(state, "_fsdp_param_groups", None) or [g for g in [getattr(state, "_fsdp_param_group", None)] if g]
-                for group in groups:
+                for group in _groups(m):
                     group._post_forward_indices.clear()
                     group.comm_ctx.post_forward_order.clear()
 
@@ -182,13 +183,44 @@ def lone_forwards(model: nn.Module):
 @contextlib.contextmanager
 def unsharded(module: nn.Module):
     """An FSDP2 unit's parameters gathered for the body and resharded after (every rank in
-    lockstep: Note [A sharded segment's forward alone]); anything else as it is."""
-    fsdp2 = _class(_FSDP2)
-    if fsdp2 is None or not isinstance(module, fsdp2):
-        yield
+    lockstep: Note [A sharded segment's forward alone]); anything else, or a unit gathered
+    already, as it is."""
+    if not _is_unit(module) or all(g.is_unsharded for g in _groups(module)):
+        yield  # gathered already (an enclosing ``unsharded``): left as it is
         return
     module.unshard()
     try:
         yield
     finally:
         module.reshard()
+
+
+def _is_unit(module: nn.Module) -> bool:
+    fsdp2 = _class(_FSDP2)
+    return fsdp2 is not None and isinstance(module, fsdp2)
+
+
+def _groups(module: nn.Module) -> list:
+    state = module._get_fsdp_state()
+    return getattr(state, "_fsdp_param_groups", None) or [g for g in [getattr(state, "_fsdp_param_group", None)] if g]
+
+
+def _fsdp2_only(model: nn.Module) -> bool:
+    fsdp1 = _class(_FSDP1)
+    return _class(_FSDP2) is not None and not (fsdp1 is not None and any(isinstance(m, fsdp1) for m in model.modules()))
+
+
+def runs_alone(model: nn.Module, segments: Iterable[nn.Module]) -> bool:
+    """Whether ``model``'s ``segments`` may be timed and traced alone (Note [Sharded segments
+    timed in lockstep]): unsharded, or under FSDP2 with every segment a unit of its own and no
+    unit inside it."""
+    if not is_sharded(model):
+        return True
+    return _fsdp2_only(model) and all(_is_unit(m) and not units_inside(m) for m in segments)
+
+
+def unhooked(module: nn.Module) -> Callable[..., object]:
+    """What runs ``module`` alone: an FSDP2 unit's own ``forward``, none of FSDP's hooks (its
+    parameters gathered first by :func:`unsharded`: Note [A sharded segment's forward alone]);
+    anything else the module itself (its hooks run)."""
+    return module.forward if _is_unit(module) else module

@@ -16,7 +16,7 @@ import lightning_swap
 from lightning_swap import Action, CPUSwapStrategy, InfeasibleBudgetError
 
 from ..helpers import QUIET_TRAINER
-from ..models import MODELS, lm_loss, tiny_gpt
+from ..models import MODELS, Stem, lm_loss, tiny_gpt
 
 
 class _Listed(IterableDataset):
@@ -125,46 +125,21 @@ def test_dynamic_padding_guards_no_shape_twice_and_stays_within_the_budget(monke
     assert Action.KEEP in set(trainer.strategy.plan.actions.values()), trainer.strategy.plan.summary()
 
 
-class _Stem(nn.Module):
-    """A high-resolution stem (32x32, 16 channels) pooled 4x before four blocks at 8x8: the
-    regions outside the segments save far more than the segments (Note [Observe only what fits])."""
-
-    def __init__(self, c: int = 16) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
-            nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(), nn.MaxPool2d(4),
-        )
-        self.blocks = nn.Sequential(*[_Block(c) for _ in range(4)])
-        self.head = nn.Linear(c, 10)
-
-    def forward(self, x):
-        return self.head(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1).flatten(1))
-
-
-class _Block(nn.Module):
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
-
-
 def _images(i: int, batch: int = 8):
     g = torch.Generator().manual_seed(i)
     return torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
 
 
-def test_a_large_stem_is_counted_before_plain_is_observed():
+@pytest.mark.parametrize("fraction", [0.99, 0.9, 0.8])
+def test_a_large_stem_is_counted_before_plain_is_observed(fraction):
     """The bound that lets plain be observed counts what the guard step offloaded outside the
-    segments (here most of the step's saved bytes): at 0.8 x plain's peak no step is over."""
+    segments (here most of the step's saved bytes): at 0.99, 0.9 and 0.8 x plain's peak no step is
+    over (the same on 2 FSDP2 ranks: ``tests/adapters/test_fsdp.py``)."""
     batches = [_images(i) for i in range(4)]
-    _, keep, _ = _fit(_Stem, F.cross_entropy, batches, CPUSwapStrategy(policy="keep", min_offload_bytes=0, log_plan=False))
-    budget = int(0.8 * max(_peaks(keep)))
-    plain, _, _ = _fit(_Stem, F.cross_entropy, batches)
-    module, trainer, _ = _fit(_Stem, F.cross_entropy, batches, CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0, log_plan=False))
+    _, keep, _ = _fit(Stem, F.cross_entropy, batches, CPUSwapStrategy(policy="keep", min_offload_bytes=0, log_plan=False))
+    budget = int(fraction * max(_peaks(keep)))
+    plain, _, _ = _fit(Stem, F.cross_entropy, batches)
+    module, trainer, _ = _fit(Stem, F.cross_entropy, batches, CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0, log_plan=False))
     peaks = _peaks(trainer)
     assert len(peaks) == 4 and max(peaks) <= budget, (budget, peaks)
     assert trainer.strategy.swap_session.auto.plain_predicted_bytes >= max(_peaks(keep))  # a bound, not under plain

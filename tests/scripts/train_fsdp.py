@@ -10,7 +10,8 @@ every case, so the suite starts two processes per model, not one pair per case:
 
 Cases: plain and each forced policy (the final full state dict, the plan, every step's peak);
 ``auto`` at a budget halfway between the lowest-memory plan's peak and plain's (both measured
-here, the largest over the ranks); the batch-size finder; save after 2 steps, resume and train
+here, the largest over the ranks); ``stem`` (with ``--model gpt``: under FSDP2): the stem CNN of
+``tests/models.py`` under ``auto`` at 0.99, 0.9 and 0.8 x plain's per-rank peak; the batch-size finder; save after 2 steps, resume and train
 2 more, against 4 steps uninterrupted; ``core``: the core on these 2 ranks without Lightning
 (predictions per rank, all-gathers counted). Each rank writes ``OUT.rank<r>.pt``; the script
 asserts nothing.
@@ -34,7 +35,7 @@ import lightning_swap  # noqa: E402,F401  registers the strategies
 from lightning_swap import FSDPCPUSwapStrategy, ModelParallelCPUSwapStrategy, SwapBatchSizeFinder  # noqa: E402
 from tests.helpers import QUIET_TRAINER  # noqa: E402
 from tests.lit import LitModel  # noqa: E402
-from tests.models import ConvBlock  # noqa: E402
+from tests.models import MODELS, ConvBlock, Stem  # noqa: E402
 
 FORCED = ["keep", "offload", "recompute", "recompute_offload"]
 BATCH = 4
@@ -81,6 +82,17 @@ class ShardedGPT(Reseeded):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+class ShardedStem(ShardedGPT):
+    """The stem CNN (``tests/models.py``: its stem saves more than its four blocks) on 32x32
+    images, batch 8, each block then the whole model ``fully_shard``-ed (FSDP2)."""
+
+    def __init__(self, samples: int = 32, **kwargs) -> None:
+        super().__init__("cnn", batch_size=8, samples=samples, **kwargs)
+        torch.manual_seed(0)
+        self.model = Stem()
+        self._data = MODELS["resnet18"][1](samples)  # 32x32 images, 10 classes
+
+
 class CPUFSDPStrategy(FSDPStrategy):
     """Plain FSDP1 on the CPU: Lightning's own, told its device (it refuses the CPU otherwise),
     wrapping with the same arguments Lightning's ``_setup_model`` passes (its mixed-precision
@@ -98,6 +110,8 @@ class CPUFSDPStrategy(FSDPStrategy):
 
 
 def module_for(model: str, variant: bool = False, **kwargs):
+    if model == "stem":
+        return ShardedStem(**kwargs)
     module = (ShardedGPT if model == "gpt" else Reseeded)(model, batch_size=BATCH, **kwargs)
     module.keep_gathered = variant
     return module
@@ -105,7 +119,7 @@ def module_for(model: str, variant: bool = False, **kwargs):
 
 def strategy_for(model: str, policy, variant: bool = False, **swap):
     """``variant``: the other sharding setting (FSDP2: blocks kept gathered; FSDP1: SHARD_GRAD_OP)."""
-    if model == "gpt":
+    if model != "cnn":  # FSDP2
         if policy is None:
             return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         return ModelParallelCPUSwapStrategy(policy=policy, min_offload_bytes=0, **swap)
@@ -188,6 +202,22 @@ def auto(args, out: dict) -> None:
     out["auto"] = {**record(trainer), "budget": budget, "lowest": lowest, "plain_peak": plain}
     _, trainer = fit(args.model, None, steps=6, root=args.root)  # what auto's 6 steps must equal
     out["auto"]["plain_state"] = full_state(trainer)
+
+
+STEM_FRACTIONS = (0.99, 0.9, 0.8)
+
+
+def stem(args, out: dict) -> None:
+    """The stem CNN under FSDP2 and ``auto`` at each of ``STEM_FRACTIONS`` x plain's per-rank peak
+    (the largest over the ranks): every step of both ranks must stay within it (issue 33: the
+    bound counts the regions outside the segments), and train as plain FSDP does."""
+    plain_peak = largest(max(record(fit("stem", "keep", steps=4, root=args.root)[1])["peaks"]))
+    plain = full_state(fit("stem", None, steps=4, root=args.root)[1])
+    out["stem"] = {"plain_peak": plain_peak}
+    for fraction in STEM_FRACTIONS:
+        budget = int(fraction * plain_peak)
+        _, trainer = fit("stem", "auto", steps=4, root=args.root, budget_bytes=budget)
+        out["stem"][fraction] = {**record(trainer), "budget": budget, "plain_state": plain}
 
 
 def finder(args, out: dict) -> None:
@@ -327,7 +357,9 @@ def main():
     args.root = os.path.dirname(os.path.abspath(args.out))
     out: dict = {}
     for case in args.cases:
-        cases = {"policies": policies, "auto": auto, "finder": finder, "resume": resume, "core": core, "variants": variants}
+        cases = {
+            "policies": policies, "auto": auto, "stem": stem, "finder": finder, "resume": resume, "core": core, "variants": variants,
+        }
         cases[case](args, out)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.save(out, f"{args.out}.rank{rank}")

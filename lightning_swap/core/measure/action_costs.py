@@ -18,7 +18,8 @@ run once after it fails too, every recomputing action).
 
 Note [Timing a segment leaves no trace]: the model's buffers (BatchNorm statistics) and the
 RNG state are restored afterwards, gradients are taken with ``torch.autograd.grad`` so no
-parameter's ``.grad`` changes, and the user's ``training_step`` is not involved: only the
+parameter's ``.grad`` changes (nor, under FSDP2, is any reduce-scattered: Note [Sharded segments
+timed in lockstep] in ``sharded.py``), and the user's ``training_step`` is not involved: only the
 segments' modules run (their forward hooks, if the user registered any, run too), on copies of
 their arguments without the step's key/value cache, and every module's attributes are bound back
 afterwards (Note [A replay has no side effects] in ``replay.py``).
@@ -75,7 +76,7 @@ from ..engine.recompute import RecomputeTimer, checkpointed
 from ..engine.streams import StreamOps, Timing
 from ..compiled import compile_context, compiled_forward, is_compiled
 from ..segments import split_call
-from ..sharded import unsharded
+from ..sharded import lone_forwards, unhooked, unsharded
 from .model_profile import SELECTIVE_REFUSAL
 from .replay import CapturedCall, module_state
 from .trace import StepTrace, StepTracer
@@ -119,7 +120,7 @@ def measure_released_working(module: nn.Module, call: CapturedCall, device: torc
     with unsharded(module):
         start = torch.cuda.memory_allocated(device) if meter.is_cuda else 0
         with meter, autocast, torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda packed: packed):
-            out = module(*args, **kwargs)
+            out = unhooked(module)(*args, **kwargs)
             del out
     return max(0, meter.peak_bytes - start)
 
@@ -148,11 +149,23 @@ def _run(module: nn.Module, forward: Any, call: CapturedCall, ops: StreamOps) ->
 
 class _Alone(nn.Module):
     """A one-segment model around ``segment`` for :class:`~.trace.StepTracer` (the user's module
-    is only referenced: nothing of it changes)."""
+    is only referenced: nothing of it changes); an FSDP2 unit called by its own ``forward``
+    (Note [A sharded segment's forward alone] in ``sharded.py``)."""
 
     def __init__(self, segment: nn.Module) -> None:
         super().__init__()
-        self.segment = segment
+        self.segment = segment if unhooked(segment) is segment else _Unhooked(segment)
+
+
+class _Unhooked(nn.Module):
+    """An FSDP2 unit run by its own ``forward``, under the tracer's hooks but none of FSDP's."""
+
+    def __init__(self, unit: nn.Module) -> None:
+        super().__init__()
+        self.unit = unit
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.unit.forward(*args, **kwargs)
 
 
 def trace_alone(module: nn.Module, call: CapturedCall, device: torch.device, *, min_offload_bytes: int = 1) -> StepTrace:
@@ -327,6 +340,29 @@ def _compiled(model: nn.Module, name: str, module: nn.Module) -> Optional[_Compi
     return None if found is None else _Compiled(*compiled_forward(found[1], module.forward, module))
 
 
+def _measured_once(
+    measured: dict[tuple, tuple[Optional[ActionCosts], list[str]]], model: nn.Module, name: str, module: nn.Module,
+    call: CapturedCall, ops: StreamOps, device: torch.device, *, repeats: int, warm: bool, alone: bool, min_offload_bytes: int,
+    save_ops: Optional[tuple[str, ...]],
+) -> tuple[Optional[ActionCosts], list[str]]:
+    """Segment ``name``'s costs and why they failed, measured unless ``measured`` holds those of a
+    segment they are the same for (Note [Planning costs a few steps] in ``observe.py``: identical
+    blocks, a transformer's, cost the same; one of each is run)."""
+    compiled = _compiled(model, split_call(name)[0], module)  # a call's context is its module's
+    how = None if compiled is None else compiled.graph is not None  # Note [Compiled segments are timed compiled]
+    key = (type(module), repr(module), _shapes(module), call.signature(), alone, save_ops, how)
+    if key not in measured:
+        if call.dropped:
+            log.debug("replaying %s without %s (Note [A replay has no side effects])", name, ", ".join(call.dropped))
+        why: list[str] = []
+        costs = _segment_costs(
+            name, module, call, ops, device, repeats=repeats, warm=warm, alone=alone, min_offload_bytes=min_offload_bytes,
+            save_ops=save_ops, compiled=compiled, failed=why,
+        )
+        measured[key] = (costs, why)
+    return measured[key]
+
+
 def measure_action_costs(
     model: nn.Module,
     modules: dict[str, nn.Module],
@@ -355,25 +391,16 @@ def measure_action_costs(
     rng = torch.random.fork_rng(devices=[torch.cuda.current_device()] if ops.asynchronous and torch.cuda.is_available() else [])
     rng.__enter__()
     try:
-        with module_state(model):  # Note [A replay has no side effects] in ``replay.py``
+        # Note [A replay has no side effects] in ``replay.py``; FSDP2's records of the lone forwards
+        # dropped afterwards (Note [A sharded segment's forward alone] in ``sharded.py``).
+        with module_state(model), lone_forwards(model):
             for name, call in calls.items():
-                # Note [Planning costs a few steps]: identical blocks (a transformer's) cost the same;
-                # one of each is run.
                 module = modules[name]  # a call's segment (``name#1``) is its module's: Note [A segment per call]
-                chosen = (save_ops or {}).get(name)
-                compiled = _compiled(model, split_call(name)[0], module)  # a call's context is its module's
-                how = None if compiled is None else compiled.graph is not None  # Note [Compiled segments are timed compiled]
-                key = (type(module), repr(module), _shapes(module), call.signature(), name in alone, chosen, how)
-                if key not in measured:
-                    if call.dropped:
-                        log.debug("replaying %s without %s (Note [A replay has no side effects])", name, ", ".join(call.dropped))
-                    why: list[str] = []
-                    costs = _segment_costs(
-                        name, module, call, ops, device, repeats=repeats, warm=warm, alone=name in alone,
-                        min_offload_bytes=min_offload_bytes, save_ops=chosen, compiled=compiled, failed=why,
+                with unsharded(module):  # every rank gathers every segment: Note [Sharded segments timed in lockstep]
+                    costs, why = _measured_once(
+                        measured, model, name, module, call, ops, device, repeats=repeats, warm=warm, alone=name in alone,
+                        min_offload_bytes=min_offload_bytes, save_ops=(save_ops or {}).get(name),
                     )
-                    measured[key] = (costs, why)
-                costs, why = measured[key]
                 if costs is not None:
                     out[name] = costs
                 elif failed is not None:

@@ -90,7 +90,7 @@ from ..actions import Action
 from ..compiled import compile_context, is_compiled, recomputes_in_graph
 from ..engine.streams import StreamOps, default_ops
 from ..segments import named_modules, split_call
-from ..sharded import is_sharded
+from ..sharded import runs_alone
 from ..tensors import infer_batch_size, tensors_in
 from .action_costs import ActionCosts, measure_action_costs
 from .model_profile import SELECTIVE_REFUSAL, ModelProfile
@@ -144,7 +144,7 @@ class ObservedStep:
         self.batch_size = infer_batch_size(batch)  # the batch itself is not kept (Note [An observed step holds no batch])
         self.ops = ops if ops is not None else default_ops(device)
         self.modules = modules if modules is not None else dict(named_modules(model))  # canonical names, compiled or not
-        self.time_actions = time_actions and not is_sharded(model)  # Note [Observe every rank]
+        self.time_actions = time_actions and runs_alone(model, self._modules_of(self.names).values())  # Note [Observe every rank]
         self.under = None if under is None else dict(under)
         self.costs = costs
         #: Segment -> why it could not be replayed (Note [A segment that cannot be replayed]).
@@ -309,7 +309,10 @@ class ObservedStep:
             if c is not None:
                 fwd[i], bwd[i] = c.forward_ms, c.backward_ms
                 refusal = c.refusal or self._compiled(name)
-                measured[i] = (c.recompute_ms, c.selective_ms, c.released_working_bytes, refusal, not c.selective_in_graph)
+                # A unit was gathered before its lone forward: its gathered bytes are the step's (Note
+                # [A sharded segment's forward alone] in ``sharded.py``; 0 unsharded).
+                working = c.released_working_bytes + trace.gathered_bytes.get(i, 0) if c.released_working_bytes >= 0 else -1
+                measured[i] = (c.recompute_ms, c.selective_ms, working, refusal, not c.selective_in_graph)
             elif name in self.unreplayable:  # Note [A segment that cannot be replayed]: the step's own times
                 measured[i] = (None, None, -1, f"{REPLAY_REFUSAL}: {self.unreplayable[name]}"[:300], True)
         alone = {name: costs[name].alone for name in self.acting}

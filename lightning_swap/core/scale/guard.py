@@ -60,15 +60,21 @@ def guard_action(device_type: str, config: SwapConfig = SwapConfig()) -> Action:
 # as a step under that plan (Note [A step measured under a plan] in ``decide/under_plan.py``):
 # its windows, and each segment measured alone, kept (Note [A segment measured alone]); the
 # processes' profiles merge by their largest values (Note [Decide from the largest
-# measurement]). Under FSDP no segment runs alone (every rank runs every collective: Note
-# [Observe every rank] in ``observe.py``), so no profile is made there: the bound below. Guard steps go on while a step grows the state (the optimizer state
+# measurement]). Under FSDP2, where every segment is a unit of its own (``fully_shard`` per block),
+# every rank runs each segment alone in the step's order, its unit gathered first and run by its
+# own ``forward``, so the collectives match and nothing of the user's changes (Note [Sharded
+# segments timed in lockstep] in ``sharded.py``): the guard's profile is made there as on one
+# process, and ``auto`` plans a mix from it. Under FSDP1, or where a segment is no unit of its own
+# or holds units, no segment runs alone (every rank runs every collective: Note [Observe every
+# rank] in ``observe.py``), so no profile is made there: the bound below. Guard steps go on while a step grows the state (the optimizer state
 # appearing in the first optimizer step, gradients under accumulation), so the guard's peak is
 # that of a steady step: the lowest-memory plan's minimum, measured, and the profile is a
 # steady step's. From that profile the main process predicts plain's peak (exactly, on the
 # tests' models and their LM: the cost model run backwards) and decides for every
 # process before any of them runs the next step: ``OBSERVE`` plain when it fits (its profile is
 # then exact), else ``PLAN`` the fastest mix that fits from the guard's profile. Where no
-# profile could be made (a segment that cannot run alone, FSDP), plain's peak is bounded instead —
+# profile could be made (a segment that cannot be replayed; FSDP1, or an FSDP2 segment that is no
+# unit of its own), plain's peak is bounded instead —
 #
 #     plain <= guard peak + recomputed bytes + offloaded bytes (segments and regions)
 #
@@ -151,7 +157,8 @@ class GuardSteps:
         if self._least_now:
             why = (
                 f"no profile could be made from the step measured under it (a segment that cannot run alone, "
-                f"or a sharded model, whose segments never run alone), and plain training's peak, bounded at "
+                f"or a sharded model whose segments cannot run alone: FSDP1, or FSDP2 segments that are not units "
+                f"of their own), and plain training's peak, bounded at "
                 f"{format_bytes(self.plain_predicted_bytes or 0)}, may exceed the budget"
             )
         elif len(self._least_shapes) > 1:

@@ -49,7 +49,7 @@ from ..measure.timeline import Timeline
 from ..runtime.runtime import SwapRuntime
 from ..runtime.stats import StatsHistory, StepRecord, StepStats
 from ..segments import describe_segments, find_segments, resolve_modules, split_call
-from ..sharded import is_sharded, units_inside
+from ..sharded import is_sharded, runs_alone, units_inside
 from ..tensors import device_budget_bytes, normalize_device, tensors_in
 from .auto import REVISIT_AFTER_STEPS, AutoPlanner, BatchKey, StepInputs, StepKind
 from .collectives import Collectives
@@ -429,10 +429,11 @@ class SwapSession:
 
     def _observe_under(self, batch: Any, track: Any) -> None:
         """Every process observes this step under the installed plan (after the runtime's window
-        opened: the observer's modes are closed first, in :meth:`end_step`); not a sharded model,
-        whose segments cannot run alone (Note [Observe every rank] in ``observe.py``): no profile
-        is made from its guard steps, plain's peak is bounded instead (Note [Observe only what fits])."""
-        if is_sharded(self.model):
+        opened: the observer's modes are closed first, in :meth:`end_step`); not a sharded model
+        whose segments cannot run alone (FSDP1, a segment that is no FSDP2 unit of its own: Note
+        [Sharded segments timed in lockstep] in ``sharded.py``): no profile is made from its guard
+        steps, plain's peak is bounded instead (Note [Observe only what fits])."""
+        if not runs_alone(self.model, self.modules.values()):
             return
         self._under_batch = BatchKey.of(batch)  # the key, not the batch (Note [An observed step holds no batch])
         self._under = ObservedStep(
@@ -442,9 +443,14 @@ class SwapSession:
         ).begin()
 
     def _costs_for(self, key: BatchKey) -> Optional[dict]:
-        """The segments' costs this process measured already on a batch of this shape and size."""
+        """The segments' costs this process measured already on a batch of this shape and size;
+        under FSDP only where every process has them, so that all measure again or none does (Note
+        [Sharded segments timed in lockstep]: a process's batch size may differ from another's)."""
         measured = self._guard_costs
-        return measured[1] if measured is not None and measured[0] == key else None
+        costs = measured[1] if measured is not None and measured[0] == key else None
+        if is_sharded(self.model) and self.collectives.reduce_min(int(costs is not None)) == 0:
+            return None
+        return costs
 
     def _state_sizes(self, states: Any) -> StateSizes:
         self._state = StateSizes.of(self.model, states, self._state)
