@@ -619,3 +619,27 @@ def test_each_shape_goes_through_its_phases_and_the_log_says_why_at_debug(caplog
     assert auto.phase is Phase.RUN
     with pytest.raises(RuntimeError, match="cannot go from 'run' to 'refined'"):
         auto._go(auto._s, Phase.REFINED, "not a change the table has")
+
+
+def test_processes_whose_padded_lengths_differ_agree_on_the_longest_shape():
+    """Each process pads its batch to its own longest sequence: every process decides from the
+    longest shape where the others fit in it (its plan bounds theirs), and from a shape no profile
+    has where none holds the others (here a longer sequence beside a wider one)."""
+    import types
+    import zlib
+
+    from lightning_swap.core.scale.session import SwapSession
+
+    def agreed(mine: BatchKey, other: BatchKey) -> BatchKey:
+        packed = [zlib.crc32(repr(k.shape).encode()) * (1 << 20) + k.size for k in (mine, other)]
+        collectives = types.SimpleNamespace(
+            reduce_max=lambda _: max(packed), reduce_min=lambda _: min(packed), gather=lambda key: [key, other],
+        )
+        return SwapSession._agreed(types.SimpleNamespace(collectives=collectives), mine)
+
+    short, long = BatchKey(SHORT, 8), BatchKey(TOKENS, 6)
+    assert agreed(short, long) == agreed(long, short) == BatchKey(TOKENS, 8)
+    wide = BatchKey((((16, 4), torch.int64),), 8)
+    tall = BatchKey((((32, 2), torch.int64),), 8)
+    differ = agreed(wide, tall)
+    assert differ.shape[0][0] == "shapes differ across processes" and differ.size == 8

@@ -55,6 +55,7 @@ from .auto import REVISIT_AFTER_STEPS, AutoPlanner, BatchKey, StepInputs, StepKi
 from .collectives import Collectives
 from .fallback import WeakBatch, fake_profile_on_main, planned_after_out_of_memory, restore_rng_state, rng_state
 from .plan_log import PlanLog, PlanSink
+from .shapes import fits_in
 from .steady_state import StateSizes, steady_plain_timeline
 
 __all__ = ["SessionViews", "SwapSession"]
@@ -409,15 +410,21 @@ class SwapSession:
 
     def _agreed(self, key: BatchKey) -> BatchKey:
         """The batch key every process decides from (Note [Auto decides from values]): the same
-        shape everywhere and the largest batch size; where the processes' shapes differ, a shape
-        no profile has (every process guards). Two reductions of one number each: a 32-bit hash
-        of the shape above the size (exact in float64)."""
+        shape everywhere and the largest batch size. Two reductions of one number each: a 32-bit
+        hash of the shape above the size (exact in float64). Where the processes' shapes differ
+        (each pads its batch to its own longest sequence) every key is gathered: the largest
+        shape, where one process holds it and every other's fits in it (a plan made for it bounds
+        theirs: Note [A smaller shape runs a larger one's plan]); else a shape no profile has
+        (every process guards)."""
         shape_hash = zlib.crc32(repr(key.shape).encode())
         packed = shape_hash * (1 << 20) + min(key.size, (1 << 20) - 1)
         most, least = int(self.collectives.reduce_max(packed)), int(self.collectives.reduce_min(packed))
-        if most >> 20 != least >> 20:
-            return BatchKey((("shapes differ across processes", most >> 20, least >> 20),), key.size)
-        return BatchKey(key.shape, most & ((1 << 20) - 1))
+        if most >> 20 == least >> 20:
+            return BatchKey(key.shape, most & ((1 << 20) - 1))
+        keys = self.collectives.gather(key)
+        size = max(k.size for k in keys)
+        largest = next((k.shape for k in keys if all(fits_in(other.shape, k.shape) for other in keys)), None)
+        return BatchKey(largest or (("shapes differ across processes", most >> 20, least >> 20),), size)
 
     def _begin_guard(self, batch: Any, track: Any, states: Any, step: StepInputs) -> None:
         """Note [Observe only what fits]: the lowest-memory plan, measured, and observed under it
