@@ -102,8 +102,8 @@ def test_auto_without_a_budget_on_cpu_keeps_everything(fresh_state, caplog):
 def test_auto_replans_for_a_new_batch_shape(fresh_state):
     """A smaller batch keeps the plan (it fits), and so does a smaller shape (Note [A smaller shape
     runs a larger one's plan]); a larger shape is guarded and planned from its guard step's
-    profile, its first step observed under that plan (Note [A plan's first step refines its
-    profile])."""
+    profile (every segment kept: plain fits, so its first step is checked, not observed: Note [A
+    plan's first step refines its profile])."""
     from ..models import _images as images_of
 
     accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=1 << 40, min_offload_bytes=0))
@@ -117,8 +117,8 @@ def test_auto_replans_for_a_new_batch_shape(fresh_state):
     assert plans[2] is not None and plans[3] is plans[2] and plans[4] is plans[2]
     assert profiles[1] is profiles[2] is profiles[4] and profiles[4].batch_size == 8
     assert plans[5].actions == plans[2].actions  # 12x12 images: the 16x16 plan, never guarded
-    # The larger shape: one guard step, then planned (every segment kept: plain fits 1 TiB), its
-    # first step observed under the plan and the profile refined from it.
+    # The larger shape: one guard step, then planned from its profile (every segment kept: plain
+    # fits 1 TiB).
     assert set(plans[6].actions.values()) == guard
     assert set(plans[7].actions.values()) == set(plans[8].actions.values()) == {Action.KEEP}
     assert plans[8] is not plans[2] and profiles[8].batch_size == 6

@@ -82,7 +82,9 @@ log = logging.getLogger(__name__)
 # (Note [A step measured under a plan]): its kept segments are measured in the step itself, so
 # the profile made from it is nearer to what plain and the plans near it hold. The check of that
 # plan is made against the refined profile, and the plan is solved again from it (a budget at
-# plain's peak gets every segment kept). Once per guard profile: later plans are checked only.
+# plain's peak gets every segment kept). Once per guard profile: later plans are checked only;
+# and not where the first plan keeps every segment (plain fits): no choice is left to make, and
+# the check measures its peak (an observed step costs about as much as a guard step).
 class AutoPlanner(ShapeTable, GuardSteps, Revisits):
     """The ``policy="auto"`` decisions of one session (Note [Auto: observe, plan, check]),
     from values (Note [Auto decides from values]).
@@ -467,9 +469,12 @@ class AutoPlanner(ShapeTable, GuardSteps, Revisits):
         made_for = (plan, s.planned_state)
         checked = plan.predicted_peak_bytes is None or made_for == s.last_applied
         s.last_applied = made_for
-        if s.refinable and self.budget_bytes is not None:
-            s.refinable = False
-            self._go(s, Phase.REFINE, "the first plan from a guard step's profile: its first step is observed")
+        # Note [A plan's first step refines its profile]: a guard's profile whose plan keeps
+        # everything (plain fits) has no choice left to refine: its first step is checked only.
+        keeps_all = not s.margin_bytes and all(a is Action.KEEP for a in (*plan.actions.values(), *plan.outside.values()))
+        refine, s.refinable = s.refinable and self.budget_bytes is not None and not keeps_all, False
+        if refine:
+            self._go(s, Phase.REFINE, "the first plan from a guard step's (or a predicted) profile: its first step is observed")
         elif checked:
             self._go(s, Phase.RUN, "the plan stays" if plan.predicted_peak_bytes is not None else "nothing to check")
         else:
