@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+from typing import Callable, Iterable
 
+import pytest
 import torch
 
 from lightning_swap.core import SwapRuntime, find_segments, resolve_policy
@@ -15,6 +17,14 @@ POLICIES = ["keep", "offload", "recompute", "selective", "recompute_offload"]
 #: ``L.Trainer`` keyword arguments that keep a test's output and disk quiet: no logger, no
 #: checkpoint, no progress bar, no model summary.
 QUIET_TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def sweep(cases: Iterable[tuple], keep: Callable[..., bool], long_reason: str) -> list:
+    """``cases`` as ``pytest.param``s: those ``keep(*case)`` accepts run in the default suite, the
+    others carry the ``long`` marker (run with ``LSWAP_LONG=1``, tests/conftest.py). ``keep``
+    chooses representatives: usually every pair of parameter values at least once (a pairwise
+    cover), the full product being the long run."""
+    return [pytest.param(*case, marks=() if keep(*case) else pytest.mark.long(long_reason)) for case in cases]
 
 
 def swap_runtime(model: torch.nn.Module, policy, *, device, **kwargs) -> SwapRuntime:

@@ -68,7 +68,7 @@ def test_every_policy_equals_plain_fsdp(job):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not LONG, reason="the long run: LSWAP_LONG=1")
+@pytest.mark.long("the other sharding setting of each model, ~15 s a model")
 def test_the_other_sharding_setting_equals_plain_too(job):
     _, ranks = job
     for r in ranks:

@@ -14,6 +14,7 @@ from lightning_swap.core import Action, SwapRuntime, min_budget_bytes, profile, 
 from lightning_swap.core.decide.costmodel import copied_bytes
 from lightning_swap.core.decide.solver import brute_force
 
+from ..helpers import sweep
 from ..models import _tokens, _vectors, lm_loss, mlp_chain, tiny_gpt
 from .test_solver import random_chain
 
@@ -58,9 +59,18 @@ def test_cpu_copies_hold_nothing_in_flight_and_prefetch_brings_a_segment_back_at
     assert deeper == sorted(deeper) and deeper[3] > deeper[0]
 
 
+def _one_device_per_window(window: tuple[int, int], device_type: str) -> bool:
+    """Every window once by default, on the CPU and on CUDA in turn: each device meets every
+    prefetch and every in-flight depth, exact windows and inexact ones (on CUDA)."""
+    return (WINDOWS.index(window) + ["cpu", "cuda"].index(device_type)) % 2 == 0
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
-@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize(
+    "window,device_type",
+    sweep([(w, d) for w in WINDOWS for d in ("cpu", "cuda")], _one_device_per_window, "every window on both devices; by default each on one"),
+    ids=lambda value: f"prefetch{value[0]}-inflight{value[1]}" if isinstance(value, tuple) else None,
+)
 def test_solve_fits_its_window_and_is_optimal_where_the_dp_is_exact(device_type: str, window: tuple[int, int]) -> None:
     """Note [Deep copy windows]: the plan fits as simulated under the same window; optimal
     (against brute force) when the window is at most one segment deep; and the least budget

@@ -12,6 +12,8 @@ from lightning_swap.core import (
     Action, InfeasibleBudgetError, ModelProfile, SegmentProfile, brute_force, min_budget_bytes, simulate, solve,
 )
 
+from ..helpers import sweep
+
 MiB = 1 << 20
 
 
@@ -56,7 +58,9 @@ def random_chain(seed: int, n: int, *, device_type: str = "cpu") -> ModelProfile
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize(
+    "seed", sweep([(seed,) for seed in range(12)], lambda seed: seed < 4, "12 random chains; by default one of each length, 2 to 5")
+)
 def test_dp_matches_brute_force(seed: int, device_type: str) -> None:
     prof = random_chain(seed, 2 + seed % 4, device_type=device_type)
     lo = min_budget_bytes(prof)
@@ -137,11 +141,14 @@ def test_200_segments_under_a_second() -> None:
     prof = random_chain(11, 200)
     lo = min_budget_bytes(prof)
     budget = int(lo + 0.3 * (prof.peak_bytes - lo))
-    start = time.perf_counter()
+    # The solver's own CPU time, not the wall clock: the suite runs beside other processes (two
+    # pytest workers, their 2-rank jobs), and on 2 shared cores a 0.3 s solve took 0.96 s of wall
+    # time (2026-11-27).
+    start = time.process_time()
     plan = solve(prof, budget_bytes=budget)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert plan.predicted_peak_bytes <= budget
-    assert elapsed < 1.0, f"solving 200 segments took {elapsed:.2f} s"
+    assert elapsed < 1.0, f"solving 200 segments took {elapsed:.2f} s of CPU"
 
 
 @pytest.mark.parametrize("budget", [0, -5, 1.5, "1GiB", True, None])

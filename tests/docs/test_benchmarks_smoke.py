@@ -2,7 +2,7 @@
 
 Only that they exit 0 and print their table; no timing is asserted (benchmarks are scripts,
 run by hand, see benchmarks/RESULTS.md). ``plan_quality.py`` has no tiny mode (its ``--quick``
-takes minutes), so it is not run here.
+takes minutes), so it is not run here; ``dynamic_shapes.py``'s tiny mode is its ``--quick``.
 
 They mean the CPU (``--smoke`` sizes, the simulated budget): each script runs with the GPU
 hidden (``CUDA_VISIBLE_DEVICES=""``), so on a machine that has one they take the same path as on
@@ -166,12 +166,39 @@ def test_compile_budget_benchmark_runs_in_smoke_mode():
     assert "denormals flushed" in proc.stdout and "AdamW at lr 0" in proc.stdout and "warm-up until the median" in proc.stdout
 
 
-@pytest.mark.skipif(os.environ.get("LSWAP_LONG") != "1", reason="2 processes, ~30 s: the long run, LSWAP_LONG=1")
+@pytest.mark.long("fsdp.py's smoke run: 2 processes, ~30 s")
 def test_fsdp_benchmark_runs_in_smoke_mode():
     out = _run("fsdp.py")
     assert _header(out, "method") == ["method", "rank", "peak MiB", "x plain peak", "step ms", "x plain time", "plan"]
-    for method in ("plain FSDP2", "FSDP2 + checkpoint", "FSDP2 + auto"):
-        assert out.count(method) == 2, method  # one row per rank
+    rows = [line.split("|")[0].strip() for line in out.splitlines() if "|" in line]
+    for method in ("plain FSDP2", "FSDP2 + checkpoint", "FSDP2 + lowest-memory", "FSDP2 + auto"):
+        assert rows.count(method) == 2, method  # one row per rank
+    assert "auto's step time over the lowest-memory plan's" in out
+
+
+@pytest.mark.slow
+def test_dynamic_shapes_benchmark_runs_in_quick_mode():
+    """``dynamic_shapes.py`` (issue 33) in its tiny mode, ``--quick`` (1-2 minutes: 2 FSDP processes,
+    twice): every method over a dynamically padded sequence, ``auto`` at each budget with its
+    targets printed PASS/MISS (never asserted), then FSDP2 with both paddings."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "dynamic_shapes.py"), "--quick"], capture_output=True, text=True,
+                          timeout=600, cwd=BENCHMARKS.parent, env=CPU_ONLY)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert _header(out, "method") == ["method", "total s", "x plain", "median step ms", "largest peak MiB", "x plain peak", "warm-up steps"]
+    assert _header(out, "budget") == [
+        "budget", "fastest uniform that fits", "auto s", "auto / uniform (<= 1.15)", "auto / plain (<= 1.05)", "step kinds",
+        "largest over budget (none)", "auto's last plan",
+    ]
+    for method in ("plain", "offload", "recompute", "selective", "recompute_offload", "lowest-memory", "plain (again, last)"):
+        assert f"\n   {method} " in out, method
+    budget_rows = [line for line in out.splitlines() if line.strip().startswith(("0.6x ", "0.8x ", "1.2x ")) and "|" in line]
+    assert len(budget_rows) == 3 and all("PASS" in row or "MISS" in row for row in budget_rows), budget_rows
+    assert "log-normal, median 16, sigma 0.75, clipped to [8, 64]" in out and "denormals flushed" in out
+    for padding in ("per-rank", "across-ranks"):
+        assert f"padding {padding}" in out, padding
+    assert out.count("auto / lowest-memory plan (total time") == 2
+    assert out.count("FSDP2 + auto ") == 4  # one row per rank, per padding
 
 
 def test_fsdp_prediction_orders_the_methods(monkeypatch):

@@ -463,9 +463,7 @@ def _soak(steps):
     "steps",
     [
         30,
-        pytest.param(200, marks=[pytest.mark.slow, pytest.mark.skipif(
-            not os.environ.get("LSWAP_LONG"), reason="the 200-step soak (about 20 s) runs with LSWAP_LONG=1; the default suite runs 30 steps"
-        )]),
+        pytest.param(200, marks=[pytest.mark.slow, pytest.mark.long("the 200-step soak, about 20 s; the default suite runs 30 steps")]),
     ],
 )
 @pytest.mark.slow

@@ -12,7 +12,6 @@ compares :data:`LONG_MODELS` models (seeds from 0, skipping those plain training
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -227,7 +226,7 @@ def test_the_suite_seeds_cover_the_vocabulary():
     assert {c for r in recipes for b in r["blocks"] for c in b} == set(VOCABULARY)
 
 
-@pytest.mark.skipif(os.environ.get("LSWAP_LONG") != "1", reason=f"{LONG_MODELS} models, ~5 min: the long run, LSWAP_LONG=1")
+@pytest.mark.long(f"{LONG_MODELS} random models, ~5 min")
 def test_long_run_of_random_models():
     compared, failures, seed = 0, [], 0
     while compared < LONG_MODELS:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import subprocess
 import sys
 
@@ -252,15 +251,20 @@ def busy_cpu():
         proc.wait()
 
 
+_BUSY = ["mlp", "gpt", "cnn"]
+
+
 @pytest.mark.slow
-def test_at_plains_peak_every_segment_is_kept_while_another_process_loads_the_cpu(busy_cpu):
+@pytest.mark.parametrize("runs", [
+    pytest.param((_BUSY * 4)[:10], id="ten-runs"),
+    pytest.param([name for name in _BUSY for _ in range(10)], id="ten-per-model", marks=pytest.mark.long("ten runs per model, ~50 s")),
+])
+def test_at_plains_peak_every_segment_is_kept_while_another_process_loads_the_cpu(busy_cpu, runs):
     """Issue 20's Done-when: at a budget of plain's measured peak (and above) the plan is all
     keep, run after run, while the machine is loaded: plain's peak is predicted exactly from the
     guard step (Notes [A step measured under a plan], [A plan's first step refines its
     profile]), and timing noise cannot make an action free (Note [An action is never free]).
-    Ten runs over the three models (``LSWAP_LONG=1``: ten per model); every step within budget."""
-    names = ["mlp", "gpt", "cnn"]
-    runs = [name for name in names for _ in range(10)] if os.environ.get("LSWAP_LONG") else (names * 4)[:10]
+    Ten runs over the three models (``LSWAP_LONG=1``: ten per model too); every step within budget."""
     for i, name in enumerate(runs):
         budget = int(_forced(name, "keep") * (1.0, 1.1)[i % 2])
         _, trainer = _fit(name, CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0, log_plan=False), steps=5)
