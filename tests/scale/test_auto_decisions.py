@@ -421,16 +421,23 @@ def _two_profiles():
     return {TOKENS: long, SHORT: short}, budget
 
 
+def _alternating(rounds: int):
+    """The long and the short shape alternating for ``rounds`` rounds: (the planner, the loop,
+    the shapes' profiles, the budget)."""
+    profiles, budget = _two_profiles()
+    auto = planner(budget, names=profiles[TOKENS].names)
+    loop = _Loop(auto, profiles)
+    for _ in range(rounds):
+        loop.step(TOKENS)
+        loop.step(SHORT)
+    return auto, loop, profiles, budget
+
+
 def test_dynamic_padding_guards_each_shape_once_and_each_shape_gets_its_own_plan_back():
     """Note [Plans per batch shape]: lengths alternating every step. Each shape is guarded once,
     observed once, planned once and checked once (against a step of its own); then every step
     gets its own shape's plan back, the one solved from its own profile."""
-    profiles, budget = _two_profiles()
-    auto = planner(budget, names=profiles[TOKENS].names)
-    loop = _Loop(auto, profiles)
-    for _ in range(8):
-        loop.step(TOKENS)
-        loop.step(SHORT)
+    auto, loop, profiles, budget = _alternating(8)
     G, O, P = StepKind.GUARD, StepKind.OBSERVE, StepKind.PLAN
     # every step after the first plans is PLAN: the other shape's plan is installed, so this
     # shape's goes back in (the session applies it only where it differs)
@@ -607,12 +614,7 @@ def test_each_shape_goes_through_its_phases_and_the_log_says_why_at_debug(caplog
     """Two shapes alternating: each goes guard -> verdict -> observe -> plan -> check -> run, every
     change one DEBUG line with its reason; a change the table does not allow is refused."""
     caplog.set_level(logging.DEBUG, logger="lightning_swap")
-    profiles, budget = _two_profiles()
-    auto = planner(budget, names=profiles[TOKENS].names)
-    loop = _Loop(auto, profiles)
-    for _ in range(4):
-        loop.step(TOKENS)
-        loop.step(SHORT)
+    auto, _, _, _ = _alternating(4)
     for shape in ("[32]int64", "[16]int64"):
         changes = [r.getMessage().split(": ")[2] for r in caplog.records if f"batch shape {shape}:" in r.getMessage()]
         assert [c.split(" -> ")[1] for c in changes] == ["verdict", "observe", "plan", "check", "run"], changes

@@ -96,17 +96,25 @@ def _gpt():
 
 
 @pytest.mark.slow
-def test_dynamic_padding_guards_no_shape_twice_and_stays_within_the_budget(monkeypatch):
-    batches = [_tokens(n, i) for i, n in enumerate(_LENGTHS)]
+def _padded(lengths: list[int], monkeypatch, seed: int = 0):
+    """The GPT on batches padded to ``lengths`` under ``auto`` at 0.8 x plain's peak on the
+    longest: (the trainer, each step's kind and peak); every step within the budget and the
+    weights plain training's are checked here."""
+    batches = [_tokens(n, seed + i) for i, n in enumerate(lengths)]
     _, keep, _ = _fit(_gpt, lm_loss, batches, CPUSwapStrategy(policy="keep", min_offload_bytes=0, log_plan=False))
-    budget = int(0.8 * max(_peaks(keep)))  # 0.8 x plain's peak on the longest batch
+    budget = int(0.8 * max(_peaks(keep)))
     plain, _, _ = _fit(_gpt, lm_loss, batches)
     module, trainer, kinds = _fit(
         _gpt, lm_loss, batches, CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0, log_plan=False), monkeypatch=monkeypatch,
     )
     peaks = _peaks(trainer)
-    assert len(peaks) == len(batches) and max(peaks) <= budget, (budget, peaks, kinds)
+    assert len(peaks) == len(batches) and max(peaks) <= budget, (budget, list(zip(lengths, kinds, peaks)))
     _assert_same_weights(plain, module)
+    return trainer, kinds, peaks
+
+
+def test_dynamic_padding_guards_no_shape_twice_and_stays_within_the_budget(monkeypatch):
+    trainer, kinds, _ = _padded(_LENGTHS, monkeypatch)
     # Note [Plans per batch shape]: a shape that ran anything but a guard step is never guarded
     # again; the guard steps are one per shape, and one more for the first shape (its first step
     # grows the state: the optimizer's momentum appears)
@@ -181,17 +189,8 @@ _GROWING = [16] * 5 + [24] * 4 + [32] * 4 + [40, 16, 40, 24, 44, 32, 44, 40]
 
 @pytest.mark.slow
 def test_a_longer_batch_is_planned_from_the_shorter_ones_without_a_guard_step(monkeypatch):
-    batches = [_tokens(n, 100 + i) for i, n in enumerate(_GROWING)]
-    _, keep, _ = _fit(_gpt, lm_loss, batches, CPUSwapStrategy(policy="keep", min_offload_bytes=0, log_plan=False))
-    budget = int(0.8 * max(_peaks(keep)))  # 0.8 x plain's peak on the longest batch
-    plain, _, _ = _fit(_gpt, lm_loss, batches)
-    module, trainer, kinds = _fit(
-        _gpt, lm_loss, batches, CPUSwapStrategy(budget_bytes=budget, min_offload_bytes=0, log_plan=False), monkeypatch=monkeypatch,
-    )
-    peaks = _peaks(trainer)
+    _, kinds, peaks = _padded(_GROWING, monkeypatch, seed=100)
     steps = list(zip(_GROWING, kinds, peaks))
-    assert len(peaks) == len(batches) and max(peaks) <= budget, (budget, steps)
-    _assert_same_weights(plain, module)
     # each new longest length after three were planned: a plan at once, not a guard step
     for length in (40, 44):
         assert kinds[_GROWING.index(length)] == "plan", steps
