@@ -144,7 +144,8 @@ class AutoPlanner(ShapeTable, GuardSteps, Revisits):
 
     @property
     def profile(self) -> Optional[ModelProfile]:
-        """The profile the current batch shape's plans are solved from (the main process's)."""
+        """The profile the current batch shape's plans are solved from (on the main process; every
+        process holds the same, merged from all of theirs)."""
         return self._s.profile
 
     @profile.setter
@@ -258,11 +259,16 @@ class AutoPlanner(ShapeTable, GuardSteps, Revisits):
 
     def _adopt(self, batch: BatchKey, state: StateSizes) -> None:
         """Every process: plans are made from now on from a profile of a step on ``batch`` that
-        began with ``state`` (the main process holds the profile)."""
-        self._s.profile_shape, self._s.profile_batch, self._s.planned_batch = batch.shape, batch.size, batch.size
-        self._s.profile_of = batch.shape
+        began with ``state``."""
+        self._s.profile_shape = self._s.profile_of = batch.shape
+        self._s.profile_batch = self._s.planned_batch = batch.size
         self._s.scalable, self._s.observed_state = False, state
-        self._go(self._s, Phase.PLAN, "a profile of this shape")
+        self._planning("a profile of this shape")
+
+    def _planning(self, why: str) -> None:
+        """The current shape's plans come from a new profile: the next step plans, and nothing
+        checked or revisited of the last profile's plans carries over."""
+        self._go(self._s, Phase.PLAN, why)
         self._s.revisits, self._s.settled = 0, []
         self._s.refinable, self._s.checkable, self._s.check_peak = False, False, None
 
@@ -294,9 +300,7 @@ class AutoPlanner(ShapeTable, GuardSteps, Revisits):
         self._s.planned_batch = profile.batch_size if batch is None else batch.size
         if steady:
             self._s.observed_state = StateSizes(1 << 62, 1 << 62)
-        self._go(self._s, Phase.PLAN, "a profile was made" if batch is not None else "a profile made elsewhere")
-        self._s.revisits, self._s.settled = 0, []
-        self._s.checkable, self._s.check_peak = False, None
+        self._planning("a profile was made" if batch is not None else "a profile made elsewhere")
 
     # -- planning --------------------------------------------------------------------------
     def steady_shift(self, state: StateSizes) -> tuple[int, int]:

@@ -298,9 +298,8 @@ class GuardSteps:
             if least + guard.held <= budget:
                 return Verdict(StepKind.OBSERVE, least + guard.held, least)
             return Verdict(StepKind.GUARD, None, least)
-        if guard.profile is not None:  # plain predicted from the guard's profile
-            self._s.profile, self._s.observed_state = guard.profile, guard.start
-            predicted = self.steady_profile(guard.start).peak_bytes + self.correction_bytes
+        if guard.profile is not None:  # plain predicted from the guard's profile (of a step that began with guard.start)
+            predicted = guard.profile.peak_bytes + self.correction_bytes
             # Planned even where plain fits (the plan keeps every segment, and its first step,
             # observed, is plain's): the profile is this shape's at once, which a shorter or a
             # longer shape can start from (Notes [A smaller shape runs a larger one's plan], [A
@@ -326,9 +325,9 @@ class GuardSteps:
             self._go(s, Phase.GUARD, "the verdict: no steady guard step yet")
         elif decision is StepKind.OBSERVE:
             self._go(s, Phase.OBSERVE, f"the verdict: plain's peak, predicted {format_bytes(verdict.plain_bound_bytes)}, fits")
-        elif decision is StepKind.PLAN:  # plans from the guard's profile (on the main process)
+        elif decision is StepKind.PLAN:  # plans from the guard's profile (every process holds it: guard_observed)
             self._adopt(BatchKey(guard.batch.shape, verdict.batch_size or guard.batch.size), guard.start)
-            self._s.refinable = True
+            self._s.profile, self._s.refinable = guard.profile, True
             over = verdict.plain_bound_bytes > self.budget_bytes
             (log.info if over else log.debug)(
                 "lightning-swap: plain training is predicted to need %s, %s the budget of %s: planning from the "

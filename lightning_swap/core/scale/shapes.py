@@ -160,7 +160,7 @@ class ShapeState:
     shape: Optional[tuple]
     phase: Phase = Phase.GUARD  # Note [A shape's lifecycle]
     guard: Optional[Any] = None  # its guard steps: a guard.Guard (which imports this module)
-    profile: Optional[ModelProfile] = None  # the main process's: plans are solved from it
+    profile: Optional[ModelProfile] = None  # plans are solved from it (on the main process)
     profile_shape: Optional[tuple] = None  # every process: plans come from a profile of this shape
     profile_batch: int = 0
     scalable: bool = False  # the profile predicts other batch sizes (a batch-size search's)
@@ -299,12 +299,12 @@ class ShapeTable:
     def _predicted(self, shape: tuple, size: int, state: StateSizes) -> Optional[ShapeState]:
         """Note [A larger shape predicted]: a new shape's state with a profile predicted from the
         (up to three) largest remembered shapes it holds, planned at one batch size from measured
-        profiles, when the main process finds a plan of it within the budget less the margin (it
-        alone holds every profile: the prediction is broadcast); ``None``: not."""
+        profiles, when the main process finds a plan of it within the budget less the margin (its
+        prediction, from its state, broadcast: every process takes the same); ``None``: not."""
         known: dict[int, ShapeState] = {}
         for m in self._shapes.values():  # what every process knows alike
             if (
-                m.phase in PLANNED and m.profile_of == m.shape and m.profile_shape == m.shape and not m.scalable
+                m.phase in PLANNED and m.profile_of == m.shape and not m.scalable
                 and size <= m.profile_batch and fits_in(m.shape, shape) and m.shape != shape
             ):
                 known.setdefault(_elements(m.shape), m)
