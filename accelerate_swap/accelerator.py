@@ -5,14 +5,14 @@ it from the places an Accelerate training loop already goes through. ``prepare_m
 builds a :class:`~lightning_swap.core.HookedSwapSession` on the user's (unwrapped) model and
 applies the plan; the session's hooks find each step (Note [Hooked step window] in
 ``lightning_swap/core/scale/hooked.py``: a forward pre-hook opens the window, a step post-hook on
-every prepared optimizer closes it after :meth:`SwapAccelerator.backward`), and the observed
-step's out-of-memory fallback and the plan's log are the core's too (Note [One step API] in
+every prepared optimizer closes it after :meth:`SwapAccelerator.backward`), and the budget held
+online and the plan's log are the core's too (Note [One step API] in
 ``lightning_swap/core/scale/session.py``): one implementation, shared with Lightning and Fabric;
 this module has none of its own.
 
 Note [Auto policy in Accelerate]: a forced policy needs no batch, so its plan is made in
 ``prepare``. ``policy="auto"`` plans from the training steps themselves, as the Lightning
-strategy does (Note [Auto: observe, plan, check] in ``lightning_swap/core/scale/auto.py``), in
+strategy does (Note [Auto learns from the steps it runs] in ``lightning_swap/core/scale/auto.py``), in
 the session's forward pre-hook (Note [Hooked step window]); the processes agree through
 Accelerate's ``broadcast_object_list`` and ``gather`` (:meth:`SwapAccelerator._swap_collectives`).
 
@@ -36,14 +36,14 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_swap.core import Collectives
-from lightning_swap.core import HookedSwapSession, model_output_loss
+from lightning_swap.core import HookedSwapSession
 from lightning_swap.core import Plan
 from lightning_swap.core import StepStats
 from lightning_swap.core import UnifiedMemory, unified_memory_for
 
 from .plugin import SwapPlugin
 
-__all__ = ["AcceleratedSwapSession", "SwapAccelerator", "model_output_loss"]
+__all__ = ["AcceleratedSwapSession", "SwapAccelerator"]
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +55,12 @@ _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MUL
 
 
 #: Note [Hooked step window]: the session that finds Accelerate's steps in hooks is the core's, shared
-#: with Lightning Fabric (one implementation of the window and the out-of-memory fallback); the
+#: with Lightning Fabric (one implementation of the window and the budget held online); the
 #: name stays for the users and tests that know it.
 AcceleratedSwapSession = HookedSwapSession
 
-#: What the fallback's error tells an Accelerate user to do (Note [Out of memory in the observed step]).
-_ADVICE = "Choose a policy for it instead, e.g. SwapPlugin(policy='recompute_offload'), or a smaller batch."
+#: How an Accelerate user gives ``auto`` a budget (the session's warning without one).
+_ADVICE = "SwapPlugin(budget_bytes='8GiB') or ACCELERATE_CPU_SWAP_BUDGET_BYTES=8GiB"
 
 
 class SwapAccelerator(Accelerator):

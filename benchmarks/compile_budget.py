@@ -12,8 +12,8 @@ fraction ``f``, in fresh processes:
   state), then ``--steps`` timed steps: its rise in memory and its time alone;
 - ``ours``: the same ``torch.compile(model)`` at the compiler's default budget with our ``auto``
   plan on it (restricted to keep / recompute / selective), planned from the profile ``auto``
-  plans from (an observed step of the compiled model, its segments then timed compiled: Note
-  [Compiled segments are timed compiled] in ``core/measure/action_costs.py``) for the same rise
+  plans from (a step of the compiled model traced eagerly: Note [Observe, do not re-run] in
+  ``core/measure/observe.py``) for the same rise
   in memory (the budget set so our step's rise matches the compiled step's: the yardsticks differ
   by a constant), its first step measured as the strategy runs it, then, where its compiled step
   rises above the compiler's (its bytes priced from the eager trace), planned again that much
@@ -210,7 +210,7 @@ def _measure(kind: str, fraction: float, size: dict, steps: int, target_rise: in
             # Over the compiler's memory: the plan's compiled step kept more than its eager pricing
             # (the CPU meter is a dispatch mode, which compiled code does not run under). Learn the
             # miss as a correction and plan again, as auto does on CUDA, whose allocator measures
-            # the compiled step (Note [A plan's first step refines its profile] in scale/auto.py).
+            # the compiled step (Note [Auto learns from the steps it runs] in core/scale/auto.py).
             correction += rise - target_rise
     bases = []  # the resident set when the timed steps begin (the peak is reset there)
     timing = _steady(step, rule, steps, reset=lambda: bases.append(_reset_peak()))

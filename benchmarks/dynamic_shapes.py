@@ -1,11 +1,14 @@
-"""``policy="auto"`` under dynamic padding (issue 33, "Performance"): a GPT-2-like LM whose every
-batch is padded to its own longest sequence, so the batch's shape changes from step to step.
+"""``policy="auto"`` under dynamic padding and token-budget batching (issues 33 and 41,
+"Performance"): a GPT-2-like LM whose every batch is padded to its own longest sequence, so the
+batch's shape changes from step to step.
 
     python benchmarks/dynamic_shapes.py            # default sizes (CPU: 8 min on 2 busy shared cores)
     python benchmarks/dynamic_shapes.py --quick    # tiny sizes, few steps (the suite's smoke test; 1-2 min)
     python benchmarks/dynamic_shapes.py --no-fsdp  # the single-process part only
     python benchmarks/dynamic_shapes.py --log INFO # the library's log (logging.getLogger("lightning_swap")) on stderr
     python benchmarks/dynamic_shapes.py --pad-to-multiple-of 64   # fewer shapes: lengths rounded up, as a collator can
+    python benchmarks/dynamic_shapes.py --batching token-budget    # batch size x length about constant (fairseq's max_tokens)
+    python benchmarks/dynamic_shapes.py --online-cost              # the budget held online: its cost per step, on vs off
 
 **The data.** Each batch is ``batch`` documents; a document's length is drawn from a seeded
 log-normal, ``round(exp(N(ln(median), sigma)))`` clipped to ``[min_len, max_len]`` (default:
@@ -16,13 +19,15 @@ inputs with token 0, targets with -100 (ignored by the loss); the model is causa
 token attends to padding. Default model: ``examples.models.GPT`` with 4 blocks, width 96, 4 heads,
 a 1024-token vocabulary, 512 positions; 4 documents a batch, 32 steps (12 per rank under FSDP).
 ``--quick``: median 16, clipped to [8, 64], a 3-block GPT of width 32, 2 documents, 10 steps (6).
+``--batching token-budget``: each step draws one length and takes as many documents of it as fit
+``tokens`` (default 1024, ``--quick`` 64), so the batch size falls as the length grows.
 
 **Single process.** One seeded sequence of batches, run whole by every method, each on a fresh
 model (the same seed) with AdamW at learning rate 0 (every method trains on the same weights):
 
 - plain (every segment ``keep``), each uniform forced plan (one action for every segment:
   ``offload``, ``recompute``, ``selective``, ``recompute_offload``), and the lowest-memory plan
-  (``Plan.lowest_memory``: every segment ``offload`` on CPU, as ``auto``'s guard, and the regions
+  (``Plan.lowest_memory``: every segment ``offload``, as ``auto``'s first step, and the regions
   outside the segments offloaded too), each under a ``SwapRuntime``;
 - ``auto`` (``SwapSession`` with ``SwapConfig(policy="auto", budget_bytes=...)``, driven through
   its step API: ``open_step`` / ``backward`` / ``close_step``) at budgets 0.6 / 0.8 / 1.2 x plain's
@@ -30,7 +35,7 @@ model (the same seed) with AdamW at learning rate 0 (every method trains on the 
 
 Every step's peak is the library's CPU meter (``StepStats.peak_device_bytes``: on CPU every step
 of an uncompiled model is metered, for every method alike, so the meter's per-op cost is in every
-time). A method's time is the wall time of the whole sequence (``auto``'s guard and observed steps
+time). A method's time is the wall time of the whole sequence (``auto``'s first and traced steps
 included), after a warm-up by the benchmarks' rule on one batch of the sequence (Note [Every method
 at the same steady state] in ``common.py``; ``auto``'s warm-up is a throwaway session, the timed
 sequence a fresh one), denormals flushed unless ``--keep-denormals``. Plain is timed again last:
@@ -38,7 +43,7 @@ the two plain times show how far the shared machine drifted during the run.
 
 Printed per budget: ``auto``'s total time over the fastest uniform plan whose largest peak fits
 the budget (target <= 1.15x) and over plain where plain fits every batch (target <= 1.05x), the
-steps of each kind the session returned (``StepKind``: guard, observe, plan, run), and the largest
+steps of each kind the session returned (``StepKind``: first, trace, plan, run), and the largest
 step peak over the budget (target: none). Targets are printed PASS/MISS, never asserted.
 
 **FSDP2.** The same on 2 gloo processes (every block, then the model, ``fully_shard``-ed, as
@@ -47,7 +52,13 @@ per-rank budget halfway between the lowest-memory plan's largest per-rank peak a
 paddings: ``per-rank`` (each rank pads its batch to its own longest document, as a
 ``DistributedSampler`` and a collator do: the ranks' shapes differ) and ``across-ranks`` (both
 ranks pad to the longer of the two, so their shapes agree). Target: ``auto`` faster than the
-lowest-memory plan. Measured numbers, on the machine it runs on; RESULTS.md says which.
+lowest-memory plan.
+
+**The online budget's cost** (``--online-cost``): the GPT-2-small-like model of ``common.py``
+(``quick`` size) under ``auto`` at 1.2 x plain's peak, its plan settled, steps timed in turn with
+the budget held online (a check before every segment's forward) and without (the check turned off
+after the step opens); target: the difference within 1% of a step. Measured numbers, on the
+machine it runs on; RESULTS.md says which.
 """
 
 from __future__ import annotations
@@ -77,19 +88,18 @@ from lightning_swap.core import Action, InfeasibleBudgetError, Plan, SwapConfig,
 
 SIZES = {
     "default": dict(vocab=1024, dim=96, heads=4, layers=4, batch=4, steps=32, median=128, sigma=0.75, min_len=32, max_len=512,
-                    fsdp_steps=12, rule="full"),
+                    fsdp_steps=12, rule="full", tokens=1024),
     "quick": dict(vocab=128, dim=32, heads=2, layers=3, batch=2, steps=10, median=16, sigma=0.75, min_len=8, max_len=64,
-                  fsdp_steps=6, rule="smoke"),
+                  fsdp_steps=6, rule="smoke", tokens=64),
 }
 BUDGETS = (0.6, 0.8, 1.2)
 UNIFORM = (Action.OFFLOAD, Action.RECOMPUTE, Action.SELECTIVE, Action.RECOMPUTE_OFFLOAD)
 LOWEST = "lowest-memory"
-#: The action of ``auto``'s guard steps on CPU, where offloaded bytes come back one op at a time
-#: (the library's ``guard_action``): the lowest-memory plan's.
-CPU_GUARD_ACTION = Action.OFFLOAD
-TARGET_UNIFORM, TARGET_PLAIN = 1.15, 1.05
+#: The action of ``auto``'s first step (the lowest-memory plan's).
+FIRST_ACTION = Action.OFFLOAD
+TARGET_UNIFORM, TARGET_PLAIN, TARGET_ONLINE = 1.10, 1.03, 0.01
 FSDP_PADDINGS = ("per-rank", "across-ranks")
-KIND_LETTERS = {"guard": "G", "observe": "O", "plan": "P", "run": "r"}
+KIND_LETTERS = {"first": "F", "trace": "T", "plan": "P", "run": "r"}
 
 
 # -- the data: dynamic padding ----------------------------------------------------------------
@@ -117,7 +127,11 @@ def padded_batch(size: dict, lengths: list[int], seed: int, pad_to: Optional[int
 
 
 def sequence(size: dict, steps: int, seed: int) -> list[list[int]]:
-    """The documents' lengths of each of ``steps`` batches."""
+    """The documents' lengths of each of ``steps`` batches: ``batch`` documents each, or under a
+    token budget (``size["token_budget"]``) one length a step, as many documents of it as fit
+    ``size["tokens"]``."""
+    if size.get("token_budget"):
+        return [[n] * max(1, size["tokens"] // n) for n in document_lengths(size, steps, seed)]
     flat = document_lengths(size, steps * size["batch"], seed)
     return [flat[i * size["batch"] : (i + 1) * size["batch"]] for i in range(steps)]
 
@@ -177,6 +191,7 @@ class Stepper:
     def __init__(self, model: torch.nn.Module, *, plan: Optional[Plan] = None, budget: Optional[int] = None,
                  collectives: Any = None) -> None:
         self.model = model
+        self.online = True  # False: the budget is not held online in the steps (its cost measured)
         self.opt = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every method trains on the same weights
         self.kinds: list[str] = []
         self.plans: list[str] = []
@@ -196,6 +211,8 @@ class Stepper:
             self.opt.zero_grad(set_to_none=True)
             return self.runtime.end_step().peak_device_bytes
         kind = self.session.open_step(batch, track, [self.opt.state])
+        if not self.online:
+            self.session.runtime._online = None  # the checks before each segment's forward, off
         self.kinds.append(kind.value)
         loss = loss_of(self.model, batch)
         with self.session.backward():
@@ -203,7 +220,7 @@ class Stepper:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         stats = self.session.close_step()
-        self.plans.append(self.session.plan.summary() if self.session.plan is not None else "observed (plain)")
+        self.plans.append(self.session.plan.summary())
         return stats.peak_device_bytes
 
     def close(self) -> None:
@@ -260,7 +277,7 @@ def uniform_plan(action: Action) -> Callable[[list[str]], Plan]:
 
 
 def lowest_memory_plan(segments: list[str]) -> Plan:
-    return Plan.lowest_memory(segments, action=CPU_GUARD_ACTION)
+    return Plan.lowest_memory(segments, action=FIRST_ACTION)
 
 
 # -- output ----------------------------------------------------------------------------------
@@ -299,8 +316,9 @@ def single_process(size: dict, args: argparse.Namespace) -> None:
     padded = [b[0].shape[1] for b in batches]
     warm_index = sorted(range(len(padded)), key=lambda i: padded[i])[len(padded) // 2]  # a batch of the median length
     warm_batch = batches[warm_index]
+    batching = f"a token budget of {size['tokens']} tokens a batch" if size.get("token_budget") else f"batch {size['batch']} documents"
     print(f"\n== single process: GPT {size['layers']} blocks, width {size['dim']}, {size['heads']} heads, vocab {size['vocab']}, "
-          f"batch {size['batch']} documents, {size['steps']} steps; AdamW at lr 0")
+          f"{batching}, {size['steps']} steps; AdamW at lr 0")
     print(f"   documents: log-normal, median {size['median']}, sigma {size['sigma']}, clipped to [{size['min_len']}, {size['max_len']}], "
           f"seed {args.seed}{pad_multiple(size)}; {describe_lengths(padded)}")
     print(f"   every method warmed up on step {warm_index}'s batch (length {padded[warm_index]}), then the whole sequence timed")
@@ -334,7 +352,7 @@ def single_process(size: dict, args: argparse.Namespace) -> None:
     print()
     print_table(header, rows)
 
-    header = ("budget", "fastest uniform that fits", "auto s", "auto / uniform (<= 1.15)", "auto / plain (<= 1.05)", "step kinds",
+    header = ("budget", "fastest uniform that fits", "auto s", f"auto / uniform (<= {TARGET_UNIFORM})", f"auto / plain (<= {TARGET_PLAIN})", "step kinds",
               "largest over budget (none)", "auto's last plan")
     rows = []
     for f, budget in budgets.items():
@@ -358,11 +376,42 @@ def single_process(size: dict, args: argparse.Namespace) -> None:
     print()
     print_table(header, rows)
     print(f"\n   padded length of each step: {' '.join(map(str, padded))}")
-    print("   auto's steps (G guard, O observe, P plan, r run), one letter per step, and the plans it ran (steps each):")
+    print("   auto's steps (F first, T traced, P planned, r run), one letter per step, and the plans it ran (steps each):")
     for f in autos:
         print(f"   {f}x: {kinds_line(autos[f].kinds)}  {plans_ran(autos[f])}")
     print(f"\n   plain first {plain.total_s:.2f} s, again last {again.total_s:.2f} s ({again.total_s / plain.total_s:.2f}x: the "
           f"machine's drift over the run); single-process part {wall:.0f} s")
+
+
+# -- the online budget's cost ----------------------------------------------------------------------
+def online_cost(args: argparse.Namespace, rounds: int = 6, steps: int = 4) -> None:
+    """The GPT-2-small-like model (``common.py``, ``quick``) under ``auto`` at 1.2 x plain's peak:
+    once its plan runs, ``rounds`` of ``steps`` steps with the budget held online and as many
+    without, in turn; the medians' difference over the step."""
+    from common import model_specs
+
+    spec = model_specs("quick", ["gpt2-small-like"])[0]
+    torch.manual_seed(0)
+    vocab, seq, batch = spec.classes, spec.size, spec.base_batch
+    data = (torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq)))
+    probe = Stepper(spec.build(), plan=uniform_plan(Action.KEEP)(find_segments(spec.build())))
+    plain_peak = max(probe.step(data) for _ in range(3))
+    probe.close()
+    stepper = Stepper(spec.build(), budget=int(1.2 * plain_peak))
+    while not stepper.kinds or stepper.kinds[-1] != "run":
+        stepper.step(data)
+    on, off = [], []
+    for _ in range(rounds):
+        for flag, times in ((True, on), (False, off)):
+            stepper.online = flag
+            times.extend(timed(lambda: stepper.step(data))[1] for _ in range(steps))
+    stepper.close()
+    on_ms, off_ms = statistics.median(on), statistics.median(off)
+    cost = (on_ms - off_ms) / off_ms
+    print(f"\n== the online budget's cost: GPT-2-small-like ({spec.name}, quick size), batch {batch} x {seq} tokens, auto at 1.2 x "
+          f"plain's peak ({stepper.plans[-1]}); {rounds} rounds of {steps} steps each way, in turn")
+    print(f"   median step {on_ms:.1f} ms held online, {off_ms:.1f} ms without: {100 * cost:+.2f}% "
+          f"(target within {100 * TARGET_ONLINE:.0f}%: {'PASS' if abs(cost) <= TARGET_ONLINE else 'MISS'})")
 
 
 # -- FSDP2 on 2 gloo processes ----------------------------------------------------------------------
@@ -475,10 +524,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="the FSDP part's paddings (default: both)")
     parser.add_argument("--pad-to-multiple-of", type=int, default=None,
                         help="round each batch's padded length up to a multiple of this (a collator's pad_to_multiple_of; default: none)")
+    parser.add_argument("--batching", choices=("padding", "token-budget"), default="padding",
+                        help="dynamic padding (a fixed number of documents a batch) or a token budget (default: padding)")
+    parser.add_argument("--online-cost", action="store_true", help="only the online budget's cost, on vs off")
     parser.add_argument("--log", choices=("DEBUG", "INFO", "WARNING"), default=None, help="the library's log level, on stderr")
     keep_denormals_arg(parser)
     args = parser.parse_args(argv)
-    size = dict(SIZES["quick" if args.quick else "default"], multiple=args.pad_to_multiple_of)
+    size = dict(SIZES["quick" if args.quick else "default"], multiple=args.pad_to_multiple_of, token_budget=args.batching == "token-budget")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if args.log:
@@ -486,15 +538,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         logging.getLogger("lightning_swap").setLevel(getattr(logging, args.log))
     args.flush = not args.keep_denormals
     device = torch.device("cpu")
-    print(f"dynamic padding (issue 33): device cpu (1 thread per process), torch {torch.__version__}, size "
+    print(f"dynamic shapes (issues 33, 41): device cpu (1 thread per process), torch {torch.__version__}, size "
           f"{'quick' if args.quick else 'default'}, simulated budget (CPU live-storage meter, every step metered), "
           f"{denormals_line(device, args.keep_denormals)}, {time.strftime('%Y-%m-%d')}")
     print(f"timing: each method on a fresh seeded model, {STEADY[size['rule']].describe()} on one batch, then the whole sequence "
           f"once (its wall time; auto from a fresh session)")
     started = time.perf_counter()
     with denormals_flushed(args.flush):
-        single_process(size, args)
-    if not args.no_fsdp:
+        if args.online_cost:
+            online_cost(args)
+        else:
+            single_process(size, args)
+    if not args.no_fsdp and not args.online_cost and not size["token_budget"]:
         fsdp(size, args)
     print(f"\ntotal wall time {time.perf_counter() - started:.0f} s")
     return 0

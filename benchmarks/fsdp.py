@@ -16,12 +16,12 @@ plan under its own runtime: ``Plan.lowest_memory`` with ``auto``'s guard action)
 median wall time of ``steps`` steps after a warm-up that lasts until the step time (the slower
 rank's) is steady, every one metered (the CPU meter slows every op alike); AdamW at learning rate
 0, so every method is timed on the seeded weights, and denormals flushed on CPU unless
-``--keep-denormals`` (Note [Every method at the same steady state] in ``common.py``). ``auto`` runs its own decisions in those steps (Note [Auto: observe, plan, check]):
+``--keep-denormals`` (Note [Every method at the same steady state] in ``common.py``). ``auto`` runs its own decisions in those steps (Note [Auto learns from the steps it runs]):
 its per-rank budget lies ``--budget-fraction`` of the way from checkpointing's peak to plain's
 (the largest over the ranks of each), so it has more memory than checkpointing and less than
-plain needs. Under FSDP2 ``auto`` plans a mix from its guard step, each block timed alone on
-both ranks in lockstep (Note [Sharded segments timed in lockstep] in ``core/sharded.py``), so its
-steps should be faster than the lowest-memory plan's: the last line says by how much.
+plain needs. Under FSDP ``auto`` plans a mix from its first step, traced on both ranks (Note
+[Sharded steps are traced on every rank] in ``core/sharded.py``), so its steps should be faster
+than the lowest-memory plan's: the last line says by how much.
 Measured numbers, on the machine it runs on; RESULTS.md says which.
 """
 
@@ -45,7 +45,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from common import STEADY, denormals_flushed, denormals_line, keep_denormals_arg  # noqa: E402
 from examples.models import GPT  # noqa: E402
 from lightning_swap.core import Action, Collectives, Plan, SwapConfig, SwapRuntime, SwapSession, find_segments  # noqa: E402
-from lightning_swap.core.scale.auto import guard_action  # noqa: E402
 
 METHODS = ("plain FSDP2", "FSDP2 + checkpoint", "FSDP2 + lowest-memory", "FSDP2 + auto")
 SIZES = {
@@ -121,7 +120,7 @@ def _run_metered(size: dict, checkpointed: bool, rank: int, *, lowest: bool = Fa
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # the same weights for every method
     batch = _batch(size, rank)
     segments = find_segments(model)
-    plan = Plan.lowest_memory(segments, action=guard_action("cpu")) if lowest else {n: Action.KEEP for n in segments}
+    plan = Plan.lowest_memory(segments, action=Action.OFFLOAD) if lowest else {n: Action.KEEP for n in segments}
     with SwapRuntime(model, plan, device="cpu") as runtime:
 
         def step() -> int:

@@ -61,8 +61,8 @@ def run_model(spec, device, args, plains: dict):
             continue
         measured = bench.measure("ours: auto", batch, plan=plan, repeats=args.repeats)
         if measured.peak_bytes > budget:
-            # What the library does after a plan's first step (Note [Auto: observe, plan, check]):
-            # learn how much the prediction missed and plan again for that much less.
+            # What the library does after a step over its budget (Note [Auto learns from the steps it
+            # runs]): learn how much the prediction missed and plan again for that much less.
             correction = measured.peak_bytes - plan.predicted_peak_bytes
             try:
                 plan = solve(prof, budget_bytes=budget - correction)

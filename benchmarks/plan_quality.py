@@ -136,11 +136,9 @@ def _plans(prof, budgets: int):
 
 def observed_profile(model: nn.Module, batch: Any, loss_of: Callable[[nn.Module, Any], torch.Tensor], device: torch.device, *,
                      track: Sequence[torch.Tensor] = ()) -> Any:
-    """The profile ``policy="auto"`` plans from when plain fits: one plain step (``loss_of(model,
-    batch)`` and its backward) observed while it runs, then each segment timed on its own kept and
-    under ``selective`` (medians; as the runtime runs it, compiled, for a compiled model: Note
-    [Compiled segments are timed compiled] in ``core/measure/action_costs.py``), recomputation
-    priced at its forward (Note [Planning costs a few steps] in ``core/measure/observe.py``).
+    """A profile as ``policy="auto"`` makes one: one step (``loss_of(model, batch)`` and its
+    backward) traced while it runs (Note [Observe, do not re-run] in ``core/measure/observe.py``),
+    recomputation priced at its forward.
     ``track``: tensors alive besides the model and batch (optimizer state)."""
     from lightning_swap.core import find_segments
     from lightning_swap.core.config import DEFAULT_MIN_OFFLOAD_BYTES

@@ -11,8 +11,8 @@ CPU workaround the Lightning one has, ``lightning_swap/fsdp.py``, would be a sec
 Thin by design: a Fabric loop has no step hook, so the step is found as Accelerate's is, by the
 core's :class:`~lightning_swap.core.HookedSwapSession` (Note [Hooked step window] in
 ``core/scale/hooked.py``, over the core's step API, Note [One step API] in
-``core/scale/session.py``: one implementation of the window, the observed step's out-of-memory
-fallback and the plan's log; this module has none of its own). These classes only attach it to the module Fabric sets up,
+``core/scale/session.py``: one implementation of the window, the budget held online and the
+plan's log; this module has none of its own). These classes only attach it to the module Fabric sets up,
 hook the optimizers it sets up, and run :meth:`fabric.backward` inside the session's backward.
 
 Note [Fabric options]: the swap options are ``SwapConfig``'s fields, read from its dataclass
@@ -59,9 +59,8 @@ __all__ = [
 #: Note [Fabric options]: the swap options, read from the one option table.
 SWAP_OPTIONS = tuple(f.name for f in fields(SwapConfig))
 
-#: What the out-of-memory fallback's error tells a Fabric user to do (Note [Out of memory in the
-#: observed step] in ``core/scale/hooked.py``).
-_ADVICE = "Choose a policy for it instead, e.g. CPUSwapFabricStrategy(policy='recompute_offload'), or a smaller batch."
+#: How a Fabric user gives ``auto`` a budget (the session's warning without one).
+_ADVICE = "CPUSwapFabricStrategy(budget_bytes='8GiB')"
 
 
 class _FabricSwapMixin(SessionViews):
@@ -144,7 +143,7 @@ class _FabricSwapMixin(SessionViews):
                 )
             return
         session = HookedSwapSession(  # the plan is logged on rank 0 only (Note [The plan's log])
-            module, self.swap_config, self.root_device, advice=_ADVICE, forward_context=self.precision.forward_context,
+            module, self.swap_config, self.root_device, advice=_ADVICE,
             collectives=process_group_collectives(self.root_device), unified=self.unified_memory,
         )
         try:

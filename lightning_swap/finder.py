@@ -174,7 +174,7 @@ def _search(trainer: Any, finder: SwapBatchSizeFinder) -> ScaleResult:
         strategy.barrier("SwapBatchSizeFinder.restore")  # every rank has read it before rank 0 deletes it
         strategy.remove_checkpoint(ckpt_path)
         # Training plans from the search's steady-state profile at the batch found: it never
-        # runs a step of that size without a plan (Note [Auto: observe, plan, check]).
+        # traces a first step of that size (Note [Auto learns from the steps it runs]).
         found = result
         adopt_search_profile(session, lambda: make_batch(found.batch_size), found=found is not None)
     return result

@@ -2,7 +2,7 @@
 
 Thin by design: every decision lives in :mod:`lightning_swap.core`; these classes only call
 its step API from Lightning's hooks (Note [One step API] in ``core/scale/session.py``: the step's
-window, the observed step's out-of-memory fallback and the plan's log are the core's, one
+window, the budget held online and the plan's log are the core's, one
 implementation for every front end; this module has none of its own). The same mixin serves ``lightning.pytorch`` and, when installed,
 the standalone ``pytorch_lightning`` package (a separate class for each, since a strategy
 must subclass that package's own ``Strategy``).
@@ -25,15 +25,14 @@ from typing_extensions import override
 from .core import Collectives
 from .core import SwapConfig, build_options, check_bool, describe_options, option, split_options
 from .core import SessionViews, StepKind, SwapSession
-from .core import Timeline, TimelineRecorder
+from .core import TimelineRecorder
 from .core import UnifiedMemory, unified_memory_for
 from .report import plot_timelines
 
 log = logging.getLogger(__name__)
 
-#: What the out-of-memory fallback's error tells a Lightning user to do (Note [The observed step
-#: does not fit] in ``core/scale/fallback.py``).
-_ADVICE = "Choose a policy for it instead, e.g. CPUSwapStrategy(policy='recompute_offload'), or a smaller batch."
+#: How a Lightning user gives ``auto`` a budget (the session's warning without one).
+_ADVICE = "CPUSwapStrategy(budget_bytes='8GiB')"
 
 
 class _ProgressBarLog(logging.Handler):
@@ -94,8 +93,8 @@ class _SwapStrategyMixin(SessionViews):
     closes when ``optimizer_step`` returns (a batch that only accumulates, at the next batch's
     start). Under manual optimization everything (each ``manual_backward``, each ``opt.step()``,
     two optimizers) happens inside the user's ``training_step``, which therefore is the step. A
-    step of several backward passes is measured whole (Note [A step of several passes] in
-    ``core/scale/guard.py``). The hooks only say where the step begins and ends; what happens then
+    step of several backward passes is measured whole, each forward held within the budget (Note
+    [The budget held online] in ``core/runtime/online.py``). The hooks only say where the step begins and ends; what happens then
     is the core's step API (Note [One step API] in ``core/scale/session.py``)."""
 
     _stats_callback_class: type = None  # set per Lightning package
@@ -137,11 +136,9 @@ class _SwapStrategyMixin(SessionViews):
         self.report_path: Optional[Path] = None
         self.unified_memory: Optional[UnifiedMemory] = None
         self._recorder: Optional[TimelineRecorder] = None
-        self._plain_timeline: Optional[Timeline] = None
         self._device_given = device_given
         self._session: Optional[SwapSession] = None
         self._stats_callback = None
-        self._step_call: Any = None
         self._bar_log: Optional[_ProgressBarLog] = None
 
     # -- device -------------------------------------------------------------------------
@@ -187,10 +184,7 @@ class _SwapStrategyMixin(SessionViews):
             # Lightning's closure runs forward, zero_grad, backward: without accumulation the last
             # step's gradients are gone before the backward (Note [Steady-state shift]).
             grads_freed_before_backward=bool(module.automatic_optimization and getattr(trainer, "accumulate_grad_batches", 1) == 1),
-            # Note [The observed step does not fit]: the step the fallback profiles, and this
-            # strategy runs the failed step again itself (training_step, Note [Lightning's step]).
-            step_fn=lambda model, batch: self.profile_step_fn()(model, batch), advice=_ADVICE, runs_failed_step_again=True,
-            plan_sink=self._print_plan,
+            advice=_ADVICE, plan_sink=self._print_plan,
         )
         if not self.swap_config.is_auto:
             self._session.apply_forced_plan()  # every rank runs rank 0's plan (identity on one device)
@@ -218,8 +212,7 @@ class _SwapStrategyMixin(SessionViews):
     def profile_step_fn(self) -> Any:
         """One training step as the batch-size finder's profiler runs it, in Lightning's closure
         order: forward, zero_grad (last step's gradients are freed), backward. The profiler
-        restores gradients. (``policy="auto"`` runs it only in the core's out-of-memory fallback, on fake
-        tensors: Note [The observed step does not fit]; else Note [Observe, do not re-run].)"""
+        restores gradients. (``policy="auto"`` never runs it: Note [Observe, do not re-run].)"""
         module = self.lightning_module
         optimizers = list(self.optimizers)
         precision = self.precision_plugin
@@ -255,9 +248,8 @@ class _SwapStrategyMixin(SessionViews):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Note [Lightning's step]: the first call of a batch opens the step; a closure called
         again inside its optimizer step (LBFGS, SAM) is part of it; under manual optimization the
-        user's ``training_step`` is the whole step, so its end closes it. A failed step the core
-        planned for (Note [The observed step does not fit]) runs again, outside the ``except``
-        so that the failed attempt's frames are freed first."""
+        user's ``training_step`` is the whole step, so its end closes it. A failed step is dropped
+        (its window, its hooks) and its error raised as it was."""
         session = self._session
         if session is None or session.step_open:
             return super().training_step(*args, **kwargs)
@@ -266,29 +258,22 @@ class _SwapStrategyMixin(SessionViews):
             out = super().training_step(*args, **kwargs)
         except BaseException as exc:
             self._drop_recorder()
-            if not session.step_failed(exc):
-                raise
-        else:
-            if not self.lightning_module.automatic_optimization:
-                self._end_swap_step()
-            return out
-        return self.training_step(*args, **kwargs)
+            session.step_failed(exc)
+            raise
+        if not self.lightning_module.automatic_optimization:
+            self._end_swap_step()
+        return out
 
     def _open_step(self, session: SwapSession, args: tuple, kwargs: dict) -> None:
         """The step's first ``training_step``: the core opens its window (``auto`` guards,
         observes or plans first); a timeline is recorded over it when one is due."""
         states = _optimizer_states(self.optimizers)
         # The planned timeline needs the meter open (Note [No dispatch mode under compile]).
-        timeline_wanted = self.report and self.report_path is None and self._plain_timeline is not None and self.swap_config.is_auto
+        timeline_wanted = self.report and self.report_path is None and self.swap_config.is_auto
         kind = session.open_step(args[0] if args else kwargs.get("batch"), [args, kwargs, states], states, measure=timeline_wanted)
-        self._step_call = (args, kwargs)
-        if kind is StepKind.OBSERVE and self.report and self._plain_timeline is None and session.observing:
-            label = "plain (the observed step)"
-        elif self._report_due():
+        if kind is StepKind.RUN and self._report_due():
             label = f"planned ({session.plan.summary()})"
-        else:
-            return
-        self._recorder = TimelineRecorder(self.lightning_module, session.segments, session.step_meter, label).__enter__()
+            self._recorder = TimelineRecorder(self.lightning_module, session.segments, session.step_meter, label).__enter__()
 
     def _report_due(self) -> bool:
         """The planned timeline is recorded once, in the steady state: the plan's check passed."""
@@ -297,7 +282,6 @@ class _SwapStrategyMixin(SessionViews):
             self.report
             and self.report_path is None
             and self._recorder is None
-            and self._plain_timeline is not None
             and not session.pinned
             and session.measuring
             and self.swap_config.is_auto
@@ -307,11 +291,7 @@ class _SwapStrategyMixin(SessionViews):
     def _finish_report(self) -> None:
         recorder, self._recorder = self._recorder, None
         recorder.__exit__(None, None, None)
-        if self._plain_timeline is None:  # the observed plain step: drawn shifted to the steady state
-            self._plain_timeline = recorder.timeline
-            return
-        # The observed first step had no gradients or optimizer state yet; the steady state has them.
-        timelines = [self._session.steady_plain_timeline(self._plain_timeline, _optimizer_states(self.optimizers)), recorder.timeline]
+        timelines = [recorder.timeline]  # the checked plan's own step, beside the budget
         trainer = self.lightning_module.trainer
         path = Path(trainer.log_dir or trainer.default_root_dir) / "swap_memory_timeline.png"
         if self.is_global_zero:
@@ -327,10 +307,8 @@ class _SwapStrategyMixin(SessionViews):
 
     @override
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        """Inside the core's backward (Note [One step API]). Under automatic optimization a failed
-        backward the core planned for (Note [The observed step does not fit]) runs again here,
-        with its ``training_step``, in Lightning's closure; under manual optimization the error
-        reaches :meth:`training_step`, which runs the whole step again."""
+        """Inside the core's backward (Note [One step API]); a failed one is the session's
+        (:meth:`SwapSession.step_failed`), its error raised as it was."""
         session = self._session
         if session is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -339,16 +317,10 @@ class _SwapStrategyMixin(SessionViews):
                 out = super().backward(closure_loss, optimizer, *args, **kwargs)
                 if self._recorder is not None:  # a timeline covers the forward and the backward
                     self._finish_report()
-        except BaseException as exc:
+        except BaseException:
             self._drop_recorder()
-            if not (session.step_failed(exc) and self.lightning_module.automatic_optimization):
-                raise
-        else:
-            return out
-        del closure_loss
-        args_, kwargs_ = self._step_call
-        loss = self.training_step(*args_, **kwargs_)
-        return self.backward(loss["loss"] if isinstance(loss, dict) else loss, optimizer, *args, **kwargs)
+            raise
+        return out
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -70,9 +70,9 @@ def tiny_gpt(**kwargs) -> nn.Module:
 
 class Stem(nn.Module):
     """A high-resolution stem (32x32, 16 channels) pooled 4x before four blocks at 8x8: the
-    regions outside the segments save far more than the segments (Note [Observe only what fits]
-    in ``scale/guard.py``; ``tests/scale/test_auto_shapes.py``, and on 2 FSDP2 ranks
-    ``tests/adapters/test_fsdp.py``)."""
+    regions outside the segments save far more than the segments (Note [Regions outside the
+    segments] in ``measure/model_profile.py``; ``tests/scale/test_auto_shapes.py``, and on 2 FSDP2
+    ranks ``tests/adapters/test_fsdp.py``)."""
 
     def __init__(self, c: int = 16) -> None:
         super().__init__()

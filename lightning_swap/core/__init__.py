@@ -39,7 +39,7 @@ from .scale.batch_search import (
 )
 from .scale.auto import StepKind
 from .scale.collectives import Collectives, process_group_collectives
-from .scale.hooked import HookedSwapSession, model_output_loss
+from .scale.hooked import HookedSwapSession
 from .scale.loop_search import adopt_search_profile, search_for_loop
 from .scale.session import SessionViews, SwapSession
 from .segments import SegmentSpec, find_segments, split_call
@@ -97,7 +97,6 @@ __all__ = [
     "mark_host",
     "measure_bandwidth",
     "min_budget_bytes",
-    "model_output_loss",
     "option",
     "parse_bool",
     "parse_bytes",

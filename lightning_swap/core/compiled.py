@@ -122,8 +122,7 @@ def compiled_forward(
     """Segment ``module``'s ``forward`` as the runtime runs it under the Dynamo context ``ctx``:
     compiled, and (``ctx``, ``forward``) where it recomputes inside its graph (Note
     [Recomputation inside the compiled graph]; ``None``: it recomputes eagerly). The runtime
-    installs these; ``measure/action_costs.py`` times them (Note [Compiled segments are timed
-    compiled] there)."""
+    installs these."""
     return ctx(forward), ((ctx, forward) if recomputes_in_graph(module) else None)
 
 

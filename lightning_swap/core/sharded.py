@@ -35,50 +35,17 @@ own: a forced plan is refused naming the segment and its units, and ``auto`` and
 search plan without it (:func:`units_inside`). A segment that is one unit (its hooks run
 around the region, not in it) and an unsharded model keep every action.
 
-Note [A sharded segment's forward alone]: the profiler measures what a segment's forward holds
-when autograd saves nothing (Note [A forward that does not keep] in ``decide/costmodel.py``) by
-running the segment alone. Under FSDP2 that forward gathers the unit's parameters, a
-collective, so it runs only where every process runs the same segments in the same order:
-:func:`~.measure.profiler.profile` is called on every rank for the same model, and its
-segments' calls are the model's, so they are. FSDP2 records each forward for the next
-backward's prefetches (``post_forward_order``), which the last backward left empty; the lone
-forwards' records are dropped again, so the next step prefetches what it runs. A unit's
-parameters are gathered before its lone forward is measured (:func:`unsharded`): gathered
-inside it, the all-gather's own buffers (about 130 KiB more on the tests' GPT) would count as
-the forward's working set, which in the step they are not; the gathered parameters themselves
-are added back from the step's trace. Unmeasured, an offloading segment's forward was priced
-as kept: on the tests' GPT at batch 8 per rank 11% over the measured peak (torch 2.14.1).
-FSDP1 units keep that price: their forward outside the root's checks the execution order and
-is not run alone. A gathered unit runs alone by its own ``forward`` (:func:`unhooked`), as a
-recomputation runs it (Note [Recompute under FSDP gathers nothing more]): called as a module,
-FSDP's hooks would take the lone call for the root's forward (it would reshard the unit after
-it, and, in a backward, gather it again and reduce what it finds in the unsharded gradients).
-
-Note [Sharded segments timed in lockstep]: ``auto`` plans from each segment timed and traced
-alone (Note [Timing a segment leaves no trace] and Note [A segment measured alone] in
-``measure/action_costs.py``); under FSDP2 they run so on every rank, after the same step, in the
-same order, and the only collectives among them are each unit's gather and reshard: every
-segment is gathered in the step's order on every rank (:func:`unsharded`), whether or not this
-rank runs it (identical blocks share one measurement, and which ones are identical can differ
-between ranks: a block's selective choice comes from its own timed ops), and each runs by its
-own ``forward`` (:func:`unhooked`), gradients returned by ``autograd.grad``, so no hook
-gathers, reduce-scatters or writes a ``.grad``, and a run that fails on one rank only fails
-there. That holds when every segment is a unit of its own with no unit inside
-(:func:`runs_alone`: the per-block ``fully_shard`` of torchtitan and the tests' GPT); a segment
-that is not (its parameters the root's, or units inside it, whose hooks are collectives) is
-not run alone, nor is any segment of an FSDP1 model: ``auto`` then bounds plain's peak instead
-of predicting it (Note [Observe only what fits] in ``scale/guard.py``). The ranks reuse costs
-measured on an earlier step only where every rank has them (``SwapSession``), so all measure
-again or none does; each rank measures its own, and the plan is made from the largest (Note
-[Decide from the largest measurement] in ``scale/collectives.py``). The lone runs change no
-weight, gradient, optimizer state or buffer: ``tests/adapters/test_fsdp.py`` trains ``auto``
-on 2 ranks to plain FSDP's weights, bit for bit. A timed segment runs with its unit already
-gathered, so its times leave the gather out, as its recomputation's does.
+Note [Sharded steps are traced on every rank]: ``auto`` learns from the steps the user runs
+(Note [Auto learns from the steps it runs] in ``scale/auto.py``): under FSDP every rank traces
+the same step, each its own part of it, and the plan is made from the largest of every rank's
+measurements (Note [Decide from the largest measurement] in ``scale/collectives.py``). No segment
+is run alone: a unit's forward run outside the step is a collective the other ranks would have to
+join, and changes FSDP's records of the step. The budget held online never moves a segment to a
+recomputing action under FSDP (Note [The budget held online] in ``runtime/online.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Callable, Iterable
 
@@ -88,8 +55,7 @@ from torch import nn
 from .tensors import local_tensor
 
 __all__ = [
-    "gathered_bytes", "gathered_parameters", "is_sharded", "like_shard", "lone_forwards", "runs_alone", "unhooked", "unsharded",
-    "units_inside", "world_size",
+    "gathered_bytes", "gathered_parameters", "is_sharded", "like_shard", "units_inside", "world_size",
 ]
 
 _FSDP2 = ("torch.distributed.fsdp", "FSDPModule")
@@ -157,70 +123,3 @@ def like_shard(shard: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda local: local
     cls, mesh, placements, shape, stride = type(shard), shard.device_mesh, shard.placements, shard.shape, shard.stride()
     return lambda local: cls.from_local(local, mesh, placements, shape=shape, stride=stride, run_check=False)
-
-
-@contextlib.contextmanager
-def lone_forwards(model: nn.Module):
-    """Whether ``model``'s segments may run their forward alone (Note [A sharded segment's forward
-    alone]): unsharded, or FSDP2 only; FSDP2's records of the forwards run inside are dropped."""
-    fsdp2 = _class(_FSDP2)
-    if not is_sharded(model):
-        yield True
-        return
-    if not _fsdp2_only(model):
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        for m in model.modules():
-            if isinstance(m, fsdp2):
-                for group in _groups(m):
-                    group._post_forward_indices.clear()
-                    group.comm_ctx.post_forward_order.clear()
-
-
-@contextlib.contextmanager
-def unsharded(module: nn.Module):
-    """An FSDP2 unit's parameters gathered for the body and resharded after (every rank in
-    lockstep: Note [A sharded segment's forward alone]); anything else, or a unit gathered
-    already, as it is."""
-    if not _is_unit(module) or all(g.is_unsharded for g in _groups(module)):
-        yield  # gathered already (an enclosing ``unsharded``): left as it is
-        return
-    module.unshard()
-    try:
-        yield
-    finally:
-        module.reshard()
-
-
-def _is_unit(module: nn.Module) -> bool:
-    fsdp2 = _class(_FSDP2)
-    return fsdp2 is not None and isinstance(module, fsdp2)
-
-
-def _groups(module: nn.Module) -> list:
-    state = module._get_fsdp_state()
-    return getattr(state, "_fsdp_param_groups", None) or [g for g in [getattr(state, "_fsdp_param_group", None)] if g]
-
-
-def _fsdp2_only(model: nn.Module) -> bool:
-    fsdp1 = _class(_FSDP1)
-    return _class(_FSDP2) is not None and not (fsdp1 is not None and any(isinstance(m, fsdp1) for m in model.modules()))
-
-
-def runs_alone(model: nn.Module, segments: Iterable[nn.Module]) -> bool:
-    """Whether ``model``'s ``segments`` may be timed and traced alone (Note [Sharded segments
-    timed in lockstep]): unsharded, or under FSDP2 with every segment a unit of its own and no
-    unit inside it."""
-    if not is_sharded(model):
-        return True
-    return _fsdp2_only(model) and all(_is_unit(m) and not units_inside(m) for m in segments)
-
-
-def unhooked(module: nn.Module) -> Callable[..., object]:
-    """What runs ``module`` alone: an FSDP2 unit's own ``forward``, none of FSDP's hooks (its
-    parameters gathered first by :func:`unsharded`: Note [A sharded segment's forward alone]);
-    anything else the module itself (its hooks run)."""
-    return module.forward if _is_unit(module) else module

@@ -20,7 +20,7 @@ from .compiled import dynamo_disable
 
 __all__ = [
     "CUDA_BUDGET_MARGIN", "ModuleHook", "device_budget_bytes", "gradient_bytes", "infer_batch_size", "is_kv_cache",
-    "local_tensor", "loss_of", "normalize_device", "on_backward_start", "storage_bytes", "tensors_in",
+    "local_tensor", "loss_of", "normalize_device", "on_backward_start", "pop_saved_tensors_hooks", "storage_bytes", "tensors_in",
 ]
 
 
@@ -46,8 +46,8 @@ def is_kv_cache(value: Any) -> bool:
     """A generation library's key/value cache (``transformers``' ``Cache``: ``DynamicCache``,
     ``EncoderDecoderCache``, ``StaticCache``, ...), known by its interface: a class named
     ``...Cache`` in its hierarchy with ``update`` and ``get_seq_length`` (the core imports torch
-    only). A layer given one writes its keys into it (Note [A replay has no side effects] in
-    ``measure/replay.py``; Note [A recomputed segment fills no cache] in ``engine/recompute.py``)."""
+    only). A layer given one writes its keys into it (Note [A recomputed segment fills no cache]
+    in ``engine/recompute.py``)."""
     if isinstance(value, (torch.Tensor, nn.Module, type)):
         return False
     named = any(c.__name__.endswith("Cache") for c in type(value).__mro__)
@@ -157,3 +157,33 @@ def infer_batch_size(batch: Any) -> int:
     if t is None:
         raise ValueError("`batch_size` could not be inferred: the batch holds no tensor; pass batch_size=.")
     return int(t.shape[0])
+
+
+def pop_saved_tensors_hooks(pack: Any) -> bool:
+    """Take the saved-tensor hooks whose pack hook is ``pack`` off torch's global stack wherever
+    they are, putting back those above them in their order (Note [Hooks never outlive the
+    library]); ``False`` where they were not on it.
+
+    Note [Hooks never outlive the library]: torch's saved-tensor hooks are one stack for the whole
+    thread, and a ``saved_tensors_hooks`` context pops whatever is on top when it exits. A step
+    that ends in an unexpected place (a second forward before the backward, a forward with no
+    backward, an exception, a user's own hooks entered during the step and left open) can leave
+    the library's hooks under someone else's; popping the top then removes the wrong pair, and
+    leaving them makes every later backward in the process run the library's unpack on tensors it
+    never packed. So the library takes exactly its own pair off, wherever it is, at the step's end,
+    after an exception and at teardown."""
+    autograd = torch._C._autograd
+    above = []
+    while True:
+        top = autograd._top_saved_tensors_default_hooks(False)
+        if top is None:
+            found = False
+            break
+        autograd._pop_saved_tensors_default_hooks()
+        if top[0] is pack:
+            found = True
+            break
+        above.append(top)
+    for hooks in reversed(above):
+        autograd._push_saved_tensors_default_hooks(*hooks)
+    return found

@@ -13,7 +13,6 @@ from accelerate import Accelerator
 from torch.nn import functional as F
 
 from accelerate_swap import Action, BatchSearchError, SwapAccelerator, SwapPlugin, find_batch_size
-from accelerate_swap.accelerator import model_output_loss
 
 from ..helpers import assert_same_state
 from ..models import CNN, MODELS, TinyGPT, _tokens, lm_loss
@@ -59,12 +58,12 @@ def test_auto_fits_a_simulated_budget_and_equals_plain(fresh_state):
     assert set(steady.actions.values()) != {Action.KEEP}
     assert steady.predicted_peak_bytes <= budget and steady.batch_size == 8
     assert max(peaks[1:]) <= budget
-    # the plan comes from steps measured under plans (the guard's, then its own first step:
-    # Notes [A step measured under a plan], [A plan's first step refines its profile]), the
-    # user's loss included: the prediction errs on the safe side (this CNN's offloaded segments,
-    # measured alone, fetch a storage their neighbour shares: ~21% over on CPU)
+    # the plan comes from the first step, traced under the lowest-memory plan (Note [A step measured
+    # under a plan]), the user's loss included: plain's peak is predicted exactly from it, and a
+    # plan that offloads errs on the safe side (this CNN's offloaded segments fetch a storage their
+    # neighbour shares: ~31% over on CPU)
     error = (steady.predicted_peak_bytes - peaks[-1]) / peaks[-1]
-    assert 0.0 <= error <= 0.25, (steady.predicted_peak_bytes, peaks)
+    assert 0.0 <= error <= 0.35, (steady.predicted_peak_bytes, peaks)
     assert_same_state(auto, plain)  # torch.equal on every weight and buffer
     accelerator.free_memory()
     assert _clean(auto)
@@ -99,145 +98,23 @@ def test_auto_without_a_budget_on_cpu_keeps_everything(fresh_state, caplog):
     assert warnings[0].levelno == logging.WARNING and "ACCELERATE_CPU_SWAP_BUDGET_BYTES" in warnings[0].getMessage()
 
 
-def test_auto_replans_for_a_new_batch_shape(fresh_state):
-    """A smaller batch keeps the plan (it fits), and so does a smaller shape (Note [A smaller shape
-    runs a larger one's plan]); a larger shape is guarded and planned from its guard step's
-    profile (every segment kept: plain fits, so its first step is checked, not observed: Note [A
-    plan's first step refines its profile])."""
+def test_auto_plans_a_smaller_batch_at_once_and_traces_a_larger_shape_once(fresh_state):
+    """Note [A shape scaled from another]: a smaller batch, and a smaller image, are covered by the
+    first step's profile and planned at once from it scaled down; a larger image is traced once
+    (under a plan of keep and offload) and planned from its own profile after."""
     from ..models import _images as images_of
 
     accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=1 << 40, min_offload_bytes=0))
     small, large = (_images(6)[0][:, :, :12, :12].contiguous(), _images(6)[1]), images_of(6, 20)
-    _, _, plans, profiles = _train(accelerator, [8, 8, 8, 8, 5, small, large, large, large], with_profiles=True)
-    # Note [Observe only what fits]: one guard step (the lowest-memory plan: on CPU every segment
-    # offloaded; its bound on plain's peak, the momentum that appeared in it included, is far
-    # within 1 TiB), the second observed, the third planned; the smaller batch keeps the plan.
-    guard = {Action.OFFLOAD}
-    assert set(plans[0].actions.values()) == guard and plans[1] is None
-    assert plans[2] is not None and plans[3] is plans[2] and plans[4] is plans[2]
-    assert profiles[1] is profiles[2] is profiles[4] and profiles[4].batch_size == 8
-    assert plans[5].actions == plans[2].actions  # 12x12 images: the 16x16 plan, never guarded
-    # The larger shape: one guard step, then planned from its profile (every segment kept: plain
-    # fits 1 TiB).
-    assert set(plans[6].actions.values()) == guard
-    assert set(plans[7].actions.values()) == set(plans[8].actions.values()) == {Action.KEEP}
-    assert plans[8] is not plans[2] and profiles[8].batch_size == 6
-    assert profiles[8] is profiles[7] and profiles[8] is not profiles[4]  # its own profile
+    _, peaks, plans, profiles = _train(accelerator, [8, 8, 8, 8, 5, small, large, large, large], with_profiles=True)
+    assert set(plans[0].actions.values()) == {Action.OFFLOAD}  # the first step: the lowest-memory plan, traced
+    assert all(set(p.actions.values()) == {Action.KEEP} for p in plans[1:])  # plain fits 1 TiB
+    assert profiles[0] is profiles[5] and profiles[0].batch_size == 8  # 5 x 16x16 and 6 x 12x12: no trace
+    assert profiles[6] is not profiles[5] and profiles[6] is profiles[8] and profiles[8].batch_size == 6  # its own
+    assert None not in peaks
     accelerator.free_memory()
 
 
-class RunsOutUnplanned(TinyGPT):
-    """Out of memory (injected) whenever a training step runs without a plan on real tensors:
-    after the forward's dropout drew its masks (``where="forward"``), or in the backward. (No
-    BatchNorm: the failed attempt's side effects on running statistics would stay, as the
-    Note says side effects do.)"""
-
-    def __init__(self, where: str, fake_fails: bool = False) -> None:
-        super().__init__()
-        self.where = where
-        self.fake_fails = fake_fails
-        self.accelerator = None
-
-    def forward(self, x):
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        if self.fake_fails and isinstance(x, FakeTensor):
-            raise RuntimeError("this forward cannot run on fake tensors (injected by the test)")
-        out = super().forward(x)
-        session = self.accelerator.swap_session if self.accelerator is not None else None
-        if session is None or session.runtime is not None or isinstance(x, FakeTensor) or not torch.is_grad_enabled():
-            return out
-        if self.where == "forward":
-            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
-
-        def boom(grad):
-            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
-
-        out.register_hook(boom)
-        return out
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("where", ["forward", "backward"])
-def test_an_observed_step_out_of_memory_is_planned_in_fake_mode_and_its_retry_equals_plain(fresh_state, where):
-    """Note [Out of memory in the observed step]: the error reaches the user's loop, which runs
-    the step again; that step runs under a plan made from a fake-mode profile, from the RNG state
-    the failed one started with, so training equals plain training."""
-    batches = [8] * 4
-    plain_accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(policy="keep", min_offload_bytes=0))
-    plain, _, _ = _train(plain_accelerator, batches, build=TinyGPT, data=_tokens, loss_fn=lm_loss)
-    plain_accelerator.free_memory()
-    accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=1 << 40, min_offload_bytes=0))
-    torch.manual_seed(0)
-    model = RunsOutUnplanned(where)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model.accelerator = accelerator
-    torch.manual_seed(1)  # dropout masks
-    failures = []
-    with pytest.warns(UserWarning, match="out of memory without a plan"):
-        for batch in batches:
-            x, y = _tokens(batch)
-            for _ in range(2):  # the user's loop runs a step that ran out of memory once more
-                try:
-                    accelerator.backward(lm_loss(model(x), y))
-                    break
-                except torch.OutOfMemoryError:
-                    failures.append(accelerator.swap_session.plan)
-            optimizer.step()
-            optimizer.zero_grad()
-    # Step 1 guarded, step 2 observed and out of memory: planned from fake mode, run again.
-    assert failures == [None]
-    assert accelerator.swap_session.profile.fake and accelerator.swap_plan.predicted_peak_bytes is not None
-    assert_same_state(accelerator.unwrap_model(model), plain)
-    accelerator.free_memory()
-    assert _clean(accelerator.unwrap_model(model))
-
-
-def test_the_fallback_holds_the_observed_batch_by_weak_references():
-    """Note [An observed step holds no batch]: the fallback's batch keeps no tensor alive; a
-    tensor the loop dropped comes back as one like it (fake mode reads no values)."""
-    import gc
-    import weakref
-
-    from lightning_swap.core.scale.fallback import WeakBatch
-
-    x, ids = torch.randn(2, 3, requires_grad=True), torch.arange(4)
-    weak = WeakBatch(((x,), {"ids": ids, "n": 3}))
-    args, kwargs = weak.resolve()
-    assert args[0] is x and kwargs["ids"] is ids and kwargs["n"] == 3
-    dropped = weakref.ref(x)
-    del x, args
-    gc.collect()
-    assert dropped() is None
-    (again,), kwargs = weak.resolve()
-    assert again.shape == (2, 3) and again.dtype == torch.float32 and again.requires_grad and kwargs["ids"] is ids
-
-
-def test_when_fake_mode_fails_too_the_retry_says_what_to_do(fresh_state):
-    accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=1 << 40, min_offload_bytes=0))
-    model = accelerator.prepare(RunsOutUnplanned("forward", fake_fails=True))
-    model.accelerator = accelerator
-    x, y = _tokens(8)
-    accelerator.backward(lm_loss(model(x), y))  # the guard step
-    with pytest.raises(torch.OutOfMemoryError):
-        model(x)  # observed: out of memory, and its fake-mode profile fails
-    with pytest.raises(RuntimeError, match=r"fake tensors failed too .*SwapPlugin\(policy='recompute_offload'\)"):
-        model(x)  # the retry raises the fallback's error instead of planning from nothing
-    accelerator.free_memory()
-    assert _clean(accelerator.unwrap_model(model))
-
-
-def test_model_output_loss():
-    x = torch.ones(2, 3, requires_grad=True)
-    assert model_output_loss(x * 2).item() == 12.0
-    assert model_output_loss({"loss": (x * 3).sum(), "logits": x * 2}).item() == 18.0  # a Hugging Face output
-    assert model_output_loss((x * 2, torch.zeros(2, dtype=torch.long), [x])).item() == 18.0
-    with pytest.raises(ValueError, match="policy='auto'"):
-        model_output_loss(torch.zeros(2, dtype=torch.long))
-
-
-# -- find_batch_size ----------------------------------------------------------------------
 _MLP_BUILD, _MLP_DATA, _MLP_LOSS = MODELS["mlp"]
 
 

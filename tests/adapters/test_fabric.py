@@ -28,7 +28,6 @@ from lightning_swap.fabric import CPUSwapFabricStrategy, DDPCPUSwapFabricStrateg
 from ..helpers import POLICIES, assert_same_state
 from ..models import MODELS
 from .test_accelerate import _clean
-from .test_accelerate_auto import RunsOutUnplanned
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "train_fabric_ddp.py"
 STEPS = 3
@@ -171,37 +170,6 @@ def test_a_second_module_is_left_plain_with_a_warning():
         fabric.setup(second)
     assert fabric.strategy.swap_session.model is first and _clean(second)
     fabric.strategy.teardown()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("where", ["forward", "backward"])
-def test_an_observed_step_out_of_memory_is_planned_and_its_retry_equals_plain(where):
-    """Note [Out of memory in the observed step] (``core/scale/hooked.py``), through Fabric: the
-    error reaches the loop, which runs the step again under the fake-mode plan."""
-    strategy = CPUSwapFabricStrategy(budget_bytes=1 << 40, min_offload_bytes=0, log_plan=False)
-    fabric, (_, data, loss_fn) = _fabric(strategy), MODELS["gpt"]
-    torch.manual_seed(0)
-    model = RunsOutUnplanned(where)
-    model.accelerator = strategy  # where the model reads `swap_session` from
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    wrapped, optimizer = fabric.setup(model, optimizer)
-    torch.manual_seed(1)  # dropout masks
-    failures = []
-    with pytest.warns(UserWarning, match="out of memory without a plan"):
-        for _ in range(4):
-            x, y = data(BATCH["gpt"])
-            for _ in range(2):  # the user's loop runs a step that ran out of memory once more
-                try:
-                    fabric.backward(loss_fn(wrapped(x), y))
-                    break
-                except torch.OutOfMemoryError:
-                    failures.append(strategy.plan)
-            optimizer.step()
-            optimizer.zero_grad()
-    assert failures == [None] and strategy.swap_session.profile.fake
-    assert_same_state(model, train("gpt", steps=4)[0])
-    strategy.teardown()
-    assert _clean(model)
 
 
 def test_the_litgpt_style_example_plans_within_its_budget(capsys):

@@ -99,7 +99,7 @@ def test_warnings_go_above_the_progress_bar(monkeypatch):
 
 def test_a_shapes_plan_installed_again_is_not_logged_again():
     """Note [The plan's log]: batch shapes alternating, each with its remembered plan installed
-    again (the same object, Note [Plans per batch shape]), log each plan once; a new plan is
+    again (the same object, Note [A shape scaled from another]), log each plan once; a new plan is
     logged even with actions seen before, unless they are the last logged plan's."""
     from lightning_swap.core import Action, Plan
     from lightning_swap.core.scale.plan_log import PlanLog

@@ -1,8 +1,6 @@
 """Note [One step API] (``core/scale/session.py``): every front end drives the core's step API and
-holds no out-of-memory retry or plan logging of its own. An observed step out of memory inside a
-Lightning ``training_step`` (in its forward or its backward) is judged by the core's
-``SwapSession.step_failed`` — the only place that plans after it — and the step, run again
-under that plan, trains as plain training does."""
+holds no plan logging or failure handling of its own: a step that raised is the core's
+``SwapSession.step_failed``."""
 
 from __future__ import annotations
 
@@ -15,44 +13,40 @@ import pytest
 import accelerate_swap
 import lightning_swap
 from lightning_swap import CPUSwapStrategy
-from lightning_swap.core import SwapSession
 
-from ..helpers import QUIET_TRAINER, assert_same_state
+from ..helpers import QUIET_TRAINER
 from ..lit import LitModel
-from ..scale.test_auto_real_steps import RunsOutOnce
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("where", ["forward", "backward"])
-def test_lightning_out_of_memory_is_the_core_step_apis(where, monkeypatch):
-    L.seed_everything(0, verbose=False)
-    plain = LitModel("gpt", batch_size=4, samples=12)
-    L.Trainer(strategy="auto", accelerator="cpu", max_steps=3, **QUIET_TRAINER).fit(plain)
-    judged = []
-    step_failed = SwapSession.step_failed
+class _Fails(LitModel):
+    """Raises in its second ``training_step``, after the forward."""
 
-    def spy(self, exc):
-        verdict = step_failed(self, exc)
-        judged.append((type(exc).__name__, verdict))
-        return verdict
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx == 1:
+            raise RuntimeError("the user's error")
+        return loss
 
-    monkeypatch.setattr(SwapSession, "step_failed", spy)
-    L.seed_everything(0, verbose=False)
-    module = RunsOutOnce("gpt", where, batch_size=4, samples=12)  # no batch norm: a failed forward updates no buffer
+
+def test_a_failed_step_is_dropped_and_raised_as_it_was_with_no_hook_left():
+    """Note [Hooks never outlive the library] (``core/tensors.py``): a step that raised is the
+    session's (``SwapSession.step_failed``): its window and its hooks are gone, the error
+    reaches the user as it was, and a plain backward afterwards runs."""
+    import torch
+
     strategy = CPUSwapStrategy(budget_bytes=1 << 40, min_offload_bytes=0)
-    with pytest.warns(UserWarning, match="out of memory without a plan; .* runs again under the plan"):
+    module = _Fails("gpt", batch_size=4, samples=12)
+    with pytest.raises(RuntimeError, match="the user's error"):
         L.Trainer(strategy=strategy, accelerator="cpu", max_steps=3, **QUIET_TRAINER).fit(module)
-    # the core judged the injected error (a failed backward is asked about again by the strategy
-    # around it: the same verdict, planned once) and planned from a fake-mode profile
-    assert judged and set(judged) == {("OutOfMemoryError", True)}, judged
-    assert strategy.swap_session.profile.fake and strategy.plan is not None
-    assert module.calls == 3 + 2  # the failed attempt and the fake one: no retry of the strategy's own
-    assert_same_state(module, plain)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not strategy.swap_session.step_open
+    x = torch.randn(4, 8, requires_grad=True)
+    (x * x).sum().backward()
 
 
 #: What only the core's step API may do: plan after an out-of-memory error, read the
 #: session's runtime, observation or planner, or make a plan's text.
-_CORE_ONLY = {"plan_after_out_of_memory", "runtime", "observation", "auto", "measured_plan", "plan_log"}
+_CORE_ONLY = {"runtime", "auto", "measured_plan", "plan_log"}
 
 
 def _adapter_modules() -> list[Path]:

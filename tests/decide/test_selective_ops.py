@@ -321,54 +321,14 @@ def test_processes_agree_on_lighter_choices_listed_in_another_order():
     assert merged.segments[i].selective_variants == v
 
 
-def test_selective_is_timed_saving_real_ops_under_a_plan():
-    """Under a plan (auto's guard step) the segments it does not keep save nothing in that step's
-    trace; the ops selective is timed saving are chosen without the early-stop cut there (before,
-    every call was cut and selective was timed saving nothing)."""
-    from lightning_swap.core.measure import observe
-    from lightning_swap.core.measure.observe import ObservedStep
-    from lightning_swap.core.segments import find_segments
-
-    build, data, loss_fn = MODELS["mlp"]
-    torch.manual_seed(0)
-    model = build()
-    x, y = data(8)
-    names = find_segments(model)
-    plan = Plan(actions={n: Action.RECOMPUTE for n in names})
-    timed = {}
-    original = observe.measure_action_costs
-
-    def spy(*args, save_ops=None, **kwargs):
-        timed.update(save_ops or {})
-        return original(*args, save_ops=save_ops, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(observe, "measure_action_costs", spy)
-        runtime = SwapRuntime(model, plan, device="cpu", min_offload_bytes=0).install()
-        try:
-            runtime.begin_step([x, y], measure=True)
-            obs = ObservedStep(model, list(names), device=torch.device("cpu"), batch=(x, y), track=[x, y], min_offload_bytes=0,
-                               under=plan.actions).begin()
-            loss = loss_fn(model(x), y)
-            obs.backward_begins()
-            loss.backward()
-            obs.backward_done()
-            obs.close()
-            runtime.end_step()
-        finally:
-            runtime.remove()
-        prof = obs.finish()
-    assert timed and all(timed[s.name] for s in prof.segments if s.selective_ops)
-
-
 @pytest.mark.parametrize("fused", [False, True])
 def test_the_descent_spreads_lighter_choices_over_segments_where_that_is_faster(fused, monkeypatch):
     """Note [Lighter selective, as a descent] (``decide/solver.py``): across budgets from the least
     to plain's peak, the plan is never slower than the one without the descent (the DP, then one
     segment's lighter choice at a time), and somewhere faster, by moving several segments down
     their choices; each plan within its budget, its prediction what ``simulate`` gives it.
-    ``fused``: selective priced as measured inside a compiled graph (Note [Compiled segments are
-    timed compiled]: near nothing, no eager floor), where the descent matters most."""
+    ``fused``: selective priced as measured inside a compiled graph (``selective_floor`` off:
+    near nothing, no eager floor), where the descent matters most."""
     import dataclasses
 
     from lightning_swap.core import solve

@@ -184,7 +184,7 @@ def test_a_dead_path_is_found(text, dead):
 
 
 @pytest.mark.parametrize("role, target, ok", [
-    ("mod", ".costs", False), ("mod", ".action_costs", True), ("func", "~.costmodel.simulate", True),
+    ("mod", ".costs", False), ("mod", ".observe", True), ("func", "~.costmodel.simulate", True),
     ("func", "~.costmodel.no_such_function", False), ("class", "lightning_swap.core.SwapSession", True), ("mod", "logging", True),
 ])
 def test_a_dead_reference_is_found(role, target, ok):

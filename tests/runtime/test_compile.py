@@ -585,8 +585,7 @@ def test_offload_engine_offloads_what_the_compiled_graphs_save():
 # -- the session (policy "auto" driven directly) ------------------------------------------------------
 def _session_steps(session, compiled, optimizer, backend, steps: int) -> tuple[list, list]:
     """``steps`` training steps driven through ``session`` as the adapters drive it: each step's
-    kind and the compiled graph runs its forward and backward made (not the profile's timing
-    runs after an observed step: Note [Compiled segments are timed compiled])."""
+    kind and the compiled graph runs its forward and backward made."""
     kinds, runs = [], []
     for x, y in _batches(steps):
         states = [optimizer.state]
@@ -619,14 +618,13 @@ def test_session_auto_plans_and_trains_compiled(how):
     finally:
         session.remove()
     assert_same_state(model, plain)
-    # Two guard steps (the lowest-memory plan, measured: eager; Note [Observe only what fits]):
-    # plain's predicted peak is over this budget, so a mix is planned from the steady one; its
-    # first step is observed under it (eager: Note [A plan's first step refines its profile]),
-    # the next re-solves from that and keeps it, and from there the plan runs compiled.
-    assert kinds == ["guard", "guard", "plan", "plan"] + ["run"] * (steps - 4)
-    assert runs[:3] == [0, 0, 0] and all(r > 0 for r in runs[3:])
+    # The first step (the lowest-memory plan, traced: eager; Note [Auto learns from the steps it
+    # runs]), then the plan's first step, measured (eager: its check), and from there the plan runs
+    # compiled, unmetered on CPU (Note [No dispatch mode under compile]).
+    assert kinds == ["first", "plan"] + ["run"] * (steps - 2)
+    assert runs[:2] == [0, 0] and all(r > 0 for r in runs[2:])
     peaks = [s.peak_device_bytes for s in session.records.all()]
-    assert all(p is not None and p <= 60_000 for p in peaks[:3])  # the steps measured, within the budget
+    assert all(p is not None and p <= 60_000 for p in peaks[:2])  # the steps measured, within the budget
 
 
 # -- Lightning -----------------------------------------------------------------------------------
@@ -874,131 +872,3 @@ def test_a_compiled_policy_counts_calls_as_the_trace_did():
                                                          ("aten.addmm.default#1",), ()))
     assert first == every and second == none
     assert every - none >= 3 * 256 * 128 * 4  # each block's fc1 output
-
-
-def _observed_profile(model, x, y):
-    """The profile auto plans from (an observed plain step, then each segment timed alone)."""
-    from lightning_swap.core.measure.observe import ObservedStep
-
-    observed = ObservedStep(model, find_segments(model), device=torch.device("cpu"), batch=x, track=[x, y], min_offload_bytes=0)
-    observed.begin()
-    loss = nn.functional.mse_loss(model(x), y)
-    observed.backward_begins()
-    loss.backward()
-    observed.backward_done()
-    observed.close()
-    return observed
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("how", ["torch.compile", "regional", None])
-@pytest.mark.parametrize("cls", [Net, NormNet])
-def test_compiled_segments_are_timed_compiled(how, cls):
-    """Note [Compiled segments are timed compiled]: a compiled segment is timed as the runtime runs
-    it, through the user's compiled code (graphs run while timing), and its selective, where it
-    recomputes inside its graph (no buffers), is priced as measured there, not floored at the
-    eager forward of the ops it reruns; a BatchNorm block (eager recomputation) and an eager model
-    keep the floor. Timing leaves the weights and gradients as they were. Selective there saves
-    the compute-heavy calls' outputs (Note [Selective under compile chooses compute-heavy
-    calls] in ``measure/profiler.py``)."""
-    from lightning_swap.core.decide.costmodel import MIN_ACTION_MS, recompute_ms
-
-    if how is None:
-        torch.manual_seed(0)
-        backend, model = Counting(), cls()
-        compiled = model
-    else:
-        backend, model, _, compiled = _fresh(how, cls, False)
-    x, y = _batches(1)[0]
-    nn.functional.mse_loss(compiled(x), y).backward()  # compiled (and warm) before the profile, as in training
-    model.zero_grad(set_to_none=True)
-    observed = _observed_profile(compiled, x, y)
-    weights = {k: v.clone() for k, v in model.state_dict().items()}
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    runs = backend.runs
-    prof = observed.finish()
-    timed_runs = backend.runs - runs
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())
-    assert all(torch.equal(g, p.grad) for (n, p), g in zip(model.named_parameters(), grads.values()))
-    blocks = [s for s in prof.segments if s.name.startswith("blocks.")]
-    assert len(blocks) == 3
-    in_graph = how is not None and cls is Net
-    if how is None:
-        assert timed_runs == 0
-    else:
-        assert timed_runs >= 3  # kept: a warm-up and three timed runs of the compiled forward
-    for s in blocks:
-        assert s.selective_floor is not in_graph
-        if in_graph:
-            assert s.selective_ms is not None and not s.refused
-            assert recompute_ms(s, Action.SELECTIVE) == max(s.selective_ms, MIN_ACTION_MS)
-            # Note [Selective under compile chooses compute-heavy calls]: the matmuls, nothing else
-            assert s.selective_ops and all(op.startswith("aten.addmm.default#") for op in s.selective_ops)
-        elif s.selective_ms is not None:
-            assert recompute_ms(s, Action.SELECTIVE) >= s.forward_ms - s.heavy_forward_ms
-
-
-class _MlpBlock(nn.Module):
-    """A residual MLP: its eager selective choice (the first matmul) is also its compiled one."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(d, 4 * d), nn.ReLU(), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.fc2(self.act(self.fc1(x)))
-
-
-class _MlpNet(Net):
-    def __init__(self, d: int = 64, n: int = 3) -> None:
-        super().__init__(d, n)
-        self.blocks = nn.ModuleList(_MlpBlock(d) for _ in range(n))
-
-
-@pytest.mark.parametrize("index", [0, 1])
-def test_identical_blocks_compiled_and_not_are_timed_apart(index):
-    """Note [Compiled segments are timed compiled]: identical blocks are timed once, but a compiled
-    block and an eager one are not identical: one compiled block (regional) among eager ones is
-    priced in its graph, the others as eager (found by a second reader: whichever came first
-    priced all of them)."""
-    torch._dynamo.reset()
-    backend = Counting()
-    torch.manual_seed(0)
-    model = _MlpNet()
-    model.blocks[index].compile(backend=backend)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(256, 8, generator=g), torch.randn(256, 1, generator=g)
-    nn.functional.mse_loss(model(x), y).backward()
-    model.zero_grad(set_to_none=True)
-    prof = _observed_profile(model, x, y).finish()
-    floors = {s.name: s.selective_floor for s in prof.segments if s.name.startswith("blocks.")}
-    assert floors == {f"blocks.{i}": i != index for i in range(3)}
-
-
-class _TwiceNet(nn.Module):
-    """One block called twice, the second time on half the batch: two segments, ``blocks.0#1``."""
-
-    def __init__(self, d: int = 64) -> None:
-        super().__init__()
-        self.inp, self.blocks, self.out = nn.Linear(8, d), nn.ModuleList([_MlpBlock(d)]), nn.Linear(d, 1)
-
-    def forward(self, x):
-        x = self.blocks[0](self.inp(x))
-        return self.out(self.blocks[0](x[: x.shape[0] // 2]))
-
-
-@pytest.mark.slow
-def test_every_call_of_a_compiled_block_is_timed_compiled():
-    """Note [Compiled segments are timed compiled] for Note [A segment per call]: the second call's
-    segment (``blocks.0#1``) finds its module's compilation, as the runtime does (found by a
-    second reader: it was timed eagerly, its choice made for the graph)."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = _TwiceNet()
-    model.blocks[0].compile(backend=Counting())
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(256, 8, generator=g), torch.randn(128, 1, generator=g)
-    nn.functional.mse_loss(model(x), y).backward()
-    model.zero_grad(set_to_none=True)
-    prof = _observed_profile(model, x, y).finish()
-    assert {s.name: s.selective_floor for s in prof.segments} == {"blocks.0": False, "blocks.0#1": False}

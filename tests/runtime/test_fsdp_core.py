@@ -18,7 +18,7 @@ from torch import nn
 from lightning_swap import Action, DeviceMemoryMeter, Plan, SwapRuntime, find_segments, profile
 from lightning_swap.core.measure.model_profile import max_profile
 from lightning_swap.core.segments import resolve_modules
-from lightning_swap.core.sharded import gathered_parameters, is_sharded, runs_alone, world_size
+from lightning_swap.core.sharded import gathered_parameters, is_sharded, world_size
 
 from ..models import MODELS, TinyGPT
 
@@ -207,75 +207,3 @@ def test_selective_is_not_used_on_a_segment_holding_fsdp_units(one_process_group
     per_block = sharded_gpt()
     SwapRuntime(per_block, {n: Action.SELECTIVE for n in find_segments(per_block)}, device="cpu")
     assert SwapSession(per_block, SwapConfig(policy="auto"), "cpu").allowed_actions() is None
-
-
-# -- segments run alone (Note [Sharded segments timed in lockstep]) ----------------------------
-def test_which_sharded_segments_run_alone(one_process_group):
-    """FSDP2 with every segment a unit of its own: yes; a segment whose parameters are the root's,
-    or with a unit inside it: no; FSDP1: no; unsharded: yes."""
-    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    from ..models import ConvBlock, cnn_bn_dropout
-
-    def alone(model):
-        return runs_alone(model, resolve_modules(model, find_segments(model)).values())
-
-    root_only = TinyGPT()
-    fully_shard(root_only)
-    nested = TinyGPT()
-    fully_shard(nested.blocks[2].fc)
-    for block in nested.blocks:
-        fully_shard(block)
-    fully_shard(nested)
-    fsdp1 = FullyShardedDataParallel(cnn_bn_dropout(), auto_wrap_policy=ModuleWrapPolicy({ConvBlock}), device_id=torch.device("cpu"))
-    assert [alone(m) for m in (sharded_gpt(), root_only, nested, fsdp1, TinyGPT())] == [True, False, False, False, True]
-
-
-def test_sharded_segments_measured_alone_leave_no_trace(one_process_group):
-    """A step observed under a plan on an FSDP2 model (``auto``'s guard step): every block is
-    timed and traced alone, so a profile is made; afterwards every parameter is its shard again
-    (the units resharded, FSDP2's forward records empty), and the parameters, their gradients and
-    the optimizer state are what the step left, bit for bit (Note [Timing a segment leaves no
-    trace]: nothing gathered, reduced or written into a ``.grad``)."""
-    from torch.distributed.tensor import DTensor
-
-    from lightning_swap.core.measure.observe import ObservedStep
-    from lightning_swap.core.sharded import _groups
-
-    model = sharded_gpt()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    batch = MODELS["gpt"][1](4)
-    names = find_segments(model)
-
-    def step():
-        loss = MODELS["gpt"][2](model(batch[0]), batch[1])
-        loss.backward()
-        optimizer.step()
-
-    step()  # the optimizer state exists
-    observed = ObservedStep(
-        model, names, device=torch.device("cpu"), batch=batch, track=[optimizer.state], min_offload_bytes=0,
-        under={n: Action.OFFLOAD for n in names},
-    ).begin()
-    optimizer.zero_grad()
-    loss = MODELS["gpt"][2](model(batch[0]), batch[1])
-    observed.backward_begins()
-    loss.backward()
-    observed.backward_done()
-    optimizer.step()
-    observed.close()
-
-    def state():
-        return [t.to_local().clone() for p in model.parameters() for t in (p, p.grad)] + [
-            v.to_local().clone() for s in optimizer.state.values() for v in s.values() if isinstance(v, DTensor)
-        ]
-
-    before = state()
-    profile = observed.finish()
-    assert profile is not None and set(observed.costs) == set(names) and all(c.alone is not None for c in observed.costs.values())
-    assert all(s.released_forward_working_bytes > s.gathered_parameter_bytes > 0 for s in profile.segments)
-    assert all(isinstance(p, DTensor) for p in model.parameters())
-    for block in model.blocks:
-        assert all(not g.is_unsharded and not g.comm_ctx.post_forward_order for g in _groups(block))
-    assert all(torch.equal(a, b) for a, b in zip(before, state()))

@@ -75,52 +75,6 @@ def test_the_smallest_budget_the_error_names_is_enough():
     assert all(s.peak_device_bytes <= least for s in trainer.strategy.stats_history[1:])
 
 
-class RunsOutOnce(LitModel):
-    """Out of memory (injected) whenever the step runs without a plan on real tensors: in the
-    forward (``where="forward"``) or in the backward."""
-
-    def __init__(self, name: str, where: str, **kwargs) -> None:
-        super().__init__(name, **kwargs)
-        self.where = where
-        self.calls = 0
-
-    def training_step(self, batch, batch_idx):
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        self.calls += 1
-        session = self.trainer.strategy.swap_session
-        unplanned = session.runtime is None and not isinstance(batch[0], FakeTensor)
-        if unplanned and self.where == "forward":
-            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
-        loss = super().training_step(batch, batch_idx)
-        if unplanned and self.where == "backward":
-            def boom(grad):
-                raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
-
-            loss.register_hook(boom)
-        return loss
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("where", ["forward", "backward"])
-def test_an_observed_step_out_of_memory_is_planned_in_fake_mode_and_run_again(where):
-    """Note [The observed step does not fit]: the step is profiled on fake tensors, planned and
-    run again from its RNG state: the weights are plain training's; ``training_step`` ran twice
-    more for that step (the failed attempt and the fake one), as the warning says."""
-    L.seed_everything(0, verbose=False)
-    plain = LitModel("gpt", batch_size=16, samples=48)
-    L.Trainer(strategy="auto", accelerator="cpu", max_steps=3, **QUIET_TRAINER).fit(plain)
-    L.seed_everything(0, verbose=False)
-    module = RunsOutOnce("gpt", where, batch_size=16, samples=48)
-    strategy = CPUSwapStrategy(budget_bytes=1 << 40, min_offload_bytes=0)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", max_steps=3, **QUIET_TRAINER)
-    with pytest.warns(UserWarning, match="out of memory without a plan"):
-        trainer.fit(module)
-    assert module.calls == 3 + 2
-    assert strategy.swap_session.profile.fake
-    assert_same_state(module, plain)
-
-
 @pytest.mark.slow
 def test_the_batch_size_finder_works_with_item_in_training_step():
     """The finder profiles with fake tensors where it can; ``.item()`` makes it measure for real."""

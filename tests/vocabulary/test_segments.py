@@ -327,8 +327,8 @@ def test_auto_leaves_out_the_recomputation_a_segment_refused(fresh_state, caplog
     batches = [(torch.randn(1024, 8), torch.randn(1024, 1)) for _ in range(5)]
     plain = _plain_sgd(model, batches)
     peak = profile(copy.deepcopy(model), batches[0], step_fn=_step, scale=False, min_offload_bytes=0, device="cpu").peak_bytes
-    # Plain's predicted peak (Note [Observe only what fits]) is over this budget: a mix is planned from
-    # the guard step, the refusals known from its segments' runs (Note [Refused actions]).
+    # Plain's predicted peak is over this budget: a mix is planned from the first step (Note [Refused
+    # actions]: a refusal is heard where a step recomputes the segment).
     budget = int(0.9 * peak)
     accelerator = SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(budget_bytes=budget, min_offload_bytes=0, log_stats=False))
     twin = copy.deepcopy(model)
@@ -342,9 +342,12 @@ def test_auto_leaves_out_the_recomputation_a_segment_refused(fresh_state, caplog
             plans.append(dict(accelerator.swap_plan.actions) if accelerator.swap_plan is not None else {})
             peaks.append(accelerator.swap_step_stats.peak_device_bytes)
     session = accelerator.swap_session
-    assert {"1", "3"} <= set(session.refusals)
-    # The guard steps' segment runs found it out (selective heard the writes); no plan recomputes them.
-    assert plans[-1] and all(not plan[n].recomputes for plan in plans[1:] if plan for n in ("1", "3")), plans
+    # No segment is run outside the step to find it out: a step that recomputes one finds it (its
+    # input copied, the step exact), and no plan after that recomputes it.
+    for n in ("1", "3"):
+        first = next((k for k, plan in enumerate(plans) if plan and plan[n].recomputes), None)
+        if first is not None:
+            assert n in session.refusals and not any(plan[n].recomputes for plan in plans[first + 1:] if plan), plans
     assert any(a is not Action.KEEP for a in plans[-1].values()), plans  # the budget made it act
     assert max(peaks) <= budget, (peaks, budget)
     assert all(torch.equal(a, b) for a, b in zip(accelerator.unwrap_model(twin).state_dict().values(), plain.state_dict().values()))

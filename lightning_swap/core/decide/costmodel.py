@@ -131,14 +131,13 @@ def forward_own(s: SegmentProfile, a: Action, *, overlap: bool) -> int:
     Note [A forward that does not keep]: kept, a segment's forward ends holding everything it
     saves. Recomputed, or offloaded by copies done when issued (CPU), its saved tensors are not
     held for backward, yet its forward still holds what its own code references — a block's
-    ``q, k, v`` stay alive in its frame to its end — which no trace of ops can see; so it is
-    measured, by running the segment with nothing saved (``measure/action_costs.py``). With
-    ``W`` that working set, ``S`` the saved bytes and ``w`` the kept forward's working bytes, the
-    window's peak is its start level plus ``W``, i.e. the base plus ``S - w + W``; plus what the
-    action keeps. Not measured (a fake profile): as kept, which never under-predicts, and never
-    more than kept (a segment's forward that saves less holds no more than the kept one; ``W`` and
-    ``w`` come from different runs, and under FSDP ``W`` from a forward run alone: Note [A
-    sharded segment's forward alone]). Offloaded with copies beside compute (CUDA), the sources
+    ``q, k, v`` stay alive in its frame to its end — which no trace of ops can see. Where it was
+    measured (``SegmentProfile.released_forward_working_bytes``, ``W``), with ``S`` the saved
+    bytes and ``w`` the kept forward's working bytes, the window's peak is its start level plus
+    ``W``, i.e. the base plus ``S - w + W``; plus what the action keeps. Not measured (``auto``
+    runs no segment outside the user's step to measure it: Note [Observe, do not re-run] in
+    ``measure/observe.py``): as kept, which never under-predicts, and never more than kept (a
+    segment's forward that saves less holds no more than the kept one). Offloaded with copies beside compute (CUDA), the sources
     stay until their copies are waited for (Note [Stream protocol], rule 2): all of it, as kept.
     """
     if a is Action.KEEP or (a is Action.OFFLOAD and overlap) or s.released_forward_working_bytes < 0:
@@ -161,15 +160,15 @@ def copied_bytes(s: SegmentProfile, a: Action) -> int:
 #: come out at 0 (``selective`` chosen at a budget where everything fits, priced ``+0.00 ms``):
 #: recomputation is floored at the forward of the ops it runs again (the whole segment's for
 #: ``RECOMPUTE``; the ops outside the heavy ones for ``SELECTIVE``, unless measured inside a
-#: compiled graph, whose backward fuses them: Note [Compiled segments are timed compiled] in
-#: ``measure/action_costs.py``), and every action at this, so that among plans of equal
+#: compiled graph, whose backward fuses them: ``SegmentProfile.selective_floor``), and every
+#: action at this, so that among plans of equal
 #: predicted time the one that does less (keep first) wins.
 MIN_ACTION_MS = 0.01
 
 
 def recompute_ms(s: SegmentProfile, a: Action) -> float:
-    """What recomputing ``s`` under ``a`` adds: measured on the device when the profile timed the
-    action (``measure/action_costs.py``), never less than the forward of the ops it runs again
+    """What recomputing ``s`` under ``a`` adds: measured on the device when a profile timed the
+    action (``SegmentProfile.recompute_ms``, ``selective_ms``), never less than the forward of the ops it runs again
     (Note [An action is never free]); ``OFFLOAD``'s floor (its copies are priced in
     :func:`simulate`)."""
     if a in (Action.RECOMPUTE, Action.RECOMPUTE_OFFLOAD):
@@ -345,6 +344,10 @@ class Prediction:
     backward_peak_bytes: tuple[int, ...]
     tail_peak_bytes: int
     rows: tuple[PlanRow, ...]
+    #: Each element's level as its forward starts, and the windows no action changes (the
+    #: optimizer step's, before the first element): Note [The budget held online].
+    forward_start_bytes: tuple[int, ...] = ()
+    fixed_peak_bytes: int = 0
 
 
 def _as_list(profile: ModelProfile, actions: Mapping[str, Action] | Sequence[Action]) -> list[Action]:
@@ -483,6 +486,9 @@ class _Walk:
     clock: float = 0.0
     kept_before: list[int] = field(default_factory=list)
     kept_rows: list[int] = field(default_factory=list)
+    #: Each element's level as its forward starts (Note [The budget held online] in
+    #: ``runtime/online.py`` compares it with the level measured there).
+    starts: list[int] = field(default_factory=list)
 
 
 def _wait_d2h(walk: _Walk, pending: dict[int, float], upto: int) -> None:
@@ -517,6 +523,12 @@ def referenced_outputs(segs: Sequence[SegmentProfile], mask: Sequence[bool]) -> 
     return refs
 
 
+def _start(base: int, s: SegmentProfile) -> int:
+    """The level as an element's forward starts, from its window's base (what no action changes)
+    plus what the plan holds then: its kept peak less its kept rise."""
+    return max(0, base + s.internal_saved_bytes - s.forward_working_bytes)
+
+
 def _forward_bytes(walk: _Walk, profile: ModelProfile) -> tuple[list[int], int]:
     """Forward under an in-flight window in bytes (Note [Copy windows in bytes, priced])."""
     segs, acts, copies, costs = walk.segs, walk.acts, walk.copies, walk.costs
@@ -528,6 +540,7 @@ def _forward_bytes(walk: _Walk, profile: ModelProfile) -> tuple[list[int], int]:
         in_flight = min(limit, int(queue) + copies[i]) if walk.overlap else 0
         referenced = sum(segs[r + 1].input_bytes for r in refs[i] if not boundary_held(segs[r], acts[r], segs[r + 1], acts[r + 1]))
         peaks.append(costs.forward_base_bytes[i] + kept + forward_own(s, a, overlap=False) + in_flight + referenced)
+        walk.starts.append(_start(costs.forward_base_bytes[i] + kept + in_flight + referenced, s))
         walk.clock += s.forward_ms
         if copies[i]:
             last = i
@@ -567,6 +580,7 @@ def _forward(walk: _Walk, profile: ModelProfile) -> tuple[list[int], int]:
         # Note [A region's output stays referenced in forward]: not held by the plan, it is still there.
         referenced = sum(segs[r + 1].input_bytes for r in refs[i] if not boundary_held(segs[r], acts[r], segs[r + 1], acts[r + 1]))
         peaks.append(costs.forward_base_bytes[i] + kept + forward_own(s, a, overlap=walk.overlap) + in_flight + referenced)
+        walk.starts.append(_start(costs.forward_base_bytes[i] + kept + in_flight + referenced, s))
         walk.clock += s.forward_ms
         if copies[i] and walk.overlap:
             d2h_free = max(walk.clock, d2h_free) + copies[i] / profile.d2h_bytes_per_ms
@@ -733,4 +747,6 @@ def simulate_chain(
         backward_peak_bytes=tuple(bwd_peaks),
         tail_peak_bytes=int(tail_peak),
         rows=rows,
+        forward_start_bytes=tuple(walk.starts),
+        fixed_peak_bytes=int(costs.fixed_peak_bytes),
     )

@@ -81,8 +81,9 @@ class Plan:
         cls, segments: "tuple[str, ...] | list[str]", refused: "Container[str]" = (), *, action: Action = Action.RECOMPUTE_OFFLOAD,
     ) -> "Plan":
         """The plan that leaves the least on the device without a profile: every segment
-        ``action`` (``RECOMPUTE_OFFLOAD``; ``auto``'s guard gives ``OFFLOAD`` where offloaded bytes
-        come back per op, on CPU: ``guard_action`` in ``scale/guard.py``), ``OFFLOAD`` for one in
+        ``action`` (``RECOMPUTE_OFFLOAD``; ``auto``'s first step gives ``OFFLOAD``, whose saved
+        tensors its trace sees: Note [A traced step sees what the plan moves] in
+        ``measure/trace.py``), ``OFFLOAD`` for one in
         ``refused``, whose recomputation is refused (Note [Refused actions] in
         ``measure/model_profile.py``), every region outside them offloaded (Note [Names of the
         regions outside the segments] in ``segments.py``), copies waited for when issued and

@@ -4,24 +4,21 @@ Note [A step measured under a plan]: the cost model (Note [Memory model] in ``co
 writes each window's peak as ``base + terms(plan)``, where ``base`` is what no action changes
 and the terms depend on the plan through per-segment quantities. A profile normally measures the
 windows of a *plain* step and derives ``base`` from them. A step run under another plan ``P``
-(``auto``'s guard step, under the lowest-memory plan) gives it too, but not through ``P``'s own
-window terms: those model transients (a recomputation's forward, an offloaded backward fetching
-op by op) that the model only bounds, and a bound run backwards is an error of the other sign.
-So the measurement is taken where ``P`` and plain differ only in bytes the model counts
-exactly — where each segment's window *starts*: before its forward, what earlier segments keep;
-before its backward, that and what the segment itself holds then (:func:`present_bytes`) — and
-the segment's own rise above that start is plain's, measured by running it alone, kept (Note [A
-segment measured alone] in ``measure/action_costs.py``). ``ObservedStep`` hands over, per
-segment, ``start under P + rise when kept`` as the window's peak; :func:`as_plain` swaps ``P``'s
-kept and present bytes for plain's, and the windows no action changes (before the first segment,
-after its backward, the optimizer step) and the tail (which only earlier segments' kept bytes
-change) stay as measured. The regions outside the segments (Note [Regions outside the segments]
-in ``measure/model_profile.py``), offloaded by the guard's plan too, cannot run alone: on CPU the
-step's meter counts them as kept until their backward (Note [Regions held as kept] in
-``measure/trace.py``), so they enter as kept and only their own backward window is swapped as
-a segment's is; on CUDA their forward is bounded by their offloaded bytes. Measured on CPU (the tests' MLP, GPT and CNN, the issue's LM in
-``bf16-mixed``, ResNet-18): plain's peak predicted from a step under ``OFFLOAD`` or
-``RECOMPUTE_OFFLOAD`` everywhere within 0.5% of the measured one.
+(``auto``'s first step, under the lowest-memory plan; a new shape's first step, under its plan
+of ``keep`` and ``offload``) gives it too, but not through ``P``'s own window terms: those model
+transients (an offloaded backward fetching op by op) that the model only bounds, and a bound run
+backwards is an error of the other sign. So the forward windows are measured as plain's where the
+meter can: on CPU the tracer's meter holds every storage ``P`` moved off the device as if kept
+until its backward begins (Note [Regions held as kept] in ``measure/trace.py``), so those windows
+*are* plain's and enter as kept; the backward windows are ``P``'s (the storages let go, fetched
+back per saved tensor), and :func:`as_plain` adds to each the bytes its element holds under plain
+as its backward starts less what it held under ``P`` (:func:`present_bytes`). On CUDA the
+allocator's counts cannot be held: an offloaded element's forward is bounded by its rise under
+``P`` plus its offloaded bytes, and what earlier elements keep is swapped for plain's. The
+windows no action changes (before the first segment, after its backward, the optimizer step)
+stay as measured. Measured on CPU (the tests' MLP, GPT and CNN): plain's peak predicted from a
+step under ``OFFLOAD`` everywhere within 0.1% of the measured one
+(``tests/measure/test_outside_regions.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +35,7 @@ from .costmodel import (
     outside_mask, recompute_ms, segment_costs, simulate_chain,
 )
 
-__all__ = ["as_plain", "present_bytes", "time_factors"]
+__all__ = ["as_plain", "present_bytes"]
 
 
 def _kept_before(segs: Sequence[SegmentProfile], acts: Sequence[Action]) -> list[int]:
@@ -101,9 +98,9 @@ def _plain_elements(
     priced: Sequence[SegmentProfile],
 ) -> list[SegmentProfile]:
     """Each element's windows under plain (Note [A step measured under a plan]): the plan's kept
-    bytes before it swapped for plain's, and in its backward its own present bytes. A region the
+    bytes before it swapped for plain's, and in its backward its own present bytes. An element the
     meter held as kept (``measured`` ``KEEP``, ``ran`` ``OFFLOAD``: Note [Regions held as kept] in
-    ``measure/trace.py``) was let go as its backward began: that window is the plan's. A region
+    ``measure/trace.py``) was let go as its backward began: that window is the plan's. An element
     offloaded and not held (CUDA) rose in its forward by at most its offloaded bytes less.
     ``priced``: the elements as the plan ran them (its lighter selective choices: Note [Lighter
     selective]), for what the plan held at each backward."""
@@ -111,11 +108,11 @@ def _plain_elements(
     tail = len(segs) - 1 if profile.has_tail_region() else None
     out = []
     for i, (s, a, o) in enumerate(zip(segs, measured, mask)):
-        prev, p = (segs[i - 1], measured[i - 1]) if i else (None, None)
+        prev = segs[i - 1] if i else None
         swap = kept_k[i] - kept_p[i]
-        ran_prev = priced[i - 1] if i else None
-        present = present_bytes(prev, Action.KEEP if i else None, s, Action.KEEP) - present_bytes(ran_prev, p, priced[i], ran[i] if o else a)
-        forward = s.forward_peak_bytes + swap + (s.offload_bytes if o and a is not Action.KEEP else 0)
+        ran_prev, p = (priced[i - 1], measured[i - 1]) if i else (None, None)
+        present = present_bytes(prev, Action.KEEP if i else None, s, Action.KEEP) - present_bytes(ran_prev, p, priced[i], a)
+        forward = s.forward_peak_bytes + swap + (s.offload_bytes if a is Action.OFFLOAD else 0)
         if i == tail and profile.tail_start_bytes >= 0 and profile.tail_rest_bytes >= 0 and a is Action.KEEP:
             last = max(j for j, m in enumerate(mask[:i]) if not m)
             forward = _opened(profile.tail_start_bytes, profile.tail_rest_bytes, swap, segs, measured, last, i)
@@ -128,20 +125,19 @@ def _plain_elements(
 
 def as_plain(
     profile: ModelProfile, actions: Mapping[str, Action] | Sequence[Action], *, outside: Optional[Mapping[str, Action]] = None,
-    regions_held: bool = False, prefetch_segments: Optional[int] = None, inflight_segments: int = 1,
+    held: bool = False, prefetch_segments: Optional[int] = None, inflight_segments: int = 1,
     prefetch_bytes: Optional[int] = None, inflight_bytes: Optional[int] = None,
     selective_ops: Optional[Mapping[str, Sequence[str]]] = None,
 ) -> ModelProfile:
     """``profile`` was measured in a step run under ``actions`` (and ``outside`` for the regions
-    outside the segments; ``regions_held``: the meter counted those as kept, Note [Regions held
-    as kept] in ``measure/trace.py``): each segment's window peaks are its window's start under
-    the plan plus its rise when kept, the tail's as measured (Note [A step measured under a
+    outside the segments; ``held``: the meter counted what they offloaded as kept, Note [Regions
+    held as kept] in ``measure/trace.py``), the tail's as measured (Note [A step measured under a
     plan]); the same profile with plain training's windows. The copy windows: as the step ran
     (the copies in flight at the tail). ``selective_ops``: the plan's (Note [Lighter selective] in
     ``measure/profiler.py``: what its selective segments kept)."""
     ran = chain_actions(profile, actions, outside)
     mask = outside_mask(profile)
-    measured = [Action.KEEP if o and regions_held else a for a, o in zip(ran, mask)]
+    measured = [Action.KEEP if held and a is Action.OFFLOAD else a for a in ran]
     keep = [Action.KEEP] * len(ran)
     segs = elements(profile.with_selective_ops(selective_ops))
     _, inflight = copy_window(prefetch_segments, inflight_segments, overlap=profile.copies_overlap)
@@ -157,41 +153,3 @@ def as_plain(
     )
     peak = simulate_chain(plain, keep, segment_costs(plain), prefetch_segments=prefetch_segments, inflight_segments=inflight_segments).peak_bytes
     return dataclasses.replace(plain, peak_bytes=peak)
-
-
-#: Measured times are trusted to re-price a profile within this factor of the prediction.
-_MOST_FACTOR = 10.0
-
-
-def _factor(measured: float, predicted: float, default: float) -> float:
-    if measured <= 0 or predicted <= 1e-9:
-        return default
-    return min(max(measured / predicted, 1 / _MOST_FACTOR), _MOST_FACTOR)
-
-
-def time_factors(
-    profile: ModelProfile, actions: Mapping[str, Action] | Sequence[Action], step_ms: float, recompute_ms_measured: float,
-    transfer_ms: float, *, outside: Optional[Mapping[str, Action]] = None, prefetch_segments: Optional[int] = None,
-    inflight_segments: int = 1, prefetch_bytes: Optional[int] = None, inflight_bytes: Optional[int] = None,
-    selective_ops: Optional[Mapping[str, Sequence[str]]] = None,
-) -> tuple[float, float, float]:
-    """Note [Re-plan from the steady state] in ``scale/revisit.py``: by what ``profile``'s times are
-    off, from a steady step measured under ``actions`` (and ``outside`` for the regions outside
-    the segments; its time, what recomputation took in it, what copies left exposed): (compute,
-    recomputation, copies), for :meth:`~..measure.model_profile.ModelProfile.with_times`. The
-    plain part of the step is what was measured less recomputation and copies; recomputation and
-    copies are compared with what the model priced them at, and keep the compute factor (copies:
-    1) where the plan has none; ``selective_ops``: the plan's (Note [Lighter selective])."""
-    profile = profile.with_selective_ops(selective_ops)
-    acts = chain_actions(profile, actions, outside)
-    segs = elements(profile)
-    predicted = simulate_chain(
-        profile, acts, prefetch_segments=prefetch_segments, inflight_segments=inflight_segments, prefetch_bytes=prefetch_bytes,
-        inflight_bytes=inflight_bytes,
-    )
-    recompute = sum(recompute_ms(s, a) for s, a in zip(segs, acts) if a.recomputes)
-    floors = sum(recompute_ms(s, a) for s, a in zip(segs, acts) if not a.recomputes)
-    copies = max(0.0, predicted.step_ms - profile.step_ms - recompute - floors)
-    plain = max(step_ms - recompute_ms_measured - transfer_ms, 0.1 * step_ms)
-    compute = _factor(plain, profile.step_ms, 1.0)
-    return compute, _factor(recompute_ms_measured, recompute, compute), _factor(transfer_ms, copies, 1.0)

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves
 from ..compiled import force_eager
 from ..tensors import local_tensor
 
-__all__ = ["DeviceMemoryMeter", "host_allocation", "mark_host"]
+__all__ = ["DeviceMemoryMeter", "host_allocation", "in_host_allocation", "mark_host"]
 
 _local = threading.local()
 # Storages that are host memory even though they sit on the CPU device (the offload host
@@ -100,7 +100,8 @@ def host_allocation() -> Iterator[None]:
         _local.host = previous
 
 
-def _in_host_allocation() -> bool:
+def in_host_allocation() -> bool:
+    """Inside :func:`host_allocation` (the offload engine's own copies to the host)."""
     return getattr(_local, "host", False)
 
 
@@ -111,7 +112,7 @@ class _StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not _in_host_allocation():
+        if not in_host_allocation():
             self._meter._observe(tree_leaves(out))
         return out
 
@@ -147,6 +148,9 @@ class DeviceMemoryMeter:
         self._tokens = itertools.count(1)
         self._current = 0
         self._peak = 0
+        #: CPU: bytes of storages freed but still counted (held), and the peak without them.
+        self._unheld = 0
+        self._real_peak = 0
         self._mode: Optional[_StorageTracker] = None
         self._stance: Optional[Any] = None
         self._open = False
@@ -168,7 +172,7 @@ class DeviceMemoryMeter:
             self._storages.clear()
             self._holding.clear()
             self._holds.clear()
-            self._current = self._peak = 0
+            self._current = self._peak = self._unheld = self._real_peak = 0
             # Compiled code runs eagerly under the mode; say so to Dynamo, or fullgraph=True raises.
             self._stance = force_eager()
             self._mode = _StorageTracker(self)
@@ -215,6 +219,17 @@ class DeviceMemoryMeter:
         if self.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._peak = 0 if after_next_change and not self.is_cuda else self._current
+        self._real_peak = 0 if after_next_change and not self.is_cuda else self._current - self._unheld
+
+    @property
+    def real_bytes(self) -> int:
+        """CPU: the bytes alive now, the storages held once freed (:meth:`hold`) left out."""
+        return self._current - self._unheld
+
+    @property
+    def real_peak_bytes(self) -> int:
+        """CPU: the peak of :attr:`real_bytes` since the last :meth:`reset_peak`."""
+        return self._real_peak
 
     def hold(self, storage: torch.UntypedStorage) -> Optional[int]:
         """CPU: count ``storage`` as alive once freed too, until :meth:`let_go` names the token
@@ -239,6 +254,7 @@ class DeviceMemoryMeter:
             if held.tokens:
                 continue
             if held.freed_bytes:
+                self._unheld -= held.freed_bytes
                 self._changed(-held.freed_bytes)
             elif self._holding.get(held.key) is held:  # still alive: no longer held
                 del self._holding[held.key]
@@ -280,6 +296,7 @@ class DeviceMemoryMeter:
         self._current += delta
         if self._current > self._peak:
             self._peak = self._current
+        self._real_peak = max(self._real_peak, self._current - self._unheld)
         for listener in self.listeners:
             listener(self._current)
 
@@ -288,7 +305,7 @@ class DeviceMemoryMeter:
         key = id(storage)
         entry = self._storages.get(key)
         if entry is None or entry[0]() is not storage:
-            if storage.device == self.device and not _in_host_allocation():
+            if storage.device == self.device and not in_host_allocation():
                 self._add(storage)  # grown from nothing on the device: an allocation
             return
         nbytes = storage.nbytes()
@@ -303,6 +320,7 @@ class DeviceMemoryMeter:
                 held = self._holding.pop(key, None)
                 if held is not None:  # counted until every hold is let go (Note [Holds are tokens, not ids])
                     held.freed_bytes = entry[1]
+                    self._unheld += entry[1]
                     return
                 self._current -= entry[1]
                 self._peak = max(self._peak, self._current)  # a peak restarted after the next change

@@ -165,7 +165,7 @@ class _Entry:
 
     __slots__ = (
         "__weakref__", "segment", "nbytes", "buffer", "host", "source", "version", "pool",
-        "d2h_event", "h2d_event", "fetch", "device", "landed", "packs", "pending", "round", "ahead",
+        "d2h_event", "h2d_event", "fetch", "device", "landed", "packs", "pending", "round", "ahead", "observed",
     )
 
     def __init__(self, segment: int, nbytes: int, buffer: torch.Tensor, pool: HostPool) -> None:
@@ -191,6 +191,9 @@ class _Entry:
         self.round = 0
         #: Fetched ahead under a byte window and not unpacked yet (Note [Copy windows in bytes]).
         self.ahead = False
+        #: What the engine's observer said of each pack, handed back at the first unpack (Note [A
+        #: traced step sees what the plan moves] in ``measure/trace.py``).
+        self.observed: list[Any] = []
 
     def __del__(self) -> None:
         try:
@@ -340,6 +343,14 @@ class OffloadEngine:
         self._order: list[weakref.ref] = []
         self._cursor = -1
         self._ahead_bytes = 0
+        #: A traced step's recorder (Note [A traced step sees what the plan moves] in
+        #: ``measure/trace.py``): ``moved(t, offloaded)`` with every tensor a hook of this engine is
+        #: asked to save; ``unpacked(what moved returned)`` before an offloaded one's first unpack,
+        #: and ``fetched(what moved returned, the copy)`` after it; ``None``: nobody listens.
+        self.observer: Any = None
+        #: Note [Backward fetches within the budget]: the device bytes the budget leaves now, or
+        #: ``None`` (no budget held online).
+        self.room: Optional[Callable[[], int]] = None
 
     # -- step ---------------------------------------------------------------------------
     def begin_step(self, skip: Iterable[torch.Tensor]) -> None:
@@ -431,6 +442,8 @@ class OffloadEngine:
         def pack(t: torch.Tensor) -> Any:
             name = region() if torch._C._current_graph_task_id() == -1 else None
             if name is None:
+                if self.observer is not None:
+                    self.observer.moved(t, False)
                 self._count_saved(t)
                 return _Kept(t)
             return self._pack(None, t, region=name)
@@ -470,7 +483,9 @@ class OffloadEngine:
         plain = type(t) is torch.Tensor and t.layout == torch.strided
         first = plain and not self._was_seen(t.untyped_storage())
         storage = self._count_saved(t)
-        if not self._should_offload(t):
+        offload = self._should_offload(t)
+        observed = self.observer.moved(t, offload) if self.observer is not None else None
+        if not offload:
             if storage is not None and first:  # Note [Unplanned bytes]: it stays, against the plan
                 self.counters.unplanned_bytes += storage.nbytes()
             return _Kept(t)
@@ -480,8 +495,10 @@ class OffloadEngine:
         entry = ref() if ref is not None else None
         if entry is not None and entry.source is not None and entry.source() is storage and entry.version == t._version:
             self.counters.deduplicated_tensors += 1
+            entry.observed.append(observed)
             return _Packed(entry, t)
         entry = self._copy_out(segment, storage, t._version)
+        entry.observed.append(observed)
         if region is not None:
             self.counters.by_region[region] = self.counters.by_region.get(region, 0) + entry.nbytes
         self._by_storage[key] = weakref.ref(entry)
@@ -554,7 +571,8 @@ class OffloadEngine:
         return entry.device
 
     def _prefetch_entry(self, entry: _Entry) -> int:
-        """Fetch ``entry`` ahead of need; the bytes it newly brought (0: not needed, or alive)."""
+        """Fetch ``entry`` ahead of need; the bytes it newly brought (0: not needed, or alive, or no
+        room for it in the budget: Note [Backward fetches within the budget])."""
         if entry.fetch is not None or entry.device is not None:
             return 0
         if entry.landed is not None and entry.landed() is not None:
@@ -562,6 +580,11 @@ class OffloadEngine:
         storage = entry.source() if entry.source is not None else None
         if storage is not None:  # still on the device: held from now, not fetched
             self._use_in_place(entry, storage)
+            return 0
+        # Note [Backward fetches within the budget]: under ``policy="auto"`` a fetch ahead of need
+        # is made only where the budget has room for it now; otherwise the tensor is fetched when
+        # its backward reads it (on demand, one storage at a time), which the plan's peak allows.
+        if self.room is not None and entry.nbytes > self.room():
             return 0
         entry.fetch = next(self._fetch_ids)
         self._fetches[entry.fetch] = self._fetch(entry)
@@ -582,6 +605,8 @@ class OffloadEngine:
             entry = self._order[self._cursor]()
             if entry is not None and self._ahead_bytes and self._ahead_bytes + entry.nbytes > limit:
                 return  # no room: it waits for the next unpack
+            if entry is not None and self.room is not None and entry.nbytes > self.room():
+                return  # none in the budget either (Note [Backward fetches within the budget])
             self._cursor -= 1
             if entry is None or entry.round > 0 or entry.pending < entry.packs:
                 continue  # gone, or unpacked already: backward is past it
@@ -629,9 +654,15 @@ class OffloadEngine:
             return packed.tensor
         packed.check(packed.alias._version)
         entry = packed.entry
+        observed, observer = entry.observed if self.observer is not None else [], self.observer
+        if observed:  # its first unpack: plain training's copy is counted as the fetched one from here
+            observer.unpacked(observed)
+            entry.observed = []
         with self._lock:
             self._start_backward()
             dst = self._device_bytes(entry)
+            if observed:
+                observer.fetched(observed, dst)
             if entry.ahead:  # Note [Copy windows in bytes]: it leaves the window
                 entry.ahead = False
                 self._ahead_bytes -= entry.nbytes

@@ -80,8 +80,8 @@ class SegmentProfile:
     tensor_output_saving_bytes: int = 0
     tensor_both_saving_bytes: int = 0
     #: the forward's peak above its start with its saved tensors not held for backward
-    #: (recomputed, or offloaded by synchronous copies), measured by running the segment so
-    #: (:mod:`.action_costs`); -1: not measured (Note [A forward that does not keep] in ``costmodel.py``)
+    #: (recomputed, or offloaded by synchronous copies), where a profile measured it; -1: not
+    #: measured (Note [A forward that does not keep] in ``costmodel.py``)
     released_forward_working_bytes: int = -1
     input_saved: bool
     input_small: bool
@@ -91,14 +91,14 @@ class SegmentProfile:
     output_small: bool
     output_heavy: bool
     output_held_elsewhere: bool
-    #: What ``RECOMPUTE`` and ``SELECTIVE`` add to a step, measured on the device by running the
-    #: segment under them (:mod:`.action_costs`); ``None``: estimated from the forward's time.
+    #: What ``RECOMPUTE`` and ``SELECTIVE`` add to a step, where a profile measured it on the
+    #: device; ``None``: estimated from the forward's time.
     recompute_ms: Optional[float] = None
     selective_ms: Optional[float] = None
     #: Whether ``SELECTIVE``'s time is floored at the forward of the ops it runs again (Note [An
     #: action is never free] in ``decide/costmodel.py``); ``False`` where ``selective_ms`` was
-    #: measured recomputing inside the compiled graph, whose backward kernels fuse those ops
-    #: (Note [Compiled segments are timed compiled] in ``action_costs.py``).
+    #: measured recomputing inside the compiled graph, whose backward kernels fuse those ops (a
+    #: profile given them: ``auto``'s traced steps run eagerly on CPU and leave it ``True``).
     selective_floor: bool = True
     #: The ops whose outputs ``SELECTIVE`` saves, decided from this segment's measured forward
     #: (Note [Which ops selective recomputation saves] in ``profiler.py``); ``None``: the fixed
@@ -161,6 +161,10 @@ _SCALED_INT_FIELDS = tuple(
 
 
 _SCALED_MS_FIELDS = ("forward_ms", "backward_ms", "heavy_forward_ms")
+#: Note [A shape scaled from another]: the fields that are levels of the whole step (the forward's
+#: first), and those that do not grow with the batch's activations.
+_LEVEL_FIELDS = ("forward_peak_bytes", "backward_peak_bytes", "offload_backward_peak_bytes")
+_FIXED_FIELDS = ("gradient_bytes", "gathered_parameter_bytes")
 
 
 _MEASURED_MS_FIELDS = ("recompute_ms", "selective_ms")
@@ -323,26 +327,46 @@ class ModelProfile:
             peak_bytes=self.peak_bytes + max(f, b), reference=reference,
         )
 
-    def with_times(self, compute: float, recompute: float, copy: float) -> "ModelProfile":
-        """This profile with its times multiplied by measured factors (Note [Re-plan from the
-        steady state] in ``scale/revisit.py``): every forward, backward and the plain step by
-        ``compute``, the measured costs of recomputation by ``recompute``, and the copy
-        bandwidths divided by ``copy``; the regions outside the segments as the segments."""
+    def scaled(self, factor: float, batch_size: Optional[int] = None) -> "ModelProfile":
+        """This profile for a batch holding ``factor`` times its activations (Note [A shape
+        scaled from another] in ``scale/auto.py``): every activation's bytes and every time times
+        ``factor``, each window's level its fixed part (what was alive before the step; in
+        backward, every gradient too) plus ``factor`` times the rest; the parameters' gradients,
+        the gathered parameters and the optimizer step as they are. ``batch_size``: the batch's."""
+        if factor == 1 and batch_size in (None, self.batch_size):
+            return self
+        static, grads = self.static_bytes, self.gradient_bytes
 
-        def timed(elements: tuple[SegmentProfile, ...]) -> tuple[SegmentProfile, ...]:
-            return tuple(
-                dataclasses.replace(
-                    s, **{f: getattr(s, f) * compute for f in _SCALED_MS_FIELDS},
-                    **{f: getattr(s, f) * recompute for f in _MEASURED_MS_FIELDS if getattr(s, f) is not None},
-                )
-                for s in elements
-            )
+        def grown(v: int) -> int:
+            return max(0, round(v * factor))
 
-        reference = self.reference.with_times(compute, recompute, copy) if self.reference is not None else None
+        def level(v: int, base: int) -> int:
+            return v if v <= base else base + grown(v - base)
+
+        def scaled(s: SegmentProfile) -> SegmentProfile:
+            changes: dict[str, Any] = {f: grown(getattr(s, f)) for f in _SCALED_INT_FIELDS if f not in _LEVEL_FIELDS + _FIXED_FIELDS}
+            changes.update(forward_peak_bytes=level(s.forward_peak_bytes, static))
+            changes.update({f: level(getattr(s, f), static + grads) for f in _LEVEL_FIELDS[1:]})
+            changes.update({f: getattr(s, f) * factor for f in _SCALED_MS_FIELDS})
+            changes.update({f: getattr(s, f) * factor for f in _MEASURED_MS_FIELDS if getattr(s, f) is not None})
+            if s.released_forward_working_bytes >= 0:
+                changes["released_forward_working_bytes"] = grown(s.released_forward_working_bytes)
+            return dataclasses.replace(s, **changes)
+
+        top = dict(
+            prefix_forward_peak_bytes=level(self.prefix_forward_peak_bytes, static), tail_peak_bytes=level(self.tail_peak_bytes, static),
+            prefix_backward_peak_bytes=level(self.prefix_backward_peak_bytes, static + grads), peak_bytes=level(self.peak_bytes, static),
+        )
+        for f in ("tail_start_bytes", "tail_rest_bytes"):
+            if getattr(self, f) >= 0:
+                top[f] = level(getattr(self, f), static)
+        for f in ("total_saved_bytes", "segment_saved_bytes"):
+            if getattr(self, f) >= 0:
+                top[f] = grown(getattr(self, f))
         return dataclasses.replace(
-            self, segments=timed(self.segments), outside=timed(self.outside), prefix_ms=self.prefix_ms * compute, tail_ms=self.tail_ms * compute,
-            step_ms=self.step_ms * compute, d2h_bytes_per_ms=self.d2h_bytes_per_ms / copy,
-            h2d_bytes_per_ms=self.h2d_bytes_per_ms / copy, reference=reference,
+            self, segments=tuple(scaled(s) for s in self.segments), outside=tuple(scaled(s) for s in self.outside),
+            batch_size=batch_size or self.batch_size, prefix_ms=self.prefix_ms * factor, tail_ms=self.tail_ms * factor,
+            step_ms=self.step_ms * factor, reference=None, **top,
         )
 
     def at_batch(self, batch_size: int) -> "ModelProfile":

@@ -41,11 +41,10 @@ from ..engine.meter import host_allocation, mark_host
 from ..engine.recompute import compute_heavy_ops
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, check_min_offload_bytes
 from ..segments import PREFIX_REGION, SegmentSpec, find_segments, region_after, resolve_modules, split_call
-from ..sharded import is_sharded, like_shard, lone_forwards, world_size
+from ..sharded import is_sharded, like_shard, world_size
 from ..tensors import infer_batch_size, local_tensor, loss_of, storage_bytes
 from .model_profile import _SCALED_INT_FIELDS, _SCALED_MS_FIELDS, ModelProfile, SegmentProfile, refused_actions
-from .trace import PREFIX, StepTrace, Window, WindowKind, after_region, is_segment, run_timing, run_trace
-from .action_costs import measure_released_working
+from .trace import PREFIX, StepTrace, Window, WindowKind, after_region, is_segment, released_working, run_timing, run_trace
 
 __all__ = ["DeviceAssumption", "ModelProfile", "SegmentProfile", "measure_bandwidth", "profile"]
 
@@ -446,7 +445,7 @@ def _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_of
         static += [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
         return run_trace(
             model, names, lambda: loss_of(step_fn(model, batch)), device=device, static=static, params=params,
-            fake=False, min_offload_bytes=min_offload_bytes, capture_inputs=True,
+            fake=False, min_offload_bytes=min_offload_bytes,
         )
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
@@ -470,19 +469,10 @@ def _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_of
 
 
 def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_offload_bytes, rates) -> ModelProfile:
-    measured: dict[int, tuple[None, None, int, str, bool]] = {}
     with _Snapshot(model, device):
         trace = _trace_step(model, names, batch, step_fn, device, track, fake, rates, min_offload_bytes)
         names = trace.names  # one per call of a module run several times (Note [A segment per call])
         if not fake:
-            modules = resolve_modules(model, names)  # canonical names, compiled or not
-            # Note [A forward that does not keep]; a sharded segment only where every rank runs
-            # it in lockstep: Note [A sharded segment's forward alone] in ``sharded.py``.
-            with lone_forwards(model) as alone:
-                for i, call in trace.inputs.items() if alone else ():
-                    working = measure_released_working(modules[names[i]], call, device) + trace.gathered_bytes.get(i, 0)
-                    measured[i] = (None, None, working, "", True)
-            trace.inputs = {}
             fwd, bwd, step_ms, regions = run_timing(model, names, lambda: loss_of(step_fn(model, batch)), device)
             fwd = {**fwd, **{k: v[0] for k, v in regions.items()}}
             bwd = {**bwd, **{k: v[1] for k, v in regions.items()}}
@@ -496,6 +486,7 @@ def _build(model, names, batch, batch_size, step_fn, device, track, fake, min_of
         heavy = {i: trace.est_heavy_ms.get(i, 0.0) for i in range(n)}
     else:
         heavy = {i: fwd[i] * trace.heavy_op_ms.get(i, 0.0) / max(trace.all_op_ms.get(i, 0.0), 1e-9) for i in range(n)}
+    measured = {i: (None, None, released_working(trace, i), "", True) for i in range(n)}
     return assemble(trace, model, names, batch_size=batch_size, device=device, fake=fake, min_offload_bytes=min_offload_bytes,
                     fwd=fwd, bwd=bwd, heavy=heavy, step_ms=step_ms, measured=measured)
 
@@ -505,7 +496,7 @@ def _chain_profiles(
     min_offload_bytes: int, measured: dict[int, tuple[Optional[float], Optional[float], int, str, bool]],
 ) -> list[tuple[_Element, SegmentProfile]]:
     """Each element of the chain with its profile (Note [Regions outside the segments]); a
-    segment's with what :mod:`.action_costs` timed and refused (Note [Refused actions])."""
+    segment's with what was measured of its actions and refused (Note [Refused actions])."""
     profiles = []
     for pos, e in enumerate(elements):
         prev = elements[pos - 1] if pos else None
@@ -537,7 +528,7 @@ def assemble(
     """A :class:`ModelProfile` from a step's trace and its times (``fwd`` / ``bwd``: per segment
     index, and per region outside the segments, ``PREFIX`` or ``after_region(i)``, where known;
     ``measured``: per segment index the recompute and selective costs, the released forward's
-    working bytes, the refusal and whether selective's time is floored, from :mod:`.action_costs`)."""
+    working bytes, the refusal and whether selective's time is floored, where measured)."""
     order = [names.index(name) for name in trace.order]
     elements = _chain_elements(trace, names, order)
     profiles = _chain_profiles(trace, elements, fwd=fwd, bwd=bwd, heavy=heavy, min_offload_bytes=min_offload_bytes, measured=measured or {})

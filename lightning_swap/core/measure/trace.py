@@ -30,17 +30,27 @@ and whose backward window runs to the start of the last segment's backward. What
 saves is recorded under its key (``PREFIX``, ``after_region(i)``: its forward window), as the
 segments' under their index.
 
-Note [Regions held as kept]: a step observed under a plan (``auto``'s guard step: Note [A step
-measured under a plan] in ``decide/under_plan.py``) runs with the regions outside the segments
-offloaded by the runtime's whole-step saved-tensor hooks. The tracer's pack hook goes over them
-and calls them (only the innermost pair of hooks runs), so it still records what each region
-saves, and the runtime still offloads it. A region cannot run alone as a segment can (it is no
-module), so on CPU the tracer's meter counts each storage a region saved as alive until that
-region's backward begins (``DeviceMemoryMeter.hold``), as keeping it would: every window is
-measured as if the regions were kept, while the step itself (and the runtime's meter, which
-measures the guard's peak) offloads them. From the region's backward on they are let go: its
-backward window is measured as the plan ran it, fetched back per saved tensor. On CUDA the
-allocator's counts cannot be held: the windows are the plan's.
+Note [Regions held as kept]: a step traced under a plan (``auto``'s first step, under the
+lowest-memory plan; a step of a shape no profile covers: Note [Auto learns from the steps it
+runs] in ``scale/auto.py``) runs with the regions outside the segments offloaded by the
+runtime's whole-step saved-tensor hooks, and segments offloaded by hooks of their own. The
+tracer's pack hook goes over the whole-step ones and calls them (only the innermost pair of hooks
+runs), so it still records what each region saves, and the runtime still offloads it; what a
+segment's hooks save reaches the tracer from the runtime itself (Note [A traced step sees what
+the plan moves]). On CPU the tracer's meter counts each storage the plan moves off the device as
+alive until its region's (or segment's) backward begins (``DeviceMemoryMeter.hold``), as keeping
+it would: every forward window is measured as if everything were kept, while the step itself
+(and the runtime's meter, which holds the budget) offloads them. From the backward on they are
+let go: the backward windows are measured as the plan ran them, fetched back per saved tensor.
+On CUDA the allocator's counts cannot be held: the windows are the plan's.
+
+Note [A traced step sees what the plan moves]: a segment's saved-tensor hooks are entered as its
+forward starts, above every hook entered before (the tracer's among them), and only the innermost
+pair runs; so the runtime's offload engine hands every tensor it is asked to save to the tracer
+first (``OffloadEngine.observer`` -> :meth:`_Recorder.moved`). A traced step therefore runs only
+actions whose saved tensors pass through a hook, ``keep`` and ``offload`` (a recomputed segment's
+are saved inside torch's checkpoint, seen by no hook): the profile is then the step's own, with no
+segment run again outside it.
 """
 
 from __future__ import annotations
@@ -56,17 +66,17 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..engine.meter import DeviceMemoryMeter
+from ..engine.meter import DeviceMemoryMeter, in_host_allocation
+from ..engine.offload import OffloadEngine
 from ..engine.recompute import compute_heavy_ops, op_call, written_args
 from ..segments import call_name, resolve_modules, split_call
 from ..sharded import gathered_bytes, gathered_parameters, is_sharded
-from ..tensors import local_tensor
-from .replay import CapturedCall
+from ..tensors import local_tensor, pop_saved_tensors_hooks
 from .windows import PREFIX, Mark, MarkKind, Window, WindowKind, after_region, is_segment
 
 __all__ = [
-    "CapturedCall", "Mark", "MarkKind", "PREFIX", "StepTrace", "StepTracer", "Window", "WindowKind", "after_region",
-    "boundary_keys", "is_segment", "region_times", "run_trace", "run_timing",
+    "Mark", "MarkKind", "PREFIX", "StepTrace", "StepTracer", "Window", "WindowKind", "after_region",
+    "boundary_keys", "is_segment", "region_times", "released_working", "run_trace", "run_timing",
 ]
 
 @dataclass(frozen=True)
@@ -102,6 +112,10 @@ class _Storages:
         self.by_key: dict[int, weakref.ref] = {}
         self._next = 0
 
+    def alias(self, storage: torch.UntypedStorage, key: int) -> None:
+        """``storage`` is known by ``key`` from now on (an offloaded storage's copy fetched back)."""
+        self._refs[id(storage)] = (weakref.ref(storage), key)
+
     def key(self, storage: torch.UntypedStorage) -> int:
         entry = self._refs.get(id(storage))
         if entry is not None and entry[0]() is storage:
@@ -122,6 +136,11 @@ class StepTrace:
     window_peak: dict[Window, int] = field(default_factory=dict)
     #: Bytes alive when each window started.
     window_start: dict[Window, int] = field(default_factory=dict)
+    #: The same two without the storages held as kept (Note [Regions held as kept]): what the
+    #: step really held; and the regions and segments the step's plan offloaded.
+    window_real_peak: dict[Window, int] = field(default_factory=dict)
+    window_real_start: dict[Window, int] = field(default_factory=dict)
+    offloaded: set = field(default_factory=set)
     #: Bytes alive when the loss's backward began (``backward_begins``); -1: not called.
     turnaround_bytes: int = -1
     saved: dict[Any, dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
@@ -155,8 +174,6 @@ class StepTrace:
     gathered_bytes: dict[int, int] = field(default_factory=dict)
     #: Milliseconds from the step's start to each mark (``StepTracer`` with ``ops``).
     marks: dict[Mark, float] = field(default_factory=dict)
-    #: What each segment was called with (``StepTracer(capture_inputs=True)``).
-    inputs: dict[int, "CapturedCall"] = field(default_factory=dict)
     #: Segments whose input is alive before the step (the batch): never saved by the step.
     static_inputs: set[int] = field(default_factory=set)
     #: Every segment by index, one per call of a module run several times (Note [A segment per call]).
@@ -187,6 +204,8 @@ class _OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if in_host_allocation():  # the offload engine's own copies are no op of the model's
+            return func(*args, **kwargs)
         rec = self.rec
         start = time.perf_counter()
         out = func(*args, **kwargs)
@@ -254,9 +273,10 @@ class _Recorder:
         #: The region running: a region key in forward, a :class:`_Backward` in backward.
         self.region: Any = PREFIX
         self.window = Window(WindowKind.PREFIX_FORWARD)
-        #: Note [Regions held as kept]: whether the regions outside the segments are counted as
-        #: kept whatever the plan does with them, and their saved storages held so, by region.
-        self.hold_regions = False
+        #: Note [Regions held as kept]: whether what the plan moves off the device (the regions
+        #: outside the segments, and the segments: Note [A traced step sees what the plan moves])
+        #: is counted as kept whatever the plan does with it, and the storages held so, by region.
+        self.hold = False
         self.held: dict[Any, set[int]] = {}
         self.phase_is_forward = True
         self.handles: list[Any] = []
@@ -264,8 +284,6 @@ class _Recorder:
         #: Timing events at segment boundaries (``StepTracer`` with ``ops``); ``None``: none.
         self.ops: Any = None
         self.marks: dict[Mark, Any] = {}
-        self.capture_inputs = False
-        self.inputs: dict[int, "CapturedCall"] = {}
         self._bwd_ops: dict[int, list[tuple[int, set]]] = {}
         self.sharded = is_sharded(model)
         #: Storage keys some op of the forward has made (Note [Which ops selective recomputation saves]).
@@ -314,22 +332,35 @@ class _Recorder:
         CPU, its peak counts only the levels after it: a step measured under a plan
         (``decide/under_plan.py``) then tells what the window after the last segment (the tail:
         head and loss) holds from the forward's last instant, where plain's peak may be."""
-        peak = self.meter.peak_bytes
-        self.trace.peak_bytes = max(self.trace.peak_bytes, peak)
-        self.trace.window_peak[self.window] = max(self.trace.window_peak.get(self.window, 0), peak)
+        peak, trace = self.meter.peak_bytes, self.trace
+        trace.peak_bytes = max(trace.peak_bytes, peak)
+        trace.window_peak[self.window] = max(trace.window_peak.get(self.window, 0), peak)
+        trace.window_real_peak[self.window] = max(trace.window_real_peak.get(self.window, 0), self.meter.real_peak_bytes)
         self._let_go(window)
         self.meter.reset_peak(after_next_change=window.kind is WindowKind.AFTER)
         self.window = window
-        self.trace.window_start.setdefault(window, self.meter.current_bytes)
+        trace.window_start.setdefault(window, self.meter.current_bytes)
+        trace.window_real_start.setdefault(window, self.meter.real_bytes)
 
     def _let_go(self, window: Window) -> None:
-        """Note [Regions held as kept]: as a backward window opens, the regions whose backward
-        has begun (those that ran after its segment in forward; every one at the prefix's) stop
-        being held: kept, their storages would be freed from here on."""
-        if not self.held or not window.is_backward:
+        """Note [Regions held as kept]: as a backward window opens, the regions and segments whose
+        backward is over (those that ran after its element in forward) stop being held: kept,
+        their storages would have been freed by then; all of them once the backward is over."""
+        if not self.held or not (window.is_backward or window.kind in (WindowKind.OPTIMIZER, WindowKind.END)):
             return
-        pos = self._exec.index(window.segment) if window.segment in self._exec else -1
-        for region in [r for r in self.held if r == PREFIX and pos < 0 or r != PREFIX and self._exec.index(r.segment) >= pos]:
+
+        def ran_at(region: Any) -> int:  # its place in the forward: a segment, then the code after it
+            if region == PREFIX:
+                return -1
+            return 2 * self._exec.index(region) if is_segment(region) else 2 * self._exec.index(region.segment) + 1
+
+        if window.kind is WindowKind.PREFIX_BACKWARD or not window.is_backward:
+            now = -1 if window.is_backward else -2
+        elif window.segment not in self._exec:
+            return
+        else:
+            now = 2 * self._exec.index(window.segment) + (window.kind is WindowKind.AFTER_BACKWARD)
+        for region in [r for r in self.held if ran_at(r) > now]:  # their backward is over
             self.meter.let_go(self.held.pop(region))
 
     def region_before(self, i: int) -> Any:
@@ -351,12 +382,12 @@ class _Recorder:
 
     def pre(self, module_name: str):
         def hook(module, args, kwargs):
+            if not self.phase_is_forward:
+                return  # a forward after the step's first backward (a closure's next pass): not traced
             i = self._call_index(module_name)
             self.running.setdefault(module_name, []).append(i)
             self._exec.append(i)
             self.mark(MarkKind.FORWARD_START, i)
-            if self.capture_inputs:
-                self.inputs[i] = CapturedCall.of(args, kwargs)
             self.switch(Window(WindowKind.FORWARD, i))
             self.region = i
             if self.sharded:
@@ -373,6 +404,8 @@ class _Recorder:
 
     def post(self, module_name: str):
         def hook(module, args, output):
+            if not self.running.get(module_name):
+                return
             i = self.running[module_name].pop()
             self.mark(MarkKind.FORWARD_END, i)
             y = _first_tensor(output)
@@ -483,14 +516,47 @@ class _Recorder:
 
     # -- saved tensors ------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        s = _storage(t)
-        if s is not None and id(s) not in self.param_storages and self.phase_is_forward:
-            self.trace.saved[self.region][self.keys.key(s)] = s.nbytes()
-            if self.hold_regions and not is_segment(self.region):
-                token = self.meter.hold(s)
-                if token is not None:
-                    self.held.setdefault(self.region, set()).add(token)
+        self._saved(t)
         return t
+
+    def moved(self, t: torch.Tensor, offloaded: bool) -> Optional[int]:
+        """Note [A traced step sees what the plan moves]: a tensor the runtime's saved-tensor hooks
+        are asked to save (a segment's, innermost, which this recorder's hook never sees; the whole
+        step's, below it); an offloaded one is held as kept (Note [Regions held as kept]) until
+        :meth:`unpacked` is told with the token returned."""
+        s = self._saved(t)
+        if s is None or not offloaded:
+            return None
+        self.trace.offloaded.add(self.region)
+        token = self.meter.hold(s) if self.hold else None
+        if token is not None:
+            self.held.setdefault(self.region, set()).add(token)
+        return token, self.keys.key(s)
+
+    def fetched(self, observed: list, copy: torch.Tensor) -> None:
+        """An offloaded storage's first unpack in backward (what :meth:`moved` returned for it): its
+        copy fetched back is known by the original's key (what the backward's ops read)."""
+        observed = [o for o in observed if o is not None]
+        if observed and (s := _storage(copy)) is not None:
+            self.keys.alias(s, observed[0][1])
+
+    def unpacked(self, observed: list) -> None:
+        """Note [Regions held as kept]: an offloaded storage's first unpack in backward, before its
+        copy is fetched back: its holds go, the copy is counted from then on as the original was
+        until then. (A storage two ops saved, fetched again for the second after the first freed
+        its copy, is not counted in between, where plain training holds it: a few hundred bytes
+        under on the tests' GPT, 0.005% of its peak.)"""
+        tokens = [token for token, _ in (o for o in observed if o is not None) if token is not None]
+        self.meter.let_go(tokens)
+        for held in self.held.values():
+            held.difference_update(tokens)
+
+    def _saved(self, t: torch.Tensor) -> Optional[torch.UntypedStorage]:
+        s = _storage(t)
+        if s is None or id(s) in self.param_storages or not self.phase_is_forward:
+            return None
+        self.trace.saved[self.region][self.keys.key(s)] = s.nbytes()
+        return s
 
     def install(self, params: list[torch.Tensor]) -> None:
         hooked: set[str] = set()
@@ -533,8 +599,6 @@ class StepTracer:
     ``backward_done()`` after it; ``finish()`` at the end of the step returns the
     :class:`StepTrace`; ``abort()`` cleans up instead. Segment times come from timing events
     at the segment boundaries (``ops``, read in ``finish``: the one wait of a profiling step).
-    ``capture_inputs`` keeps what each segment was called with (small tensors by value, the
-    rest by shape) so its actions can be timed afterwards (:mod:`.action_costs`).
     """
 
     def __init__(
@@ -550,7 +614,6 @@ class StepTracer:
         flops_per_ms: float = 1e9,
         bytes_per_ms: float = 1e7,
         ops: Any = None,
-        capture_inputs: bool = False,
     ) -> None:
         self.names = names
         self.meter = _FakeMeter(device) if fake else DeviceMemoryMeter(device)
@@ -559,7 +622,6 @@ class StepTracer:
         self.rec = _Recorder(model, names, self.meter, param_storages, fake)
         self.rec.min_offload_bytes = max(min_offload_bytes, 1)
         self.rec.ops = ops
-        self.rec.capture_inputs = capture_inputs
         self._params = params
         self._op_mode = _OpRecorder(self.rec, flops_per_ms=flops_per_ms, bytes_per_ms=bytes_per_ms)
         self._saved_hooks: Any = None
@@ -601,7 +663,7 @@ class StepTracer:
     def backward_begins(self) -> None:
         if "saved" in self._entered:
             self._entered.remove("saved")
-            self._saved_hooks.__exit__(None, None, None)
+            pop_saved_tensors_hooks(self._saved_hooks.pack_hook)  # Note [Hooks never outlive the library]
         rec = self.rec
         rec.phase_is_forward = False
         rec.mark(MarkKind.LOSS_BACKWARD)
@@ -630,7 +692,6 @@ class StepTracer:
             raise ValueError(f"`segments` {missing} did not run in the profiled step.")
         trace.order = [rec.names[i] for i in rec._exec]
         trace.names = list(rec.names)
-        trace.inputs = rec.inputs
         if rec.ops is not None:
             trace.marks = rec.resolve_marks()
         return trace
@@ -640,7 +701,7 @@ class StepTracer:
 
     def _close(self) -> None:
         if "saved" in self._entered:
-            self._saved_hooks.__exit__(None, None, None)
+            pop_saved_tensors_hooks(self._saved_hooks.pack_hook)
         if "ops" in self._entered:
             self._op_mode.__exit__(None, None, None)
         if "meter" in self._entered:
@@ -661,21 +722,47 @@ def run_trace(
     min_offload_bytes: int = 1,
     flops_per_ms: float = 1e9,
     bytes_per_ms: float = 1e7,
-    capture_inputs: bool = False,
 ) -> StepTrace:
-    """Run ``step`` (forward, loss, backward) once with every window measured."""
+    """Run ``step`` (forward, loss, backward) once with every window measured. On CPU (real
+    tensors) what the segments save is offloaded as it is saved and held as kept (Note [Regions
+    held as kept]): the windows are plain training's, and each segment's forward is also measured
+    without its saved tensors (:func:`released_working`)."""
     tracer = StepTracer(
         model, names, device=device, static=static, params=params, fake=fake, min_offload_bytes=min_offload_bytes,
-        flops_per_ms=flops_per_ms, bytes_per_ms=bytes_per_ms, capture_inputs=capture_inputs,
-    ).begin()
+        flops_per_ms=flops_per_ms, bytes_per_ms=bytes_per_ms,
+    )
+    engine, hooks = None, None
+    if not fake and device.type == "cpu":
+        engine = OffloadEngine(device, min_offload_bytes=min_offload_bytes, prefetch_segments=0, prefetch_bytes=0, inflight_bytes=0)
+        engine.begin_step(static)
+        engine.observer, tracer.rec.hold = tracer.rec, True
+        rec = tracer.rec
+        hooks = engine.outside_hooks(lambda: "segment" if rec.phase_is_forward and is_segment(rec.region) else None)
+        hooks.__enter__()
     try:
+        tracer.begin()
         loss = step()
         tracer.backward_begins()
         loss.backward()
+        return tracer.finish()
     except BaseException:
         tracer.abort()
         raise
-    return tracer.finish()
+    finally:
+        if engine is not None:
+            pop_saved_tensors_hooks(hooks.pack_hook)
+            engine.end_step()
+            engine.close()
+
+
+def released_working(trace: StepTrace, i: int) -> int:
+    """Note [A forward that does not keep] in ``decide/costmodel.py``: segment ``i``'s forward
+    rise with what it saved held only as the meter's holds (offloaded on CPU), what it holds when
+    nothing is kept for backward; -1 where not measured so."""
+    window = Window(WindowKind.FORWARD, i)
+    if i not in trace.offloaded or window not in trace.window_real_start:
+        return -1
+    return max(0, trace.window_real_peak.get(window, 0) - trace.window_real_start[window])
 
 
 def region_times(marks: dict[Mark, float], order: list[int], end: float) -> dict[Any, tuple[float, float]]:

@@ -6,7 +6,10 @@ segment per call in a profile and in a plan (``name``, ``name#1``, ``name#2``...
 pre-hook that counts the calls of the step (with autograd recording, not a recomputation in
 backward) and a ``forward`` that runs the current call's action; calls beyond the plan's (a loop
 that runs longer than the profiled step) are kept. A plan that names the module alone applies
-its action to every call. The counts start again at each ``begin_step``.
+its action to every call. The counts start again at each ``begin_step`` and at each backward
+pass of the step (``SwapRuntime.new_pass``): a closure optimizer's next pass (LBFGS, SAM) runs the
+model again from its first call, while two forwards before one backward (two views of a batch)
+are two calls.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class SegmentCalls:
             entries.sort()
         self._count: dict[str, int] = {}
         self._current: dict[str, int] = {}
+        #: Whether a backward ran since the calls were last counted from 0 (asked, and forgotten,
+        #: as a call is counted): the runtime's.
+        self.new_pass: Callable[[], bool] = lambda: False
 
     def per_call(self, module_name: str) -> bool:
         """Whether the plan names this module's calls one by one (else one action for all)."""
@@ -51,6 +57,8 @@ class SegmentCalls:
 
         def hook(module: Any, args: Any) -> None:
             if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+                if self.new_pass():
+                    self.reset()
                 call = self._count.get(module_name, 0)
                 self._count[module_name] = call + 1
                 self._current[module_name] = call

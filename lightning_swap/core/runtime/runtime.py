@@ -83,9 +83,10 @@ from ..segments import region_after, resolve_modules, split_call, unwrap_compile
 from ..sharded import gathered_parameters, is_sharded, units_inside
 from ..engine.streams import Timing, default_ops
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, UMMode, check_inflight_segments, check_min_offload_bytes, check_window_bytes
-from ..tensors import ModuleHook, normalize_device, on_backward_start, tensors_in
+from ..tensors import ModuleHook, normalize_device, on_backward_start, pop_saved_tensors_hooks, tensors_in
 from .calls import SegmentCalls
 from .measured_rows import RowMeasure
+from .online import OnlineBudget
 from .stats import StatsHistory, StepRecord, StepStats
 
 __all__ = [
@@ -205,26 +206,30 @@ class SwapRuntime:
         unified: Optional[Any] = None,
         prefetch_bytes: Optional[int] = None,
         inflight_bytes: Optional[int] = None,
+        switchable: bool = False,
     ) -> None:
         self.model = model
+        #: Note [The budget held online] (``online.py``): each segment's action may change between
+        #: its forwards (the runtime of a ``policy="auto"`` plan), and the budget this step holds.
+        self.switchable, self._online = switchable, None
         #: A ``UnifiedMemory`` (``engine/unified/memory.py``): managed host buffers, parameter prefetch.
         self.unified = unified
         self.plan = plan if isinstance(plan, Plan) else Plan(actions=plan)
         self.min_offload_bytes = check_min_offload_bytes(min_offload_bytes)
-        if device is None:
-            first = next(model.parameters(), None)
-            device = first.device if first is not None else torch.device("cpu")
-        self.device = normalize_device(device)
-        self._set_windows(prefetch_segments, inflight_segments, prefetch_bytes, inflight_bytes)
+        first = next(model.parameters(), None) if device is None else None
+        self.device = normalize_device(device if device is not None else first.device if first is not None else "cpu")
+        self._given_windows = (prefetch_segments, inflight_segments, prefetch_bytes, inflight_bytes)
+        self._set_windows(*self._given_windows)
         # Canonical names (Note [Canonical segment names]); a call's segment is its module's.
         self._calls = SegmentCalls(_checked_actions(self.plan))
+        self._calls.new_pass, self._backward_seen = self._pass_over, False
         self._modules = resolve_modules(model, [*self.plan.actions, *self._calls.groups], field="plan")
         _check_selective(self.plan, self._modules)
         self._names = list(self.plan.actions)
+        #: The actions in force this step, of the segments and of the regions outside them.
+        self.now, self.outside_now = dict(self.plan.actions), dict(self.plan.outside)
         #: Note [Measured rows]: a plan without predicted rows gets rows measured in its first step.
-        self.measure_rows = not self.plan.rows
-        self._row_measure: Optional[RowMeasure] = None
-        self.measured_plan_result: Optional[Plan] = None
+        self.measure_rows, self._row_measure, self.measured_plan_result = not self.plan.rows, None, None
         self._saved_forward: dict[str, tuple[bool, Any]] = {}
         #: Module name -> (compiled module's name, its Dynamo context) as installed.
         self._contexts: dict[str, Optional[tuple[str, Any]]] = {}
@@ -234,8 +239,7 @@ class SwapRuntime:
         self._active = self._compiled = self._step_open = self._metered = self._logged_unmetered = False
         self._handles: list[Any] = []
         #: Segments whose module call is running (hooks fired): Note [Direct forward calls].
-        self._in_call: set[int] = set()
-        self._reported_checkpoints: set[str] = set()
+        self._in_call, self._reported_checkpoints = set(), set()
         #: Note [Regions outside the segments are hooked for the whole step] (engine/offload.py):
         #: segment forwards running now, the last that ended, the whole-step hooks in a step.
         #: Under FSDP, whether the parameters gathered now must be named to the engine before an
@@ -246,11 +250,8 @@ class SwapRuntime:
         self.engine: Optional[OffloadEngine] = None
         #: The stream layer every timing and copy of this runtime goes through (Note [Stream protocol]).
         self.ops = default_ops(self.device)
-        self.timer = RecomputeTimer(self.ops)
-        self.meter = DeviceMemoryMeter(self.device)
-        self._step_timing: Optional[Timing] = None
-        self._step_start: Any = None
-        self._um_start: Optional[Any] = None
+        self.timer, self.meter = RecomputeTimer(self.ops), DeviceMemoryMeter(self.device)
+        self._step_timing, self._step_start, self._um_start = None, None, None
         #: Finished steps, newest last, some with device times still running.
         self.records = StatsHistory()
 
@@ -271,7 +272,7 @@ class SwapRuntime:
         if self.installed:
             return self
         self._active = True
-        if any(a.offloads for a in self.plan.actions.values()) or self.plan.offloads_outside:
+        if self.switchable or any(a.offloads for a in self.plan.actions.values()) or self.plan.offloads_outside:
             self.engine = OffloadEngine(
                 self.device,
                 min_offload_bytes=self.min_offload_bytes,
@@ -344,7 +345,8 @@ class SwapRuntime:
         module = self._modules[module_name]
         regional = found is not None and found[0] == module_name
         actions = [self.plan.actions[name] for _, name, _ in entries]
-        if all(a is Action.KEEP for a in actions) and (found is None or not (acting or hooked) or (regional and not hooked)):
+        switched = self.switchable and not self._compiled
+        if not switched and all(a is Action.KEEP for a in actions) and (found is None or not (acting or hooked) or (regional and not hooked)):
             return  # nothing runs around it: leave it as the user compiled it (or not)
         had_attr = "forward" in module.__dict__
         self._saved_forward[module_name] = (had_attr, module.__dict__.get("forward"))
@@ -357,7 +359,9 @@ class SwapRuntime:
         compiled = found is not None or is_compiled(module)
         forwards = {}
         for (call, name, index), action in zip(entries, actions):
-            if action is Action.KEEP:
+            if self.switchable and not self._compiled:
+                forwards[call] = _SegmentForward(module, self._switch(module, forward, name, index))
+            elif action is Action.KEEP:
                 forwards[call] = _CompiledForward(module, forward) if found is not None else forward
             else:
                 forwards[call] = self._wrap(module, forward, action, index, compiled=compiled, graph=graph, inline=not hooked)
@@ -457,6 +461,76 @@ class SwapRuntime:
 
         return _SegmentForward(module, self._also_direct(recomputed_offloaded, index, module))
 
+    def _switch(self, module: nn.Module, forward: Any, name: str, index: int) -> Any:
+        """Note [The budget held online]: the ``forward`` of a segment whose action may change
+        between steps and within one; the budget is checked as its forward starts, and each
+        action's forward is built once, when first run."""
+        built: dict[tuple, Any] = {(Action.KEEP, None): forward}
+
+        def switched(*args: Any, **kwargs: Any) -> Any:
+            if self._online is not None and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+                self._hold(name)
+            action = self.now.get(name, Action.KEEP)
+            key = (action, self.plan.selective_ops.get(name) if action is Action.SELECTIVE else None)
+            fn = built.get(key)
+            if fn is None:
+                fn = built[key] = self._wrap(module, forward, action, index)
+            return fn(*args, **kwargs)
+
+        return switched
+
+    @property
+    def contexts(self) -> dict[str, Any]:
+        """Each segment's module -> its compiled context as installed (Note [Regional compilation is
+        taken over]: one set aside still counts)."""
+        return dict(self._contexts)
+
+    def new_pass(self) -> None:
+        """A backward pass of the step begins: the segments' calls are counted from 0 again, so that
+        the next pass's forward (a closure optimizer's: LBFGS, SAM; an input-gradient pass's, seen
+        by a hook on the segments' outputs) runs the same segments' actions and is held within the
+        budget as the first was (Note [A segment per call] in ``calls.py``)."""
+        self._calls.reset()
+        self._backward_seen = False
+
+    def _saw_backward(self) -> None:
+        self._backward_seen = True
+
+    def _pass_over(self) -> bool:
+        seen, self._backward_seen = self._backward_seen, False
+        return seen
+
+    def retarget(self, plan: Plan) -> bool:
+        """A switchable runtime takes ``plan`` (of the same segments, in the same order) in place of
+        its own from the next step, without being installed again: its actions, regions, selective
+        choices and copy windows (the host pool and the forwards built so far are kept). ``False``
+        where it cannot: not switchable, compiled, other segments, or inside a step."""
+        if not self.switchable or self._compiled or self._step_open or list(plan.actions) != self._names or not self.installed:
+            return False
+        self.plan = plan
+        self._set_windows(*self._given_windows)
+        if self.engine is not None:
+            self.engine.prefetch_bytes = self.prefetch_bytes
+            self.engine.prefetch_segments = self.prefetch_segments if self.prefetch_bytes is None else 0
+            self.engine.copies.inflight_segments, self.engine.copies.inflight_limit_bytes = self.inflight_segments, self.inflight_bytes
+        self.measure_rows, self._row_measure, self.measured_plan_result = not plan.rows, None, None
+        self.now, self.outside_now = dict(plan.actions), dict(plan.outside)
+        return True
+
+    def _hold(self, name: Optional[str]) -> None:
+        """Note [The budget held online]: the check before element ``name`` (``None``: the step's
+        start), and its moves put in force."""
+        for element, action in self._online.check(name, self.meter.current_bytes).items():
+            if element in self.now:
+                self.now[element] = action
+            else:
+                self.outside_now[element] = action
+                self._enter_outside_hooks()
+
+    def _room(self) -> int:
+        """Note [Backward fetches within the budget]: the device bytes the budget leaves now."""
+        return self._online.budget_bytes - self.meter.current_bytes
+
     def _user_recomputes(self, index: int) -> bool:
         """Note [A user's checkpoint inside a segment]."""
         if torch._C._current_graph_task_id() != -1:
@@ -495,8 +569,8 @@ class SwapRuntime:
         self._outside_params_stale = True
         if torch.is_grad_enabled():
             self.engine.segment_started()
-            # FSDP gathered this segment's parameters just now (its hooks run first): never offloaded.
-            self.engine.segment_parameters(gathered_parameters(module))
+            if self._sharded:  # FSDP gathered this segment's parameters just now (its hooks run first): never offloaded
+                self.engine.segment_parameters(gathered_parameters(module))
 
     def _segment_ended(self, output: Any, index: int) -> None:
         engine = self.engine
@@ -508,6 +582,8 @@ class SwapRuntime:
             engine.segment_ended()
             if engine.prefetch_segments > 0:
                 on_backward_start(output, lambda: engine.backward_started(run))
+            if self.switchable:
+                on_backward_start(output, self._saw_backward)
 
     def _forward_trigger(self, index: Any) -> Any:
         """A forward pre-hook on every segment: what is in flight is bounded in segments
@@ -548,7 +624,7 @@ class SwapRuntime:
             self._last_ran = None
         last = self._names[self._last_ran] if self._last_ran is not None else None
         name = region_after(self._names, last)
-        if self.plan.outside.get(name) is not Action.OFFLOAD:
+        if self.outside_now.get(name) is not Action.OFFLOAD:
             return None
         if self._sharded and self._outside_params_stale:
             # Note [Regions outside the segments under FSDP]: the root unit's parameters (the
@@ -559,33 +635,20 @@ class SwapRuntime:
         return name
 
     def _enter_outside_hooks(self) -> None:
-        self._depth, self._last_ran, self._outside_params_stale = 0, None, True
-        if self.engine is not None and self.plan.offloads_outside:
+        """The whole-step hooks, entered where a region outside the segments is offloaded now (at the
+        step's start; or when the budget held online moves one: Note [The budget held online])."""
+        if self.engine is not None and self._outside_hooks is None and any(a is Action.OFFLOAD for a in self.outside_now.values()):
             hooks = self.engine.outside_hooks(self._outside_region)
             hooks.__enter__()
             self._outside_hooks = hooks
 
-    def _exit_outside_hooks(self, *, strict: bool = True) -> None:
-        """Pops the whole-step hooks; they must be on top (a context the step entered and left
-        open would be popped instead, and its own exit would then pop ours). Not ``strict``
-        (teardown, a failed step): when they are not on top, someone popped them already (a
-        context entered before the step and left while unwinding an error); logged, left."""
-        hooks = self._outside_hooks
-        if hooks is None:
-            return
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is None or top[0] is not hooks.pack_hook:
-            if not strict:
-                self._outside_hooks = None
-                log.warning("lightning-swap: the saved-tensor hooks of the regions outside the segments were not on top at teardown; left alone")
-                return
-            raise RuntimeError(
-                "lightning-swap: saved-tensor hooks entered during the training step are still active at its end "
-                "(a `torch.autograd.graph.saved_tensors_hooks` / `save_on_cpu` context left open); the runtime's "
-                "hooks for the regions outside the segments cannot be removed under them."
-            )
-        self._outside_hooks = None
-        hooks.__exit__(None, None, None)
+    def _exit_outside_hooks(self) -> None:
+        """Takes the whole-step hooks off torch's stack, wherever they are (a context the step
+        entered and left open may sit above them: Note [Hooks never outlive the library] in
+        ``tensors.py``)."""
+        hooks, self._outside_hooks = self._outside_hooks, None
+        if hooks is not None:
+            pop_saved_tensors_hooks(hooks.pack_hook)
 
     def _install_parameter_prefetch(self) -> None:
         """Under ``um="all"``: segment ``i+1``'s parameters are prefetched when segment ``i``'s
@@ -624,7 +687,7 @@ class SwapRuntime:
         if self.meter._open:
             self.meter.__exit__(None, None, None)
         if self._outside_hooks is not None:
-            self._exit_outside_hooks(strict=False)
+            self._exit_outside_hooks()
         self._step_open = False
         for handle in self._handles:
             handle.remove()
@@ -653,14 +716,17 @@ class SwapRuntime:
         """Whether the model (any module of it) is compiled, as of the last install or step."""
         return self._compiled
 
-    def begin_step(self, track: Iterable[Any] = (), *, measure: bool = False, timed_only: bool = False) -> None:
+    def begin_step(
+        self, track: Iterable[Any] = (), *, measure: bool = False, timed_only: bool = False, online: Optional[OnlineBudget] = None,
+    ) -> None:
         """Open the step window; ``track`` holds tensors alive before it (batch, optimizer
         state), nested in lists, tuples, dicts or dataclasses.
 
         On CPU a compiled model's step is not measured (``peak_device_bytes=None``) unless
         ``measure=True``, which runs that step eagerly (Note [No dispatch mode under compile]).
         ``timed_only=True``: a step read for its time alone is not metered on CPU either (Note
-        [The CPU meter's cost]); on CUDA the allocator's peak is read anyway."""
+        [The CPU meter's cost]); on CUDA the allocator's peak is read anyway. ``online``: the
+        budget held as the step runs (Note [The budget held online]; a switchable runtime, metered)."""
         if self.meter._open:
             self.meter.__exit__(None, None, None)
         if self.installed:
@@ -692,10 +758,18 @@ class SwapRuntime:
                 self.engine.begin_step([*params, *self.model.buffers(), *tracked])
         if self._outside_hooks is not None:  # a step that neither ended nor aborted
             self._exit_outside_hooks()
+        self.now, self.outside_now = dict(self.plan.actions), dict(self.plan.outside)
+        self._depth, self._last_ran, self._outside_params_stale = 0, None, True
         self._enter_outside_hooks()
         self._um_start = self.unified.stats() if self.unified is not None else None
         if self.measure_rows and self._row_measure is None:
             self._row_measure = RowMeasure(self).start()
+        self._online = online if self.switchable and self._metered and not self._compiled else None
+        if self.engine is not None:
+            self.engine.room = self._room if self._online is not None and self.device.type == "cuda" else None
+        if self._online is not None:
+            self._online.begin_step()
+            self._hold(None)
         self._step_timing = Timing(self.ops)
         self._step_start = self.ops.record(self.ops.compute_stream(), timing=True)
 
@@ -714,7 +788,7 @@ class SwapRuntime:
         """Close the window of a step that failed, with no statistics; the offload engine lets go
         of everything the step held (copies in flight, prefetches, device copies)."""
         if self._outside_hooks is not None:
-            self._exit_outside_hooks(strict=False)
+            self._exit_outside_hooks()
         if self.engine is not None:
             self.engine.abort_step()
         if self.meter._open:
@@ -749,6 +823,7 @@ class SwapRuntime:
             recompute_ms=None,
             exposed_transfer_ms=None,
             step_ms=None,
+            moved=tuple(self._online.moved) if self._online is not None else (),
             **self._unified_step_stats(),
         )
         self.records.add(StepRecord(stats, step, self.timer.take(), exposed, counters.copy_ms if counters else 0.0))

@@ -54,6 +54,9 @@ class StepStats:
     #: Managed allocations the ``um_max_bytes`` cap (or the driver) refused during the step: a
     #: refused cuDNN workspace silently changes the convolution algorithm.
     um_refused_allocations: int = 0
+    #: Note [The budget held online] (``online.py``): the segments and regions ``policy="auto"``
+    #: moved to lower-memory actions during the step to stay within the budget, each with why.
+    moved: tuple[str, ...] = ()
     #: Offloaded bytes whose device original was still alive when backward needed them, used
     #: in place instead of fetched (Note [Used in place] in ``engine/offload.py``).
     reused_bytes: int = 0
@@ -71,8 +74,8 @@ class StepStats:
         return self.step_ms is not None and self.recompute_ms is not None and self.exposed_transfer_ms is not None
 
     def as_metrics(self, prefix: str = "swap/") -> dict[str, float]:
-        """Plain floats, one per field, for a logger (times left out until resolved)."""
-        return {prefix + k: float(v) for k, v in asdict(self).items() if v is not None}
+        """Plain floats, one per numeric field, for a logger (times left out until resolved)."""
+        return {prefix + k: float(v) for k, v in asdict(self).items() if isinstance(v, (int, float))}
 
 
 class StepRecord:

@@ -1,485 +1,542 @@
-"""``policy="auto"`` over a training loop: when to guard a step, when to plan, when to check.
+"""``policy="auto"``: which plan each step runs, learned only from the steps the user runs.
 
-Note [Auto: observe, plan, check]: before every training step the session asks
-:meth:`AutoPlanner.next_step` and gets a :class:`StepKind`:
+Note [Auto learns from the steps it runs]: two jobs, kept apart (DESIGN, layer 4).
 
-- ``GUARD``: no profile covers this batch (the first step of a batch shape that no planned
-  shape holds, or a batch larger than its shape's profile): the step runs under the lowest-memory plan, measured and observed
-  on every process (Note [Observe only what fits]); before the next step the main process
-  decides for every process (the guard's :class:`Verdict`, broadcast) what comes next;
-- ``OBSERVE``: the guard step's profile predicts that plain training fits (or, where none could
-  be made, its bound does): the step runs with every segment kept and every process observes
-  it (Note [Observe, do not re-run] in ``observe.py``);
-- ``PLAN``: a plan is due: the first step after a profile was made (the profile is shifted to
-  the state alive now, Note [Steady-state shift]), the step after a new plan's first step (the
-  check below), the gradients and optimizer state grew, a segment refused an action since
-  (Note [Refused actions] in ``model_profile.py``), the plan's steady state has been
-  measured (Note [Re-plan from the steady state]), or the step's shape has a plan of its own
-  while another shape's is installed (Note [Plans per batch shape]: that plan, as it was);
-- ``RUN``: the installed plan runs (the lowest-memory one where plain's bound is over budget).
+- **Safety is online.** Every step runs under the budget held as it runs (Note [The budget held
+  online] in ``runtime/online.py``): a step never relies on a prediction being right to stay
+  within its budget. So nothing here guards a step against the plan being wrong.
+- **Speed is learned from the user's own steps.** The very first step, with no profile at all,
+  runs the lowest-memory plan (every segment and region ``offload``, copies waited for, fetched per
+  tensor) and is traced (Note [Observe, do not re-run] in ``measure/observe.py``); its profile,
+  turned into plain training's (Note [A step measured under a plan] in ``decide/under_plan.py``),
+  is the first *entry* of a table of profiles, one per batch shape traced. Every later step runs
+  the fastest plan the cost model finds within the budget for the entry that covers its batch
+  (Note [A shape scaled from another]); a batch no entry covers (a new longest sequence, a new
+  image size) runs the plan of the nearest entry scaled to it, with ``keep`` and ``offload`` only,
+  and is traced (Note [A traced step sees what the plan moves] in ``measure/trace.py``): its own
+  step becomes its entry. Nothing is re-run outside the user's step.
 
-Each batch shape has its own state through this table (Note [Plans per batch shape]), one
-:class:`Phase` (Note [A shape's lifecycle]).
+Each plan is checked by the first step that runs it, and every step after: the step's measured
+peak against the plan's prediction (the largest over the processes), and whether the online budget
+moved anything. A *miss* — a step over the budget (a transient between two checks), one the online
+budget held only by moving segments, or one that held more than its plan predicted by more than
+``MISS_TOLERANCE`` of the budget (at its peak, or at a segment's start: a second pass on the first
+one's bytes) — is learned as the *correction* (one value: what the measurements exceeded the
+predictions by, a little more after each move), and every plan is made again for the budget less
+it (less ``MARGIN`` at least for a plan that is not plain training, whose peak the first step
+measured: what the model misses inside a window, between two checks); the correction only
+grows, so plans settle. A step under its prediction teaches
+nothing: the prediction of another plan need not be as far off (a plan made for the room one
+plan's step left ran another over its budget). A miss on a scaled entry also traces the next step of that key: it becomes an entry of its own.
+Plans are re-made when the gradients or optimizer state grow (the first optimizer step) and when a
+segment refuses an action (Note [Refused actions] in ``measure/model_profile.py``).
 
-The answer depends only on what every data-parallel process sees alike (batch shapes agreed
-across processes, the order of steps, the sizes of gradients and optimizer state), so all
-enter the plan's broadcast together; the main process alone solves, from the largest of every
-process's measurements (the profiles merge by their largest values: Note [Decide from the
-largest measurement] in ``collectives.py``).
+Where a plan is in that cycle is one :class:`Phase`, changed only by :func:`transition` over
+``NEXT`` (``tests/scale/test_auto.py`` holds every edge and every refused one):
 
-The check: the first step under a new plan at the batch size it was made for is measured (Note
-[A check is of its own batch]). If its peak exceeded the prediction,
-the difference is learned (the model misses allocator rounding, workspaces, ...: it only grows)
-and, if the peak also exceeded the budget, the plan is solved again with the budget less what
-was learned — logged once, with the numbers. A plan that cannot be kept raises
-:class:`~.errors.InfeasibleBudgetError` before it runs; its ``min_budget_bytes`` is the least
-budget for the steady state (gradients and optimizer state included), plus what was learned.
+    FIRST -(a traced step gave a profile)-> CHECK;  FIRST -(none: no segment ran, no backward)-> FIRST
+    CHECK -(the step held its prediction)-> RUN
+    CHECK, RUN -(a miss, a move, a new profile, the state grew, a refusal: re-planned)-> CHECK
+    RUN -(held)-> RUN
 
-Note [Auto decides from values]: the planner never sees the model, the optimizer or the
-session. Its inputs are values — the budget, the segment names and the options when it is
-made; per step a :class:`StepInputs` (the batch's shapes and size, the :class:`StateSizes`
-alive); what a step measured (peaks, rows, profiles, step times) when it is over — and its
-outputs are decisions (a ``StepKind``, a :class:`Verdict`, a :class:`~.plan.Plan`) that the
-session carries out. So the decision table is tested from numbers
-(``tests/scale/test_auto_decisions.py``), without a model.
+Note [Auto decides from values]: the planner never sees the model, the optimizer or the session.
+Its inputs are values (the budget, the segment names and options; per step a :class:`StepInputs`;
+after it an :class:`Outcome` and, from a traced step, a profile) and its outputs decisions (a
+:class:`Decision`, a :class:`~..decide.plan.Plan`, an :class:`~..runtime.online.OnlineBudget`),
+which the session carries out. Every data-parallel process decides alike from agreed values (the
+batch key agreed, measurements reduced to their largest); the main process alone solves, and the
+session broadcasts its plan.
+
+Note [A shape scaled from another]: a batch's *shape* is each tensor's shape past the batch
+dimension, with its dtype; an entry *covers* a batch when the batch's shape fits in the entry's
+(every tensor no larger in any dimension) and the batch holds no more than ``COVER_FACTOR`` times
+the entry's activations. What a step keeps grows with its batch's elements (a sample's tokens or
+pixels, times the batch size: exactly so for the batch size, Note [Batch scaling]), so the entry is
+used scaled by the ratio of elements (:meth:`~..measure.model_profile.ModelProfile.scaled`); a
+shorter sequence under eager attention keeps less than linearly less, so scaling down over-predicts
+and never under. A batch beyond every entry is scaled by the ratio's square (what eager
+attention's ``L x L`` scores grow by; more than any linear part does), for the one step that
+traces it. Ratios are rounded up to a ``1/SCALE_STEPS`` grid, so that dynamic padding's many
+lengths share a few plans. Entries are kept by what they cover: beyond ``MAX_ENTRIES`` the one
+another entry covers (else the smallest) goes.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import replace
-from typing import Any, Optional
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Sequence
 
 from ..actions import Action
 from ..config import SwapConfig
-from ..decide.costmodel import AUTO_WINDOW, copy_window_of, simulate
+from ..decide.costmodel import AUTO_WINDOW, copy_window_of
 from ..decide.plan import Plan
 from ..decide.solver import min_budget_bytes, solve
 from ..decide.under_plan import as_plain
 from ..errors import InfeasibleBudgetError
 from ..measure.model_profile import ModelProfile
+from ..runtime.online import OnlineBudget
+from ..tensors import infer_batch_size, tensors_in
 from ..units import format_bytes
-from .guard import GuardSteps, Verdict, guard_action
-from .revisit import MAX_REVISITS, REVISIT_AFTER_STEPS, REVISIT_TOLERANCE, Revisits, choice
-from .shapes import CHECKING, GUARDING, MAX_SHAPES, BatchKey, Phase, ShapeState, ShapeTable, StepInputs, StepKind, check_size
 from .steady_state import StateSizes, state_growth
 
-__all__ = [
-    "MAX_REVISITS", "MAX_SHAPES", "REVISIT_AFTER_STEPS", "REVISIT_TOLERANCE", "AutoPlanner", "BatchKey", "Phase", "StepInputs",
-    "StepKind", "Verdict", "guard_action",
-]
+__all__ = ["AutoPlanner", "BatchKey", "Decision", "Event", "Outcome", "Phase", "StepInputs", "StepKind", "transition"]
 
 log = logging.getLogger(__name__)
 
+#: Note [Auto learns from the steps it runs]: a step over its prediction by more than this part
+#: of the budget is learned.
+MISS_TOLERANCE = 0.01
+#: What a plan leaves unused of the budget before any step taught a correction: what the cost
+#: model misses inside a window, between two of the online budget's checks (1.4% on the zoo's T5).
+MARGIN = 0.02
+#: Note [A shape scaled from another].
+COVER_FACTOR = 1.25
+SCALE_STEPS = 32
+MAX_ENTRIES = 16
 
-# Note [A plan's first step refines its profile]: the guard's profile predicts plain's windows
-# from a step in which no segment was kept; each segment's rise when kept was measured alone,
-# where small things differ from the step (when a parameter's gradient is made, what the next
-# segment still holds: a few KiB on the tests' CNN, 0.1-0.3% of ResNet-18's peak, always over).
-# The first plan made from it is therefore observed too, on every process, under that plan
-# (Note [A step measured under a plan]): its kept segments are measured in the step itself, so
-# the profile made from it is nearer to what plain and the plans near it hold. The check of that
-# plan is made against the refined profile, and the plan is solved again from it (a budget at
-# plain's peak gets every segment kept). Once per guard profile: later plans are checked only;
-# and not where the first plan keeps every segment (plain fits): no choice is left to make, and
-# the check measures its peak (an observed step costs about as much as a guard step).
-class AutoPlanner(ShapeTable, GuardSteps, Revisits):
-    """The ``policy="auto"`` decisions of one session (Note [Auto: observe, plan, check]),
-    from values (Note [Auto decides from values]).
 
-    ``budget_bytes``: the budget plans are solved for (``None``: none, every segment is kept);
-    ``segments``: the names plans act on; ``config``: the copy windows plans are priced for;
-    ``grads_freed_before_backward``: the loop frees the gradients between forward and backward
-    (Lightning's closure calls ``zero_grad`` there), so the steady backward does not hold them;
-    ``device_type``: where the steps run (the guard's plan depends on it: :func:`guard_action`).
-    """
+class StepKind(str, enum.Enum):
+    """What a training step does under ``policy="auto"`` (Note [Auto learns from the steps it runs])."""
 
-    def __init__(
-        self, *, budget_bytes: Optional[int], segments: Sequence[str], config: SwapConfig = SwapConfig(),
-        grads_freed_before_backward: bool = False, device_type: str = "cpu", actions: Optional[Sequence[Action]] = None,
-        on_main: Callable[[Callable[[], Verdict]], Verdict] = lambda decide: decide(),
-    ) -> None:
-        self.budget_bytes = budget_bytes
-        #: Runs a decision on the main process and gives every process its answer (the guard's
-        #: verdict: a collective, so every process asks for it at the same step).
-        self.on_main = on_main
-        #: The actions plans may use (``None``: all; Note [Selective around FSDP hooks]).
-        self.actions = None if actions is None else tuple(actions)
-        self.segments = tuple(segments)
-        self.config = config
-        self.grads_freed_before_backward = grads_freed_before_backward
-        self.device_type = device_type
-        self.guard_action = guard_action(device_type, config)
-        #: Note [Plans per batch shape]: what is known and decided for each batch shape seen last
-        #: (least recently used first), and the shape of the step running now.
-        self._shapes: OrderedDict[tuple, ShapeState] = OrderedDict()
-        self._s = ShapeState(None, Phase.PLAN if budget_bytes is None or not self.segments else Phase.GUARD)
-        #: Note [A check is of its own batch]: (the shape whose plan ran, ``None`` where none did;
-        #: the batch size) of the step running and of the one before; the shape whose plan (or
-        #: kept lowest-memory plan) the session has installed.
-        self._running: tuple[Optional[ShapeState], int] = (None, 0)
-        self._previous: tuple[Optional[ShapeState], int] = (None, 0)
-        self._installed: Optional[ShapeState] = None
-        #: This step installs its shape's plan again, as it was (another shape's ran last).
-        self._reinstalling = False
-        self._warned_passes = False
-        self._adopt_shape = False
-        self._observing: Optional[BatchKey] = None
-        self._guard_end: Optional[StateSizes] = None  # the state the last guard step ended with
-        #: Bytes the measured peaks exceeded the predictions by, learned from the checks.
-        self.correction_bytes = 0
-        #: Plain training's peak as the last guard verdict predicted (or bounded) it.
-        self.plain_predicted_bytes: Optional[int] = None
-        #: Segment -> why its recomputation cannot run as planned, as the session's steps found
-        #: (Note [Refused actions] in ``model_profile.py``): never planned, offloaded when guarding.
-        self.refusals: dict[str, str] = {}
-        #: Note [Say why the lowest-memory plan stays]: its steps in a row, and whether it was said.
-        self._least_steps = 0
-        self._least_shapes: set[tuple] = set()  # the shapes of those steps
-        self._least_now = False  # this step runs the lowest-memory plan a verdict kept
-        self._guard_peak: Optional[int] = None  # the last guard step's measured peak
-        self._warned_least = False
+    FIRST = "first"  # no profile yet: the lowest-memory plan, traced
+    TRACE = "trace"  # a batch no profile covers: a plan of keep and offload, traced
+    PLAN = "plan"  # a plan made for this step, checked by it
+    RUN = "run"  # the plan in force runs
+
+
+class Phase(enum.Enum):
+    """Where the current plan is (Note [Auto learns from the steps it runs])."""
+
+    FIRST = "first"
+    CHECK = "check"
+    RUN = "run"
+
+
+class Event(enum.Enum):
+    """What a step told ``auto``."""
+
+    PROFILED = "a traced step gave a profile"
+    UNPROFILED = "a traced step gave none"
+    HELD = "the step held its prediction"
+    MISSED = "the step missed its prediction, or the online budget moved a segment"
+    CHANGED = "the state grew, a segment refused an action, or the batch needs another plan"
+
+
+#: Note [Auto learns from the steps it runs]: the edges of the lifecycle.
+NEXT: dict[Phase, dict[Event, Phase]] = {
+    Phase.FIRST: {Event.PROFILED: Phase.CHECK, Event.UNPROFILED: Phase.FIRST},
+    Phase.CHECK: {
+        Event.HELD: Phase.RUN, Event.MISSED: Phase.CHECK, Event.CHANGED: Phase.CHECK, Event.PROFILED: Phase.CHECK,
+        Event.UNPROFILED: Phase.CHECK,
+    },
+    Phase.RUN: {
+        Event.HELD: Phase.RUN, Event.MISSED: Phase.CHECK, Event.CHANGED: Phase.CHECK, Event.PROFILED: Phase.CHECK,
+        Event.UNPROFILED: Phase.RUN,
+    },
+}
+
+
+def transition(phase: Phase, event: Event) -> Phase:
+    """The one place a phase changes (a refused edge is a bug of the planner's: it raises)."""
+    nxt = NEXT[phase].get(event)
+    if nxt is None:
+        raise RuntimeError(f"lightning-swap: auto cannot take {event.name} in phase {phase.value!r}; please report this.")
+    return nxt
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """What the planner needs of a batch: each tensor's shape past the batch dimension and its
+    dtype, and the batch size."""
+
+    shape: tuple
+    size: int
+
+    @classmethod
+    def of(cls, batch: Any) -> "BatchKey":
+        return cls(tuple((tuple(t.shape[1:]), t.dtype) for t in tensors_in(batch)), infer_batch_size(batch))
+
+    @property
+    def elements(self) -> int:
+        """The batch's elements: a sample's (every tensor's) times the batch size."""
+        return max(1, self.size) * max(1, sum(math.prod(dims) for dims, _ in _pairs(self.shape)))
+
+
+def _pairs(shape: tuple) -> list[tuple[tuple, Any]]:
+    return [t for t in shape if isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], tuple)]
+
+
+def fits_in(small: tuple, large: tuple) -> bool:
+    """Every tensor of batch shape ``small`` is no larger in any dimension than the same tensor of
+    ``large``, with its dtype (Note [A shape scaled from another])."""
+    a, b = _pairs(small), _pairs(large)
+    if len(a) != len(small) or len(a) != len(b):
+        return False
+    return all(
+        da == db and len(x) == len(y) and all(i <= j for i, j in zip(x, y)) for (x, da), (y, db) in zip(a, b)
+    )
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The step about to run, as the planner sees it (Note [Auto decides from values])."""
+
+    batch: BatchKey
+    state: StateSizes = StateSizes()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a step measured (the largest over the processes): its peak (``None``: not measured),
+    whether the online budget moved anything, the largest shift it saw (Note [The budget held
+    online]), and its first pass's peaks before and after the backward (for the least budget)."""
+
+    peak_bytes: Optional[int]
+    moved: bool = False
+    shift_bytes: Optional[int] = None
+    forward_peak_bytes: Optional[int] = None
+    backward_peak_bytes: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the next step runs: its kind, its plan's key, whether it is traced, and the plan when
+    one is in hand (else the main process solves it: :meth:`AutoPlanner.plan`)."""
+
+    kind: StepKind
+    key: Optional[tuple] = None
+    trace: bool = False
+    plan: Optional[Plan] = None
+
+
+def _growth(batch: BatchKey, entry: "_Entry") -> float:
+    """How much larger ``batch`` is than ``entry``'s shape (Note [A shape scaled from another]): its
+    largest tensor's growth (a fixed-size tensor beside the tokens does not hide the tokens'),
+    times the batch size's; by elements where the tensors do not pair up."""
+    mine, theirs = _pairs(batch.shape), _pairs(entry.shape)
+    if len(mine) != len(theirs) or not mine or len(mine) != len(batch.shape):
+        return batch.elements / entry.elements
+    size = max(1, batch.size) / max(1, round(entry.elements / max(1, sum(math.prod(d) for d, _ in theirs))))
+    return size * max(math.prod(a) / max(1, math.prod(b)) for (a, _), (b, _) in zip(mine, theirs))
+
+
+def _keeps_all(plan: Plan) -> bool:
+    return all(a is Action.KEEP for a in (*plan.actions.values(), *plan.outside.values()))
+
+
+@dataclass
+class _Entry:
+    """A profile of one traced batch shape, as plain training's, and the state it began with."""
+
+    shape: tuple
+    elements: int
+    profile: ModelProfile
+    state: StateSizes
+
+
+@dataclass
+class _Planned:
+    plan: Plan
+    checked: bool = False
+    online: Optional[OnlineBudget] = None
+    predicted_bytes: int = 0
+
+
+@dataclass
+class AutoPlanner:
+    """The ``policy="auto"`` decisions of one session (Note [Auto learns from the steps it runs]).
+
+    ``budget_bytes``: the budget (``None``: none, every segment kept); ``segments``: the names
+    plans act on; ``config``: the copy windows plans are priced for; ``grads_freed_before_backward``:
+    the loop frees gradients between forward and backward (Note [Steady-state shift]);
+    ``device_type``: where steps run; ``actions``: what plans may use (``None``: all);
+    ``sharded``: under FSDP (online moves never recompute: Note [The budget held online])."""
+
+    budget_bytes: Optional[int]
+    segments: Sequence[str]
+    config: SwapConfig = SwapConfig()
+    grads_freed_before_backward: bool = False
+    device_type: str = "cpu"
+    actions: Optional[Sequence[Action]] = None
+    sharded: bool = False
+    phase: Phase = Phase.FIRST
+    #: Segment -> why its recomputation cannot run as planned (the session's, shared).
+    refusals: dict[str, str] = field(default_factory=dict)
+    #: The lowest-memory plan's steady peak: predicted after the first step, measured once a step
+    #: ran it steady (what :class:`InfeasibleBudgetError` states as the least budget).
+    least_bytes: Optional[int] = None
+    _entries: list[_Entry] = field(default_factory=list)
+    _plans: dict[tuple, _Planned] = field(default_factory=dict)
+    #: Note [Auto learns from the steps it runs]: what the steps measured beyond their plans'
+    #: predictions (only grows); every plan is made for the budget less it.
+    correction_bytes: int = 0
+    _retrace: set = field(default_factory=set)
+    _state: StateSizes = StateSizes()
+    _refusals_planned: int = 0
+    _current: Optional[tuple] = None  # the key of the step running, and its plan
+    _running: Optional[_Planned] = None
+    _first_state: Optional[StateSizes] = None
+    _first_outcome: Optional[Outcome] = None
+
+    def __post_init__(self) -> None:
+        self.segments = tuple(self.segments)
+        if self.budget_bytes is None or not self.segments:
+            self.phase = Phase.RUN
 
     @property
     def profile(self) -> Optional[ModelProfile]:
-        """The profile the current batch shape's plans are solved from (on the main process; every
-        process holds the same, merged from all of theirs)."""
-        return self._s.profile
+        """The newest entry's profile (``None`` before the first traced step)."""
+        return self._entries[-1].profile if self._entries else None
 
-    @profile.setter
-    def profile(self, value: Optional[ModelProfile]) -> None:
-        self._s.profile = value
+    def _go(self, event: Event) -> None:
+        before, self.phase = self.phase, transition(self.phase, event)
+        if before is not self.phase:
+            log.debug("lightning-swap: auto: %s -> %s: %s.", before.value, self.phase.value, event.value)
 
-    @property
-    def phase(self) -> Phase:
-        """The current batch shape's phase (Note [A shape's lifecycle])."""
-        return self._s.phase
+    # -- before a step -------------------------------------------------------------------
+    def lowest_memory(self) -> Plan:
+        """The first step's plan: every segment and region offloaded, copies waited for, fetched per
+        saved tensor (Note [A traced step sees what the plan moves]: no recomputation, so the
+        trace sees every saved tensor)."""
+        return Plan.lowest_memory(self.segments, self.segments, action=Action.OFFLOAD)
 
-    @property
-    def check_pending(self) -> bool:
-        """The plan applied last has not been checked yet: the step running it is measured."""
-        return self._s.phase in CHECKING
+    def _is_lowest(self, plan: Plan) -> bool:
+        lowest = self.lowest_memory()
+        return dict(plan.actions) == dict(lowest.actions) and dict(plan.outside) == dict(lowest.outside)
 
-    @property
-    def refine_due(self) -> bool:
-        """The plan just applied is the first made from a guard step's profile: its first step is
-        observed under it (every process) and refines the profile (Note [A plan's first step
-        refines its profile])."""
-        return self._s.phase is Phase.REFINE
+    def next_step(self, step: StepInputs) -> Decision:
+        """The decision for the step about to run (Note [Auto learns from the steps it runs])."""
+        if self.budget_bytes is None or not self.segments:  # nothing to plan against: every segment kept
+            if self._running is not None:
+                return Decision(StepKind.RUN, ("keep",), plan=self._running.plan)
+            return Decision(StepKind.PLAN, ("keep",), plan=Plan(actions={name: Action.KEEP for name in self.segments}))
+        if not self._entries:
+            self._first_state = step.state
+            return Decision(StepKind.FIRST, ("first",), trace=True, plan=self.lowest_memory())
+        if self._first_outcome is not None:
+            self._least_after_first(self._first_outcome, step.state)
+        if step.state.total_bytes > self._state.total_bytes or len(self.refusals) != self._refusals_planned:
+            self._plans.clear()  # Note [Steady-state shift]; Note [Refused actions]
+            self._state, self._refusals_planned = step.state, len(self.refusals)
+            if self.phase is not Phase.FIRST:
+                self._go(Event.CHANGED)
+        index, factor, covered = self._nearest(step.batch)
+        bucket = math.ceil(factor * SCALE_STEPS) / SCALE_STEPS
+        key = (id(self._entries[index]), bucket)
+        trace = not covered or key in self._retrace
+        planned = self._plans.get(key)
+        if trace:
+            return Decision(StepKind.TRACE, key, trace=True)
+        if planned is None:
+            return Decision(StepKind.PLAN, key)
+        return Decision(StepKind.RUN if planned.checked else StepKind.PLAN, key, plan=planned.plan)
 
-    @property
-    def revisit_due(self) -> bool:
-        """This step's plan is solved again from the steady state's measured times (Note
-        [Re-plan from the steady state]): the session hands :meth:`plan` those times."""
-        return self._s.phase is Phase.REVISIT
+    def _nearest(self, batch: BatchKey) -> tuple[int, float, bool]:
+        """The entry to plan ``batch`` from, the ratio of activations, and whether it covers the
+        batch (Note [A shape scaled from another]): the smallest that covers it, else the largest."""
+        elements = batch.elements
+        covering = [
+            (e.elements, i) for i, e in enumerate(self._entries)
+            if fits_in(batch.shape, e.shape) and elements <= COVER_FACTOR * e.elements
+        ]
+        if covering:
+            size, index = min(covering)
+            return index, elements / size, True
+        index = max(range(len(self._entries)), key=lambda i: self._entries[i].elements)
+        return index, _growth(batch, self._entries[index]), False
 
-    @property
-    def keeps_least(self) -> bool:
-        """This step runs the lowest-memory plan a verdict kept (its peak is measured)."""
-        return self._least_now
+    # -- planning (the main process) -----------------------------------------------------------
+    def _window(self) -> dict[str, Any]:
+        return copy_window_of(self.config)
 
-    # -- what the next step does ---------------------------------------------------------
-    def next_step(self, step: StepInputs) -> StepKind:
-        """The decision table (Note [Auto: observe, plan, check]), for the step's batch shape
-        (Note [Plans per batch shape])."""
-        if self.budget_bytes is None or not self.segments:
-            return StepKind.RUN if self._s.phase is Phase.RUN else StepKind.PLAN
-        if self._s.phase is Phase.VERDICT and self._s.shape != step.batch.shape:
-            # Note [Plans per batch shape]: the verdict on the last shape's guard step is taken now,
-            # not when that shape returns (under dynamic padding it may not), so its profile is
-            # there for the shapes to come.
-            self.take_verdict(self.on_main(self.guard_verdict))
-        self._enter(step.batch.shape, step.batch.size, step.state)
-        self._least_now = False
-        kind = self._decide(step)
-        if kind is StepKind.RUN and self._installed is not self._s:
-            self._reinstalling = True  # another shape's plan is installed: this shape's, as it was
-            kind = StepKind.PLAN
-        ran, size = self._running
-        if kind is StepKind.PLAN and ran is not None and ran.phase in CHECKING and size >= check_size(ran):
-            ran.checkable = True  # Note [A check is of its own batch]: this plan() hears that step's peak
-        self._previous = self._running
-        self._running = (self._s if kind in (StepKind.RUN, StepKind.PLAN) else None, step.batch.size)
-        self._count_least(kind, step.batch)
-        return kind
+    def _profile(self, key: tuple) -> ModelProfile:
+        """The profile a key's plans are solved from: its entry scaled (a batch beyond the entry's
+        activations as if they grew with its square: Note [A shape scaled from another]), shifted
+        to the state alive now (Note [Steady-state shift]), refusals marked."""
+        entry = self._entry(key)
+        forward, backward = state_growth(entry.state, self._state, grads_freed_before_backward=self.grads_freed_before_backward)
+        factor = key[1] if key[1] <= 1 else key[1] ** 2
+        size = max(1, round(entry.profile.batch_size * key[1]))
+        return entry.profile.scaled(factor, size).with_state(forward_bytes=forward, backward_bytes=backward).refusing(self.refusals)
 
-    def _run_or_revisit(self) -> StepKind:
-        """Note [Re-plan from the steady state]: the plan's ``REVISIT_AFTER_STEPS`` steps after its
-        check are measured; the step after them revisits it (once per plan, a few per profile)."""
-        self._s.steps_run += 1
-        if (
-            self._s.steps_run > REVISIT_AFTER_STEPS and self._s.revisits < MAX_REVISITS and self.profile_made_here
-            and self._s.current is not None and self._s.current.predicted_step_ms is not None
-            and choice(self._s.current) not in self._s.settled
-        ):
-            self._go(self._s, Phase.REVISIT, f"its {REVISIT_AFTER_STEPS} steps since the check were measured")
-            return StepKind.PLAN
-        return StepKind.RUN
+    def _entry(self, key: tuple) -> _Entry:
+        for entry in self._entries:
+            if id(entry) == key[0]:
+                return entry
+        raise RuntimeError(f"lightning-swap: auto has no profile for plan key {key}; please report this.")
 
-    @property
-    def profile_made_here(self) -> bool:
-        """Every process knows whether the plans come from a profile of this run's steps (a
-        guard's or an observed one's), not from a batch-size search's (whose steps were others)."""
-        return not self._s.scalable
-
-    def _covered(self, batch: BatchKey) -> bool:
-        """The shape's profile holds ``batch`` (its shape, and its size or one it rescales to)."""
-        s = self._s
-        return batch.shape == s.profile_shape and (batch.size <= s.profile_batch or s.scalable)
-
-    def _decide(self, step: StepInputs) -> StepKind:
-        s, batch = self._s, step.batch
-        if self._adopt_shape:  # a profile made elsewhere (a batch-size search): this batch's shape
-            self._adopt_shape = False
-            s.profile_shape, s.profile_of, s.planned_batch = batch.shape, batch.shape, batch.size
-            return StepKind.PLAN
-        if s.phase not in GUARDING and not self._covered(batch):
-            self._go(s, Phase.GUARD, f"a batch of {batch.size}, larger than its profile's {s.profile_batch}")
-        if s.phase in GUARDING:
-            kind = self._guarded(batch)
-            if kind is not None:
-                return kind
-        if s.scalable and batch.size != s.planned_batch:
-            s.planned_batch = batch.size
-            return StepKind.PLAN  # a profile measured at two batch sizes rescales (Note [Batch scaling])
-        if s.phase is Phase.PLAN or len(self.refusals) != s.refusals_planned:
-            return StepKind.PLAN  # ... or a segment refused an action since (Note [Refused actions])
-        if s.phase in CHECKING:
-            ran, size = self._running
-            if s.checkable or (ran is s and size >= check_size(ran)) or step.state.total_bytes > s.planned_state:
-                return StepKind.PLAN
-            return StepKind.RUN  # Note [A check is of its own batch]: not yet measured at its own batch size
-        if step.state.signature != s.signature:
-            s.signature = step.state.signature
-            if step.state.total_bytes > s.planned_state:
-                return StepKind.PLAN
-        return self._run_or_revisit()
-
-    def _adopt(self, batch: BatchKey, state: StateSizes) -> None:
-        """Every process: plans are made from now on from a profile of a step on ``batch`` that
-        began with ``state``."""
-        self._s.profile_shape = self._s.profile_of = batch.shape
-        self._s.profile_batch = self._s.planned_batch = batch.size
-        self._s.scalable, self._s.observed_state = False, state
-        self._planning("a profile of this shape")
-
-    def _planning(self, why: str) -> None:
-        """The current shape's plans come from a new profile: the next step plans, and nothing
-        checked or revisited of the last profile's plans carries over."""
-        self._go(self._s, Phase.PLAN, why)
-        self._s.revisits, self._s.settled = 0, []
-        self._s.refinable, self._s.checkable, self._s.check_peak = False, False, None
-
-    # -- observing ------------------------------------------------------------------------
-    def begin_observe(self, step: StepInputs) -> None:
-        """Every process, as the observed step begins (each traces it): what was observed is
-        recorded everywhere, so that all take the same decisions afterwards."""
-        self._adopt(step.batch, step.state)
-        self._observing = step.batch
-        self._installed = None  # the step runs plain
-
-    def finish_observe(self, profile: ModelProfile) -> None:
-        """Every process: the observed step's profile (the largest over the processes), which the
-        next plans are solved from."""
-        self.set_profile(profile, self._observing)
-
-    def set_profile(self, profile: ModelProfile, batch: Optional[BatchKey], *, steady: bool = False) -> None:
-        """Use ``profile`` (of a step on ``batch``; ``None``: on the next step's) from now on: the
-        next step plans. ``steady``: it was measured in the steady state (a batch-size search
-        warms up first), so no shift is added; a profile measured at two batch sizes is used at
-        any."""
-        if batch is not None and self._s.shape not in (None, batch.shape):
-            self._enter(batch.shape)
-        self._s.profile = profile
-        self._adopt_shape = batch is None
-        self._s.profile_shape = self._s.profile_of = None if batch is None else batch.shape
-        self._s.profile_batch = profile.batch_size
-        self._s.scalable = profile.reference is not None
-        self._s.planned_batch = profile.batch_size if batch is None else batch.size
-        if steady:
-            self._s.observed_state = StateSizes(1 << 62, 1 << 62)
-        self._planning("a profile was made" if batch is not None else "a profile made elsewhere")
-
-    # -- planning --------------------------------------------------------------------------
-    def steady_shift(self, state: StateSizes) -> tuple[int, int]:
-        """(forward bytes, backward bytes) the state alive now adds to the observed step's
-        (Note [Steady-state shift])."""
-        return state_growth(self._s.observed_state, state, grads_freed_before_backward=self.grads_freed_before_backward)
-
-    def steady_profile(self, state: StateSizes) -> ModelProfile:
-        """The observed profile shifted to the state alive now (Note [Steady-state shift])."""
-        forward, backward = self.steady_shift(state)
-        return self._s.profile.with_state(forward_bytes=forward, backward_bytes=backward)
-
-    def plan(
-        self, state: StateSizes, measured_peak_bytes: Optional[int] = None, step_times: Sequence[tuple[float, float, float]] = (),
-    ) -> Plan:
-        """The plan for the steps to come (the main process; the session broadcasts it).
-        ``measured_peak_bytes``: the newest step's measured peak, the check of the plan applied
-        last when one is pending; ``step_times``: when :attr:`revisit_due`, the measured (step,
-        recomputation, exposed copies) milliseconds of the plan's last steps."""
-        s = self._s
-        s.refusals_planned = len(self.refusals)
-        if self.budget_bytes is None or not self.segments:
-            return Plan(actions={name: Action.KEEP for name in self.segments})
-        ran = self._previous[0]
-        if ran is not None and ran.checkable and ran.check_peak is None:
-            ran.check_peak = measured_peak_bytes  # Note [A check is of its own batch]: that step's
-        if self._reinstalling:
-            return self._installed_plan()
-        if s.phase is Phase.REVISIT:
-            return self._revisit(state, step_times)
-        grown = state.total_bytes > s.planned_state
-        if s.phase in CHECKING and s.current is not None and s.current.predicted_peak_bytes is not None:
-            measured = s.check_peak if s.checkable else None
-            if s.phase is Phase.REFINED:
-                return self._after_refinement(state, measured, grown)
-            if measured is not None and self._checked(measured, grown):
-                return s.current
-        return self._solve(state)
-
-    def _installed_plan(self) -> Plan:
-        """Note [Plans per batch shape]: the plan this shape ran last, installed again after another
-        shape's step: its current plan, or the lowest-memory plan where that stays."""
-        guard = self._s.guard
-        if self._least_now or self._s.current is None:
-            return replace(guard.plan, predicted_peak_bytes=guard.least, budget_bytes=self.budget_bytes, batch_size=guard.batch.size)
-        return self._s.current
-
-    def _after_refinement(self, state: StateSizes, measured: Optional[int], grown: bool) -> Plan:
-        """Note [A plan's first step refines its profile]: the plan is checked against the refined
-        profile (a miss learned as a correction) and solved again from it; a plan measured within
-        the budget stays unless the re-solved one is predicted faster."""
-        current, priced = self._s.current, self._as_run(self._s.current)
-        refined = self._profile_for(self._s.applied_state)
-        stays = measured is not None and not grown and measured <= self.budget_bytes
-        if measured is not None and not grown:
-            self.correction_bytes = max(self.correction_bytes, measured - simulate(refined, current.actions, **priced).peak_bytes)
-        fresh = self._solve(state)
-        if stays and fresh.predicted_step_ms >= simulate(self._profile_for(state), current.actions, **priced).step_ms:
-            return current
-        return fresh
-
-    def refine(self, profile: Optional[ModelProfile]) -> None:
-        """Every process: the first step of the plan applied last, observed under it (Note [A
-        plan's first step refines its profile]); ``None``: no profile, the guard's stays, as it
-        does when the step's batch was not the profile's (a smaller last batch)."""
-        if profile is not None and profile.batch_size == self._s.profile_batch:
-            self._s.profile = self._held_gradients(self._as_plain(profile, self._s.current), self._s.applied_state)
-            self._s.observed_state, self._s.margin_bytes, self._s.profile_of = self._s.applied_state, 0, self._s.shape
-            self._go(self._s, Phase.REFINED, "the plan's first step, observed under it, refined the profile")
-        else:
-            self._go(self._s, Phase.CHECK, "no profile from the plan's first step")
-
-    def _checked(self, measured: int, grown: bool) -> bool:
-        """The check of the plan applied last against its first step's ``measured`` peak: whether
-        it stays. A miss is learned only when nothing else explains it: gradients or optimizer
-        state that grew since the plan was made are priced by the re-plan (Note [Steady-state
-        shift]), not stored as a permanent correction."""
-        budget, predicted = self.budget_bytes, self._s.current.predicted_peak_bytes
-        if not grown:
-            self.correction_bytes = max(self.correction_bytes, measured - predicted)
-        if measured <= budget and not grown:
-            return True
-        if measured > budget:
-            log.info(
-                "lightning-swap: the plan's first step peaked at %s, over the budget of %s (predicted %s); "
-                "planning again for %s less.", format_bytes(measured), format_bytes(budget),
-                format_bytes(predicted), format_bytes(self.correction_bytes),
-            )
-        else:
-            log.info(
-                "lightning-swap: the gradients or optimizer state grew since the plan was made (its first "
-                "step peaked at %s, within the budget of %s); planning again for the state alive now.",
-                format_bytes(measured), format_bytes(budget),
-            )
-        return False
-
-    def _profile_for(self, state: StateSizes) -> ModelProfile:
-        profile = self.steady_profile(state).refusing(self.refusals)
-        if self._s.scalable and self._s.planned_batch != profile.batch_size:
-            profile = profile.at_batch(self._s.planned_batch)
-        return profile
-
-    def _solve(self, state: StateSizes, profile: Optional[ModelProfile] = None) -> Plan:
-        """The fastest plan within the budget less what the checks learned; where the model finds
-        none but the guard's measured peak fits, the lowest-memory plan."""
-        budget = self.budget_bytes
-        allowed = dict(copy_window_of(self.config), actions=self.actions)  # Note [Selective around FSDP hooks]
-        profile = profile if profile is not None else self._profile_for(state)
-        effective = budget - self.correction_bytes - self._s.margin_bytes  # Note [A larger shape predicted]
+    def plan(self, decision: Decision) -> Plan:
+        """The plan of ``decision`` (solved on the main process; the session broadcasts it): the
+        fastest the cost model finds within the budget less the key's correction; for a traced
+        step, of ``keep`` and ``offload`` only (Note [A traced step sees what the plan moves]).
+        Raises :class:`InfeasibleBudgetError` where even the lowest-memory plan is known not to fit."""
+        if decision.plan is not None:
+            return decision.plan
+        profile = self._profile(decision.key)
+        effective = self.budget_bytes - self._margin()
+        actions = (Action.KEEP, Action.OFFLOAD) if decision.trace else self.actions
+        window = {k: v for k, v in self._window().items()}
         try:
             if effective <= 0:
-                raise InfeasibleBudgetError(budget_bytes=budget, min_budget_bytes=min_budget_bytes(profile, **allowed), batch_size=profile.batch_size)
-            plan = solve(profile, budget_bytes=effective, **allowed)
+                raise InfeasibleBudgetError(budget_bytes=self.budget_bytes, min_budget_bytes=self.budget_bytes - effective, batch_size=profile.batch_size)
+            plan = solve(profile, budget_bytes=self.budget_bytes - self.correction_bytes, actions=actions, **window)
+            if not _keeps_all(plan):  # plain's peak is measured, a mix's predicted: MARGIN for that
+                plan = solve(profile, budget_bytes=effective, actions=actions, **window)
         except InfeasibleBudgetError as err:
-            least = self._guard_least(profile.batch_size)  # measured: what the guard step needs
-            if least is not None and least <= budget:
-                guard = self._s.guard.plan  # the plan that measured it
-                return replace(
-                    guard, predicted_peak_bytes=least, predicted_step_ms=simulate(profile, guard.actions, **self._as_run(guard)).step_ms,
-                    budget_bytes=budget, batch_size=profile.batch_size,
-                )
-            least = err.min_budget_bytes + self.correction_bytes if least is None else least
-            raise InfeasibleBudgetError(budget_bytes=budget, min_budget_bytes=least, batch_size=profile.batch_size) from None
-        if effective != budget:
-            plan = replace(plan, budget_bytes=budget)
-        return plan
+            if self.least_bytes is not None and self.least_bytes > self.budget_bytes:
+                raise InfeasibleBudgetError(budget_bytes=self.budget_bytes, min_budget_bytes=self.least_bytes, batch_size=profile.batch_size) from None
+            log.debug("no plan predicted within %s (least %s): the lowest-memory plan, held online", effective, err.min_budget_bytes)
+            plan = replace(self.lowest_memory(), predicted_peak_bytes=err.min_budget_bytes, batch_size=profile.batch_size)
+        return replace(plan, budget_bytes=self.budget_bytes)
 
-    def _as_run(self, plan: Plan) -> dict[str, Any]:
-        """What prices ``plan`` as the runtime runs it (:func:`simulate`'s keywords): its regions
-        outside the segments, and the copy windows the config sets, else those it was priced for."""
-        window = copy_window_of(self.config)
+    def applied(self, decision: Decision, plan: Plan) -> None:
+        """Every process, with the plan the step runs (the main process's)."""
+        self._current = decision.key
+        if decision.kind is StepKind.FIRST or self.budget_bytes is None or not self.segments:
+            self._running = _Planned(plan)
+            return
+        planned = self._plans.get(decision.key)
+        if planned is None or planned.plan != plan:
+            profile = self._profile(decision.key)
+            online = OnlineBudget(
+                profile, plan.actions, plan.outside, budget_bytes=self.budget_bytes, window=self._priced(plan),
+                margin_bytes=self.correction_bytes if _keeps_all(plan) else self._margin(), recompute=not (self.sharded or decision.trace),
+                refused=tuple(self.refusals), growth=decision.trace or decision.key[1] != 1.0,
+            )
+            planned = _Planned(plan, online=online, predicted_bytes=online.predicted_peak_bytes)
+            if self._is_lowest(plan) and self.least_bytes is not None:
+                # Measured, not modelled: the lowest-memory plan's steady peak is known, and the
+                # model's moves below it are guesses (on CPU its offload fetches per saved tensor,
+                # which the model prices high, and recomputation rematerialises more).
+                online.margin_bytes = self.least_bytes - online.predicted_peak_bytes
+                planned.predicted_bytes = self.least_bytes
+            if not decision.trace:
+                self._plans[decision.key] = planned
+        self._running = planned
+
+    def _margin(self) -> int:
+        """What plans leave unused: the correction the steps taught, at least ``MARGIN``."""
+        return max(self.correction_bytes, int(MARGIN * self.budget_bytes))
+
+    def _priced(self, plan: Plan) -> dict[str, Any]:
+        """What prices ``plan`` as the runtime runs it: the copy windows the config sets, else those
+        it was priced for; its selective choices."""
+        window = self._window()
         for key in ("prefetch_bytes", "inflight_bytes"):
             if window[key] is None or window[key] == AUTO_WINDOW:
                 window[key] = getattr(plan, key)
-        return dict(window, outside=dict(plan.outside), selective_ops=dict(plan.selective_ops))
+        return dict(window, selective_ops=dict(plan.selective_ops))
 
-    def _as_plain(self, profile: ModelProfile, plan: Plan) -> ModelProfile:
-        """``profile``, observed under ``plan``, as plain's (Note [A step measured under a plan]):
-        on CPU its regions outside the segments were measured as kept (Note [Regions held as kept])."""
-        return as_plain(profile, plan.actions, regions_held=self.device_type != "cuda", **self._as_run(plan))
+    @property
+    def online(self) -> Optional[OnlineBudget]:
+        """The budget the running step holds (``None``: the first step, with nothing to hold it by)."""
+        return self._running.online if self._running is not None else None
 
-    def _guard_least(self, batch_size: int) -> Optional[int]:
-        """The lowest-memory plan's measured steady peak, when a guard measured it for this shape
-        and batch size (or a larger one)."""
-        guard = self._s.guard
-        if guard is None or guard.least is None or not guard.covers(BatchKey(self._s.profile_shape, batch_size)):
-            return None
-        return guard.least
+    @property
+    def check_pending(self) -> bool:
+        """The plan in force has not been checked yet: its step is measured."""
+        return self.phase is not Phase.RUN
 
-    def applied(self, plan: Plan, state: StateSizes) -> None:
-        """Every process, after applying ``plan``: what it was made for, and a check is due."""
-        s = self._s
-        self._installed = s
-        if self._reinstalling:  # the shape's plan as it was, its check still pending where it was
-            self._reinstalling = False
-            if s.phase is Phase.REFINE:
-                self._go(s, Phase.CHECK, "installed again: its first step was another shape's")
+    # -- after a step ----------------------------------------------------------------------
+    def traced(self, profile: Optional[ModelProfile], batch: BatchKey, state: StateSizes, plan: Plan) -> None:
+        """Every process: a traced step's profile under ``plan`` (the largest of every process's;
+        ``None``: none), which began with ``state``: a new entry, as plain training's."""
+        if profile is None:
+            self._go(Event.UNPROFILED)
             return
-        s.checkable, s.check_peak = False, None
-        if s.phase is Phase.REVISIT:
-            s.revisits += 1
-            if s.current is not None and choice(plan) == choice(s.current):
-                s.settled.append(choice(plan))
-        s.signature, s.planned_state, s.applied_state = state.signature, state.total_bytes, state
-        s.current, s.steps_run = plan, 0
-        # By value, with the state it was made for: on the other processes every broadcast plan
-        # is a new object (unpickled), and an identity test there made every step a check, a
-        # broadcast rank 0 never entered. A plan kept after its check comes back equal in the
-        # same state; a re-plan is new in value or made for another state.
-        made_for = (plan, s.planned_state)
-        checked = plan.predicted_peak_bytes is None or made_for == s.last_applied
-        s.last_applied = made_for
-        # Note [A plan's first step refines its profile]: a guard's profile whose plan keeps
-        # everything (plain fits) has no choice left to refine: its first step is checked only.
-        keeps_all = not s.margin_bytes and all(a is Action.KEEP for a in (*plan.actions.values(), *plan.outside.values()))
-        refine, s.refinable = s.refinable and self.budget_bytes is not None and not keeps_all, False
-        if refine:
-            self._go(s, Phase.REFINE, "the first plan from a guard step's (or a predicted) profile: its first step is observed")
-        elif checked:
-            self._go(s, Phase.RUN, "the plan stays" if plan.predicted_peak_bytes is not None else "nothing to check")
+        held = self.device_type != "cuda"  # Note [Regions held as kept]
+        plain = as_plain(profile, plan.actions, outside=plan.outside, held=held, **{k: v for k, v in self._priced(plan).items()})
+        entry = _Entry(batch.shape, batch.elements, plain, state)
+        self._entries = [e for e in self._entries if e.shape != batch.shape or e.elements != batch.elements] + [entry]
+        self._evict()
+        self._plans.clear()
+        self._retrace.discard(self._current)
+        self._go(Event.PROFILED)
+
+    def _evict(self) -> None:
+        """Note [A shape scaled from another]: entries kept by what they cover."""
+        while len(self._entries) > MAX_ENTRIES:
+            covered = [
+                i for i, e in enumerate(self._entries)
+                if any(j != i and fits_in(e.shape, o.shape) and e.elements <= o.elements for j, o in enumerate(self._entries))
+            ]
+            drop = covered[0] if covered else min(range(len(self._entries)), key=lambda i: self._entries[i].elements)
+            del self._entries[drop]
+
+    def finished(self, outcome: Outcome, state: Optional[StateSizes], *, first: bool) -> None:
+        """Every process: the step is over, with ``outcome`` (Note [Auto learns from the steps it
+        runs]; its peak ``None`` where it ran no backward: nothing is learned) and, after the first
+        step, the ``state`` alive after it. Raises :class:`InfeasibleBudgetError` as soon as the
+        lowest-memory plan is known not to fit."""
+        if self.budget_bytes is None or not self.segments:
+            return
+        if first:  # the least it predicts needs the next step's state: decided there
+            self._first_outcome = outcome
+            return
+        running, key = self._running, self._current
+        if running is None or outcome.peak_bytes is None or key is None:
+            return
+        if self._is_lowest(running.plan) and not outcome.moved:
+            self.least_bytes = outcome.peak_bytes  # measured: the least budget is this peak
+            if outcome.peak_bytes > self.budget_bytes:
+                raise InfeasibleBudgetError(budget_bytes=self.budget_bytes, min_budget_bytes=outcome.peak_bytes, batch_size=running.plan.batch_size)
+        budget, predicted = self.budget_bytes, running.predicted_bytes
+        miss, shift = outcome.peak_bytes - predicted, 0 if running.online is None else outcome.shift_bytes or 0
+        learned = max(miss, shift if key[1] == 1.0 else 0) + (MISS_TOLERANCE * budget if outcome.moved else 0)
+        if outcome.moved or outcome.peak_bytes > budget or learned > self.correction_bytes + MISS_TOLERANCE * budget:
+            # Over the budget (a transient between two checks), held within it only by moves, or
+            # holding more than predicted (a second pass on the first one's bytes): planned again.
+            self.correction_bytes = int(max(self.correction_bytes, learned))
+            if key[1] != 1.0 and (outcome.moved or outcome.peak_bytes > budget):
+                self._retrace.add(key)  # a scaled entry missed: its next step is traced
+            self._plans.clear()
+            log.info(
+                "lightning-swap: a step under the auto plan peaked at %s against %s predicted%s; planning again for %s less "
+                "(the budget, %s, was held online).", format_bytes(outcome.peak_bytes), format_bytes(predicted),
+                " (segments moved to stay within the budget)" if outcome.moved else "", format_bytes(self.correction_bytes),
+                format_bytes(budget),
+            )
+            self._go(Event.MISSED)
         else:
-            self._go(s, Phase.CHECK, "a plan applied: its first step at its own batch size checks it")
+            running.checked = True
+            self._go(Event.HELD)
+
+    def _least_after_first(self, outcome: Outcome, state: StateSizes) -> None:
+        """The lowest-memory plan's steady peak, predicted from the first step (which began without
+        gradients or optimizer state) and ``state``, the one the second step begins with: its
+        forward and backward hold what the state grew by, its optimizer step ran with it. Over
+        the budget: :class:`InfeasibleBudgetError`, before the second step could run over."""
+        self._first_outcome = None
+        if outcome.peak_bytes is None:
+            return
+        start = self._first_state or StateSizes()
+        grown_forward, grown = state_growth(start, state, grads_freed_before_backward=self.grads_freed_before_backward)
+        backward = outcome.backward_peak_bytes if outcome.backward_peak_bytes is not None else outcome.peak_bytes
+        forward = outcome.forward_peak_bytes if outcome.forward_peak_bytes is not None else backward
+        self.least_bytes = max(outcome.peak_bytes, backward + grown, forward + grown_forward)
+        if outcome.peak_bytes > self.budget_bytes or self.least_bytes > self.budget_bytes:
+            raise InfeasibleBudgetError(budget_bytes=self.budget_bytes, min_budget_bytes=self.least_bytes, batch_size=None)
+
+    def adopt(self, profile: ModelProfile, batch: Optional[BatchKey], *, steady: bool = False) -> None:
+        """Every process: plan from ``profile`` (a plain step's, made elsewhere: a batch-size
+        search's, ``steady``: measured in the steady state) as the entry of ``batch``'s shape."""
+        key = batch or BatchKey((), profile.batch_size)
+        state = StateSizes(1 << 62, 1 << 62) if steady else StateSizes()
+        self._entries = [e for e in self._entries if e.shape != key.shape] + [_Entry(key.shape, key.elements, profile, state)]
+        self._plans.clear()
+        if self.phase is Phase.FIRST:
+            self.phase = Phase.CHECK
+        else:
+            self._go(Event.PROFILED)
+
+    def min_budget_bytes(self) -> Optional[int]:
+        """The least budget known: the lowest-memory plan's, measured or predicted from the first
+        step; else the cost model's least for the newest entry."""
+        if self.least_bytes is not None:
+            return self.least_bytes
+        if not self._entries:
+            return None
+        return min_budget_bytes(self._entries[-1].profile, actions=self.actions, **self._window())

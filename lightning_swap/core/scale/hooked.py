@@ -17,37 +17,23 @@ of any hooked optimizer (a step post-hook on the user's torch optimizer) that fo
 adapter's backward (:meth:`HookedSwapSession.backward`), or, when none follows (gradient
 accumulation), at the next forward. The batch (the forward's arguments) and every hooked
 optimizer's state are tracked as alive before the step, as the Lightning strategy does. A loop
-that calls ``loss.backward()`` itself, not the adapter's backward, leaves the window open; the
-next training forward restarts it, so only that step's statistics are lost. A failed backward
-(for instance out of memory) also leaves it open, for the same reason: closing it would report a
-step that did not happen.
+that calls ``loss.backward()`` itself, not the adapter's backward, is seen by a hook on the
+model's output: its step closes at the next training forward.
 
-Under ``policy="auto"`` the pre-hook asks the session what the step does (Note [Auto: observe,
-plan, check] in ``auto.py``): the first steps run under the lowest-memory plan and are observed
-under it on every process, from their forward to the next training forward (the user's loss, the
-backward and the optimizer step included: the real step, not a stand-in for it); the decisions
-depend only on what every process sees alike, so all of them enter the plan's broadcast (the
-adapter's :class:`~.collectives.Collectives`) together. Nothing runs the model or the user's code
-an extra time, but for one last resort: Note [Out of memory in the observed step].
-
-Note [Out of memory in the observed step]: the observed step runs without a plan, and only once
-the guard steps bound its peak within the budget; when it is out of memory all the same, in the
-model's forward (seen by a forward hook that runs when the forward raises) or in the backward, the
-fallback profiles the step on fake tensors (the model's forward once more, inside the adapter's
-``forward_context``, with :func:`model_output_loss` standing for the user's loss), plans it, and
-sets the RNG back to the step's start (Note [The observed step does not fit] in ``fallback.py``);
-a failed backward's gradients are discarded when the step began without any. The loop is the
-user's, so the library cannot run the step again as the Lightning strategy does: the error is
-raised as it was, with a warning, and a loop that runs the step again (catching
-``torch.OutOfMemoryError``) runs it under the plan and trains as plain training would have.
+A second training forward before the step's backward (two views of a batch, a siamese pair, DPO's
+chosen and rejected passes) joins the open step: it is part of the same step, and the budget held
+online sees the first forward's live bytes (Note [The budget held online] in
+``runtime/online.py``). A forward with no backward (a loop that skips a non-finite loss) leaves the
+step open, and the next training forward joins it too; the step closes after the next optimizer
+step, or when training ends. Under ``policy="auto"`` the pre-hook asks the session what the step
+runs (Note [Auto learns from the steps it runs] in ``auto.py``); nothing runs the model or the
+user's code an extra time.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -58,55 +44,33 @@ from typing_extensions import override  # a dependency of torch's
 from ..config import SwapConfig
 from ..engine.unified.memory import UnifiedMemory
 from ..runtime.stats import StepStats
-from ..tensors import tensors_in
-from .auto import StepKind
+from ..tensors import on_backward_start
 from .collectives import Collectives
 from .session import SwapSession
 
-__all__ = ["HookedSwapSession", "model_output_loss"]
+__all__ = ["HookedSwapSession"]
 
 
 class HookedSwapSession(SwapSession):
     """A :class:`SwapSession` that also owns the hooks opening and closing each step's window
-    (Note [Hooked step window]) and watching the observed step's forward (Note [Out of memory in
-    the observed step]); :meth:`close` removes them with the runtime.
-
-    ``advice``: what the fallback's error tells the user to do when fake mode fails too (the
-    adapter's spelling of a forced policy); ``forward_context``: what the adapter runs the model's
-    forward inside (autocast), for the fallback's fake forward; ``collectives``: how the
-    processes agree.
-    """
+    (Note [Hooked step window]); :meth:`close` removes them with the runtime. ``advice``: how the
+    front end's user sets a budget (the session's warning without one)."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        config: SwapConfig,
-        device: torch.device | str,
-        *,
-        advice: str,
-        forward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-        collectives: Collectives = Collectives(),
-        unified: Optional[UnifiedMemory] = None,
+        self, model: nn.Module, config: SwapConfig, device: torch.device | str, *, advice: str,
+        collectives: Collectives = Collectives(), unified: Optional[UnifiedMemory] = None,
     ) -> None:
-        def step_fn(model: nn.Module, call: Any) -> torch.Tensor:
-            """The fallback's step: the model's forward on the step's call, in the adapter's context."""
-            with forward_context():
-                return model_output_loss(model(*call[0], **call[1]))
-
-        super().__init__(model, config, device, unified=unified, collectives=collectives, step_fn=step_fn, advice=advice)
+        super().__init__(model, config, device, unified=unified, collectives=collectives, advice=advice)
         self._pre_hook: Optional[RemovableHandle] = None
         self._post_hook: Optional[RemovableHandle] = None
-        #: The running forward began an observed step (its failure is the fallback's business).
-        self._observed_forward = False
-        #: The fallback's own failure in the forward hook, where torch only warns: the next
-        #: training forward raises it.
-        self._fallback_error: Optional[BaseException] = None
+        #: A backward through the open step's outputs has begun (the adapter's, or the user's own).
+        self._backward_ran = False
         #: id -> (the user's torch optimizer, its step post-hook).
         self._optimizers: dict[int, tuple[Any, RemovableHandle]] = {}
         #: A step's backward is over; the step ends after the optimizer step (a post-hook on each
         #: hooked optimizer) or, without one (accumulation), at the next forward.
         self.step_pending = False
-        #: Called with each finished step's statistics (an observed step's own record).
+        #: Called with each finished step's statistics.
         self.on_step_end: Callable[[Optional[StepStats]], None] = lambda stats: None
 
     @property
@@ -116,7 +80,7 @@ class HookedSwapSession(SwapSession):
     def install_hook(self) -> None:
         if self._pre_hook is None:
             self._pre_hook = self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
-            self._post_hook = self.model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True)
+            self._post_hook = self.model.register_forward_hook(self._after_forward)
 
     def hook_optimizer(self, optimizer: Any) -> None:
         """End each step after ``optimizer``'s step: the user's torch optimizer, or a wrapper
@@ -134,46 +98,40 @@ class HookedSwapSession(SwapSession):
     @contextmanager
     def backward(self) -> Iterator[None]:
         """Around the adapter's backward of the loss: the step's forward is over inside, its
-        backward after (Note [Hooked step window]); a failed one is :meth:`step_failed`'s (Note
-        [Out of memory in the observed step]), its error raised as it was."""
+        backward after (Note [Hooked step window]); a failed one is :meth:`step_failed`'s, its
+        error raised as it was."""
         with super().backward():
             yield
         self.step_pending = True  # the step ends after the optimizer's (Note [Hooked step window])
 
     def finish_pending_step(self) -> None:
-        """The step is over: its window closes (the optimizer step inside it), an observed step
-        becomes the profile."""
+        """The step is over: its window closes (the optimizer step inside it)."""
         if self.step_pending:
             self.step_pending = False
             self.on_step_end(self.close_step())
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.step_open and self._backward_ran:
+            self.step_pending = True  # a backward ran since the step opened: the step is over
         self.finish_pending_step()
-        if not (module.training and torch.is_grad_enabled()):
-            return None
-        if self._fallback_error is not None:
-            error, self._fallback_error = self._fallback_error, None
-            raise error
+        if not (module.training and torch.is_grad_enabled()) or self.step_open:
+            return None  # an evaluation forward; or a second forward of the open step, which joins it
+        self._backward_ran = False
         states = self.optimizer_states()
         track = [args, kwargs, states]
         if self.auto is not None and not self._planning_suspended:
-            self._observed_forward = self.open_step((args, kwargs), track, states) is StepKind.OBSERVE
+            self.open_step((args, kwargs), track, states)
         elif self.runtime is not None:
             self.begin_step(track)
+            self._step_open = True
         return None
 
-    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        """After every forward, also one that raised (``always_call``): torch calls this hook
-        while handling the error, so ``sys.exc_info()`` holds it (Note [Out of memory in the
-        observed step])."""
-        observed, self._observed_forward = self._observed_forward, False
-        error = sys.exc_info()[1]
-        if observed and output is None and error is not None:
-            try:
-                self.step_failed(error)
-            except RuntimeError as failed:  # fake mode failed too (its message says what to do)
-                self._fallback_error = failed
-        return None
+    def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.step_open and module.training and torch.is_grad_enabled():
+            on_backward_start(output, self._backward_seen)
+
+    def _backward_seen(self) -> None:
+        self._backward_ran = True
 
     @override
     def end_training(self) -> Optional[StepStats]:
@@ -194,19 +152,3 @@ class HookedSwapSession(SwapSession):
         self._pre_hook = self._post_hook = None
         self._optimizers.clear()
         super().close()
-
-
-def model_output_loss(output: Any) -> torch.Tensor:
-    """A scalar standing for the user's loss when only the model's output is known
-    (Note [Out of memory in the observed step]): ``output["loss"]`` (or ``.loss``) when it is a
-    tensor, else the sum of every floating-point tensor in the output that requires grad."""
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        return loss if loss.dim() == 0 else loss.float().sum()
-    parts = [t.float().sum() for t in tensors_in(output) if t.is_floating_point() and t.requires_grad]
-    if not parts:
-        raise ValueError(
-            "policy='auto' profiles the model's forward and needs its output to hold a floating-point "
-            f"tensor that requires grad; got {type(output).__name__}."
-        )
-    return torch.stack(parts).sum() if len(parts) > 1 else parts[0]

@@ -186,8 +186,8 @@ def adopt_search_profile(session: "SwapSession", batch: Optional[Callable[[], An
     """After a batch-size search (found or not): the session starts afresh, and under
     ``policy="auto"``, when the search ``found`` a batch, training plans from the search's
     steady-state profile — at ``batch()``'s shape when given, else at the profile's own batch —
-    instead of observing a step of the size found without a plan (Note [Auto: observe, plan,
-    check]). Both adapters' finders end with this."""
+    instead of tracing a first step of the size found (Note [Auto learns from the steps it runs]).
+    Both adapters' finders end with this."""
     searched = session.measured_profile  # the search's own, not auto's (SwapSession.profile prefers auto's)
     session.reset()
     if session.auto is not None and searched is not None and found:

@@ -4,11 +4,10 @@ implementation for every front end (Note [The plan's log]).
 Note [The plan's log]: with ``log_plan`` on, the main process logs a plan's table
 (:meth:`Plan.render`) when ``auto`` makes it in a step, unless its actions are those of the plan
 logged last, or it is a plan already logged (the same object: ``auto`` installs a batch shape's
-remembered plan again after another shape's, Note [Plans per batch shape] in ``shapes.py``). A
-plan without numbers — a forced policy's, ``auto``'s lowest-memory guard plan,
-``auto``'s without a budget — gets the rows its first step measured (Note [Measured rows] in
-``runtime/measured_rows.py``) and is logged with them: once, after that step (a forced policy's,
-a guard's; not again for a guard plan applied again), or again, "measured in its first step",
+plan again after another shape's, Note [A shape scaled from another] in ``auto.py``). A plan
+without numbers — a forced policy's, ``auto``'s without a budget — gets the rows its first step
+measured (Note [Measured rows] in ``runtime/measured_rows.py``) and is logged with them: once,
+after that step (a forced policy's), or again, "measured in its first step",
 when it was logged before without them (``auto``'s without a budget). The session decides when;
 where the text goes is the adapter's one choice (the sink): :mod:`logging` by default, Lightning
 prints it above its progress bar. No adapter logs a plan itself.
@@ -22,7 +21,7 @@ from collections.abc import Callable
 from typing import Optional
 
 from ..decide.plan import Plan
-from .auto import MAX_SHAPES
+from .auto import MAX_ENTRIES
 
 __all__ = ["PlanLog", "plan_text"]
 
@@ -50,12 +49,14 @@ class PlanLog:
         self.enabled = enabled
         self._logged: Optional[Plan] = None
         #: The plans logged lately, by identity: one per batch shape ``auto`` remembers.
-        self._recent: deque[Plan] = deque(maxlen=MAX_SHAPES)
+        self._recent: deque[Plan] = deque(maxlen=MAX_ENTRIES)
 
-    def made(self, plan: Plan) -> None:
-        """``plan`` was made: logged unless its actions are those of the plan logged last, or it
-        was logged already (a shape's plan installed again)."""
-        self._log(plan, "")
+    def made(self, plan: Plan, why: str = "") -> None:
+        """``plan`` was made (``why``: what kind of plan, for the title): logged unless its actions
+        are those of the plan logged last, or it was logged already (a shape's plan installed again)."""
+        if self._logged is not None and _same_actions(self._logged, plan):
+            return  # the same actions again (a plan made again for the same decision): said once
+        self._log(plan, why)
 
     def measured(self, plan: Plan) -> None:
         """``plan``: a plan with the rows its first step measured; logged unless the plan logged

@@ -4,21 +4,19 @@ profile or a timeline measured without them (Note [Steady-state shift] in
 
 :class:`StateSizes` is what the session hands :class:`~.auto.AutoPlanner` instead of the model
 and the optimizer states: the planner decides from numbers, so its decisions are tested from
-numbers (``tests/scale/test_auto_decisions.py``).
+numbers (``tests/scale/test_auto.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from torch import nn
 
-from ..units import format_bytes
-from ..measure.timeline import Timeline
 from ..tensors import gradient_bytes, storage_bytes, tensors_in
 
-__all__ = ["StateSizes", "state_growth", "steady_plain_timeline"]
+__all__ = ["StateSizes", "state_growth"]
 
 
 @dataclass(frozen=True)
@@ -59,15 +57,3 @@ def state_growth(before: StateSizes, now: StateSizes, *, grads_freed_before_back
     grads = max(0, now.gradient_bytes - before.gradient_bytes)
     optimizer = max(0, now.optimizer_bytes - before.optimizer_bytes)
     return grads + optimizer, optimizer + (0 if grads_freed_before_backward else grads)
-
-
-def steady_plain_timeline(plain: Timeline, forward_bytes: int, backward_bytes: int) -> Timeline:
-    """The observed first step's timeline with the steady state's gradients and optimizer state
-    added as the plan's model adds them (Note [Steady-state shift]): ``forward_bytes`` up to the
-    first backward mark, ``backward_bytes`` after it."""
-    first_backward = next((x for x, label in plain.marks if label.startswith("B ")), len(plain.samples))
-    samples = tuple((x, b + (forward_bytes if x < first_backward else backward_bytes)) for x, b in plain.samples)
-    return replace(
-        plain, samples=samples, peak_bytes=max(b for _, b in samples),
-        label=f"plain (the observed first step + the steady state's {format_bytes(forward_bytes)} of gradients and optimizer state)",
-    )
