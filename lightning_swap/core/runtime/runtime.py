@@ -74,7 +74,7 @@ import torch
 from torch import nn
 
 from ..actions import Action
-from ..compiled import compile_context, compiled_forward, dynamo_disable, fullgraph, is_compiled
+from ..compiled import DynamoLedger, compile_context, compiled_forward, dynamo_disable, fullgraph, is_compiled, note_compiled_callers
 from ..engine.meter import DeviceMemoryMeter
 from ..engine.offload import OffloadEngine
 from ..decide.plan import Plan
@@ -117,6 +117,7 @@ class _SegmentForward:
 
     @dynamo_disable  # a graph break: the action runs eagerly (Note [Actions around compiled segments])
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        note_compiled_callers(self)  # Note [Nothing compiled under the runtime outlives it] in compiled.py
         return self.fn(*args, **kwargs)
 
     def __reduce__(self):
@@ -141,6 +142,7 @@ class _TracedForward(_SegmentForward):
 
     @dynamo_disable
     def _eager(self, *args: Any, **kwargs: Any) -> Any:
+        note_compiled_callers(self)
         return self.fn(*args, **kwargs)
 
 
@@ -244,6 +246,7 @@ class SwapRuntime:
         #: Segment -> why its recomputation cannot run as planned (Note [Refused actions]).
         self.refusals: dict[str, str] = {}
         self.engine: Optional[OffloadEngine] = None
+        self._ledger: Optional[DynamoLedger] = None  # Note [Nothing compiled under the runtime outlives it]
         #: The stream layer every timing and copy of this runtime goes through (Note [Stream protocol]).
         self.ops = default_ops(self.device)
         self.timer = RecomputeTimer(self.ops)
@@ -271,6 +274,7 @@ class SwapRuntime:
         if self.installed:
             return self
         self._active = True
+        self._ledger = DynamoLedger()
         if any(a.offloads for a in self.plan.actions.values()) or self.plan.offloads_outside:
             self.engine = OffloadEngine(
                 self.device,
@@ -354,6 +358,7 @@ class SwapRuntime:
             if regional:
                 self._set_aside_compilation(module_name)
             forward, graph = compiled_forward(found[1], forward, module)
+            self._ledger.own(module.forward)
         compiled = found is not None or is_compiled(module)
         forwards = {}
         for (call, name, index), action in zip(entries, actions):
@@ -630,6 +635,8 @@ class SwapRuntime:
             handle.remove()
         self._handles.clear()
         self._remove_forwards()
+        if self._ledger is not None:
+            self._ledger.drop()
         self._contexts = {}
         self._active = False
         if self.engine is not None:
