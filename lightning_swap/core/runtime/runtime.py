@@ -50,16 +50,13 @@ backward. The forward an offloading segment is given therefore checks whether it
 hooks are running for this call (``_in_call``) and, when not, does their work itself.
 
 Note [A user's checkpoint inside a segment]: a model that checkpoints its own blocks
-(``torch.utils.checkpoint``, Hugging Face's gradient checkpointing) already recomputes them.
-With ``use_reentrant=True`` the block runs again, with grad, inside backward: the engine
-would offload what it recomputes and fetch it straight back, and its forward hooks would
-take the recomputation for a new forward. With ``use_reentrant=False`` the engine's saved-
-tensor hooks would sit inside checkpoint's and win, so the checkpoint would silently stop
-recomputing. Both are respected, for ``offload`` and ``recompute_offload`` segments alike (the
-latter's own checkpoint would recompute a second time and offload its inputs during backward):
-nothing is offloaded or counted as a forward while autograd runs a backward, and a segment
-whose forward starts under checkpoint's hooks is left to that checkpoint (recomputed),
-reported once per segment with a warning.
+(``torch.utils.checkpoint`` around a block, in its parent's forward) already recomputes them:
+two owners of one block's activations (Note [A model that checkpoints itself] in
+``segments.py``). Where the model's modules do not show it to the session at setup, a segment's
+forward does: one starting under checkpoint's saved-tensor hooks (``use_reentrant=False``), or
+running while autograd runs a backward (a reentrant checkpoint recomputing it: its forward ran
+without grad), raises the session's error; nothing is offloaded or counted as a forward while
+autograd runs a backward.
 """
 
 from __future__ import annotations
@@ -79,7 +76,7 @@ from ..engine.meter import DeviceMemoryMeter
 from ..engine.offload import OffloadEngine
 from ..decide.plan import Plan
 from ..engine.recompute import RecomputeTimer, checkpointed
-from ..segments import region_after, resolve_modules, split_call, unwrap_compiled
+from ..segments import own_checkpointing_error, region_after, resolve_modules, split_call, unwrap_compiled
 from ..sharded import gathered_parameters, is_sharded, units_inside
 from ..engine.streams import Timing, default_ops
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, UMMode, check_inflight_segments, check_min_offload_bytes, check_window_bytes
@@ -118,6 +115,10 @@ class _SegmentForward:
     @dynamo_disable  # a graph break: the action runs eagerly (Note [Actions around compiled segments])
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         note_compiled_callers(self)  # Note [Nothing compiled under the runtime outlives it] in compiled.py
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if torch._C._current_graph_task_id() != -1 or (top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint"):
+            # Note [A user's checkpoint inside a segment]: inside backward, a reentrant one recomputing
+            raise own_checkpointing_error(f"{type(self.module).__name__}, a segment, runs inside the model's own torch.utils.checkpoint")
         return self.fn(*args, **kwargs)
 
     def __reduce__(self):
@@ -138,12 +139,7 @@ class _TracedForward(_SegmentForward):
             traced = self.fn.inline()
             if traced is not None:
                 return traced(*args, **kwargs)
-        return self._eager(*args, **kwargs)
-
-    @dynamo_disable
-    def _eager(self, *args: Any, **kwargs: Any) -> Any:
-        note_compiled_callers(self)
-        return self.fn(*args, **kwargs)
+        return _SegmentForward.__call__(self, *args, **kwargs)
 
 
 class _CompiledForward(_SegmentForward):
@@ -237,7 +233,6 @@ class SwapRuntime:
         self._handles: list[Any] = []
         #: Segments whose module call is running (hooks fired): Note [Direct forward calls].
         self._in_call: set[int] = set()
-        self._reported_checkpoints: set[str] = set()
         #: Note [Regions outside the segments are hooked for the whole step] (engine/offload.py):
         #: segment forwards running now, the last that ended, the whole-step hooks in a step.
         #: Under FSDP, whether the parameters gathered now must be named to the engine before an
@@ -440,8 +435,6 @@ class SwapRuntime:
             assert engine is not None
 
             def offloaded(*args: Any, **kwargs: Any) -> Any:
-                if self._user_recomputes(index):
-                    return forward(*args, **kwargs)
                 with engine.hooks(index):
                     return forward(*args, **kwargs)
 
@@ -454,31 +447,7 @@ class SwapRuntime:
         )
         if outer is None:
             return (_TracedForward if inline and graph is not None else _SegmentForward)(module, fn)
-
-        def recomputed_offloaded(*args: Any, **kwargs: Any) -> Any:
-            if self._user_recomputes(index):
-                return forward(*args, **kwargs)
-            return fn(*args, **kwargs)
-
-        return _SegmentForward(module, self._also_direct(recomputed_offloaded, index, module))
-
-    def _user_recomputes(self, index: int) -> bool:
-        """Note [A user's checkpoint inside a segment]."""
-        if torch._C._current_graph_task_id() != -1:
-            return True  # a reentrant checkpoint recomputing in backward
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is None or getattr(top[0], "__module__", None) != "torch.utils.checkpoint":
-            return False
-        name = self._names[index]
-        if name not in self._reported_checkpoints:
-            self._reported_checkpoints.add(name)
-            log.warning(
-                "lightning-swap: segment %r runs inside the model's own activation checkpoint "
-                "(torch.utils.checkpoint); that checkpoint recomputes its activations, so the plan's "
-                "offload is not applied to it",
-                name,
-            )
-        return True
+        return _SegmentForward(module, self._also_direct(fn, index, module))
 
     def _also_direct(self, fn: Any, index: int, module: nn.Module) -> Any:
         """Note [Direct forward calls]: ``block.forward(x)`` skips the module's forward hooks,
