@@ -717,6 +717,7 @@ class SwapRuntime:
             fetched_bytes=counters.fetched_bytes if counters else 0,
             prefetched_bytes=counters.prefetched_bytes if counters else 0,
             reused_bytes=counters.reused_bytes if counters else 0,
+            refetched_bytes=counters.refetched_bytes if counters else 0,
             offloaded_tensors=counters.offloaded_tensors if counters else 0,
             deduplicated_tensors=counters.deduplicated_tensors if counters else 0,
             host_pool_bytes=self.engine.pool.reserved_bytes if self.engine is not None else 0,
