@@ -336,8 +336,8 @@ class DynamoLedger:
                 return
             if code in utils.orig_code_map:
                 compiled.append(utils.orig_code_map[code])
-            elif code.co_filename != _CALL_IMPL and not (frame.f_back and frame.f_back.f_code.co_filename.startswith(_DYNAMO_DIR)):
-                gave_up.append(code)  # (a frame a Dynamo wrapper calls is the user's disable(recursive=False))
+            elif code.co_filename != _CALL_IMPL and not (frame.f_back and frame.f_back.f_code.co_name == "nonrecursive_disable_wrapper"):
+                gave_up.append(code)  # (not one the user's torch.compiler.disable(recursive=False) runs eagerly)
             frame = frame.f_back
         # no compiled call above: nothing was compiled around this entry point
 
@@ -355,11 +355,12 @@ class DynamoLedger:
         for code in _with_resumes(self._compiled | self._eager, ContinueExecutionCache.cache):
             entries = eval_frame._debug_get_cache_entry_list(code)
             ours = [e for e in entries if e.compile_id.frame_compile_id >= self._start.get(e.compile_id.frame_id, 0)]
-            if len(ours) == len(entries) or code in self._eager:
-                if len(ours) == len(entries):
-                    reset_code(code)  # all of it (and a mark to run eagerly) came under the runtime
-                    continue
-                eval_frame.set_code_exec_strategy(code, eval_frame.FrameExecStrategy(eval_frame.FrameAction.DEFAULT, eval_frame.FrameAction.DEFAULT))
+            if len(ours) == len(entries):
+                reset_code(code)  # all of it (and a mark to run eagerly) came under the runtime
+                continue
+            if code in self._eager:  # given up under the runtime: tried again
+                default = eval_frame.FrameAction.DEFAULT
+                eval_frame.set_code_exec_strategy(code, eval_frame.FrameExecStrategy(default, default))
             for entry in ours:  # as Dynamo drops an entry whose guarded object died (CheckFunctionManager.invalidate)
                 manager = entry.guard_manager
                 manager.extra_state.invalidate(manager.cache_entry, DeletedGuardManagerWrapper("compiled under lightning-swap's runtime"))
