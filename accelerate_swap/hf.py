@@ -32,14 +32,11 @@ that is ``Accelerator`` itself.)
 Note [One activation policy in the Trainer]: ``TrainingArguments(gradient_checkpointing=True)``
 (``activation_checkpointing`` in transformers 5) makes ``train()`` checkpoint every block, and the
 swap plugin's plan decides the same blocks' activations: two owners. The runtime never applies
-both (a segment that runs inside a checkpoint is left to it, with a warning: Note [A user's
-checkpoint inside a segment] in ``lightning_swap/core/runtime/runtime.py``), so the plan's action
-there would silently do nothing and its predicted peak and time be wrong. They are not composed
-either (``policy="recompute"`` already is checkpointing of every block, and what a user meant by
-both is not clear): the pair is refused when the Trainer builds its accelerator, with an error
-naming both, and so is a model handed to the Trainer with its own checkpointing on
-(``model.gradient_checkpointing_enable()``); checkpointing switched on later, behind the
-Trainer's back, meets the runtime's warning.
+both, nor composes them (``policy="recompute"`` already is checkpointing of every block, and what a
+user meant by both is not clear): the pair is refused when the Trainer builds its accelerator,
+with an error naming both, and so is a model handed to the Trainer with its own checkpointing on
+(``model.gradient_checkpointing_enable()``: Note [A model that checkpoints itself] in
+``lightning_swap/core/segments.py``, the check every front end's session makes).
 """
 
 from __future__ import annotations
@@ -53,6 +50,8 @@ import transformers.trainer as trainer_module
 from transformers import Trainer, TrainingArguments
 from typing_extensions import override
 
+from lightning_swap.core import refuse_own_checkpointing
+
 from .accelerator import SwapAccelerator
 from .plugin import ENV_CONFIG, ENV_FLAG, SwapPlugin
 
@@ -62,15 +61,6 @@ log = logging.getLogger(__name__)
 
 
 _SWITCH_OFF = f"switch the swap plugin off (no swap_plugin, {ENV_FLAG} unset or false, no {ENV_CONFIG})"
-
-
-def _model_checkpoints(model: Any) -> bool:
-    """A Hugging Face model's own checkpointing is on (read from the property, on the class first,
-    so transformers 5's deprecated alias is not touched when the new name exists)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if isinstance(getattr(type(model), name, None), property):
-            return bool(getattr(model, name))
-    return False
 
 
 def check_one_activation_policy(args: TrainingArguments, model: Any) -> None:
@@ -84,12 +74,8 @@ def check_one_activation_policy(args: TrainingArguments, model: Any) -> None:
             f"activations (the plan's action would do nothing in a checkpointed block); pass one of them: {names[0]}=False with the swap plugin "
             f"(SwapPlugin(policy='recompute') checkpoints every block, policy='auto' chooses per block), or {_SWITCH_OFF}."
         )
-    if model is not None and _model_checkpoints(model):
-        raise ValueError(
-            f"{type(model).__name__} has its own activation checkpointing on (gradient_checkpointing_enable()), and the "
-            "swap plugin's policy would decide each block's activations again; pass one of them: "
-            f"model.gradient_checkpointing_disable() with the swap plugin (policy='recompute' checkpoints every block), or {_SWITCH_OFF}."
-        )
+    if model is not None:  # what every front end's session refuses, here before the Trainer builds anything
+        refuse_own_checkpointing(model, library_off=_SWITCH_OFF)
 
 
 class SwapTrainerMixin:

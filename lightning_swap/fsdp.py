@@ -10,11 +10,10 @@ shards as ``DTensor``, every rank running every collective) is the core's busine
 
 Note [One activation policy]: Lightning's ``FSDPStrategy(activation_checkpointing_policy=...)``
 wraps blocks in ``checkpoint_wrapper``; ``cpu_swap`` decides per block whether to keep, offload
-or recompute. Both at once would have two owners for the same activations (a block
-checkpointed by Lightning is left to that checkpoint and the plan's action silently does
-nothing: Note [A user's checkpoint inside a segment] in the runtime). So the combination is
-refused when the strategy is built, with an error naming both; ``policy="recompute"`` is what
-``activation_checkpointing_policy`` did for every block.
+or recompute. Both at once would have two owners for the same activations (Note [A model that
+checkpoints itself] in ``core/segments.py``, which every session refuses). So the combination is
+refused when the strategy is built, before any block is wrapped, with an error naming both;
+``policy="recompute"`` is what ``activation_checkpointing_policy`` did for every block.
 """
 
 from __future__ import annotations

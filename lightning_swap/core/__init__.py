@@ -42,7 +42,7 @@ from .scale.collectives import Collectives, process_group_collectives
 from .scale.hooked import HookedSwapSession
 from .scale.loop_search import adopt_search_profile, search_for_loop
 from .scale.session import SessionViews, SwapSession
-from .segments import SegmentSpec, find_segments, split_call
+from .segments import SegmentSpec, find_segments, refuse_own_checkpointing, split_call
 from .tensors import tensors_in
 from .units import ByteSize, format_bytes, parse_bytes
 
@@ -86,6 +86,7 @@ __all__ = [
     "chunked_cross_entropy",
     "describe_options",
     "find_segments",
+    "refuse_own_checkpointing",
     "split_call",
     "format_bytes",
     "from_text",

@@ -61,12 +61,48 @@ compiled LightningModule) on the path from the model to the segment. A model com
 reference the runtime never sees (``compiled = torch.compile(model)`` with the runtime given
 ``model``) cannot be found: give the runtime the compiled module, or compile in place
 (``model.compile()``).
+
+Note [Random numbers under Inductor]: on CPU Inductor runs ``bernoulli_`` (timm's and most
+``drop_path``s) as a call of the eager op, which draws from torch's generator in program order,
+so it draws the same numbers whichever graphs the program is cut into, and eagerly. A compiled
+ViT with drop_path under ``offload`` still drew other masks (review ``r2_08``, 1.7e-3 relative
+from step 3): the blocks' forwards, compiled one by one, differ only in the drop rate, a float
+attribute; Dynamo traces it as a symbolic float, Inductor bakes the value into the code, and
+AOTAutograd's cache keys on the Dynamo graph, the same for every rate (pytorch/pytorch#197889),
+so the third block ran the second block's code with the second block's rate. A regional
+compilation meets it without the library too. So the forwards the runtime compiles
+(:func:`compile_with`) skip AOTAutograd's cache (``enable_autograd_cache``); Inductor's own
+cache, keyed on the code with the value baked in, still serves them. Inductor's own random
+kernels (``dropout``, ``rand``; on CUDA ``bernoulli`` too) draw differently: each graph takes
+its seeds from the generator with one ``randint`` when it starts, so their numbers depend on
+how the program is cut into graphs and differ from eager; a step the runtime runs eagerly (the
+CPU meter's first step, a recomputed segment's first call) and the graph breaks of ``offload``
+under whole-model compilation change them: the same distribution, other values. With
+``torch._inductor.config.fallback_random = True`` (for the plain run as well) every random op
+draws from the generator in program order and every policy matches compiled plain within float
+rounding (``tests/runtime/test_compile_rng.py``).
+
+Note [Nothing compiled under the runtime outlives it]: Dynamo caches compiled code on the code
+objects it compiled, guarded by what it traced. What it compiled while the runtime was installed
+is not what it compiles without it: a frame whose call reached a runtime entry point (a
+segment's action, a module hook: dynamo-disabled) was cut there into a graph, a call and a
+resume function, and its guards, taken before the cut, pass for the plain model too; a frame
+that reached one inside a loop was marked to run eagerly for good; and the segments' forwards
+were compiled by the runtime. A plain compiled model of the same classes after teardown reused
+all three (review ``r2_07``: other losses from step 0, until ``torch._dynamo.reset()``).
+:class:`DynamoLedger` finds them as they happen: a runtime entry point running eagerly looks,
+once, at the frames between it and the compiled call above it (Dynamo's transformed code: the
+code it compiled; the frame's own code: a frame it gave up), and the runtime names the forwards
+it compiles; at ``remove()`` the entries Dynamo made for those codes (and their resume functions)
+since ``install()`` are dropped, as Dynamo drops an entry whose guarded object died, and the
+frames it gave up are tried again. Entries made before, and every other code's, stay.
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -74,8 +110,8 @@ from torch import nn
 from .segments import canonical_name
 
 __all__ = [
-    "compile_context", "compiled_forward", "dynamo_context", "dynamo_disable", "eager_stance", "force_eager", "fullgraph",
-    "is_compiled", "recomputes_in_graph",
+    "DynamoLedger", "compile_context", "compile_with", "compiled_forward", "dynamo_context", "dynamo_disable", "eager_stance",
+    "force_eager", "fullgraph", "is_compiled", "note_compiled_callers", "recomputes_in_graph",
 ]
 
 
@@ -123,7 +159,25 @@ def compiled_forward(
     compiled, and (``ctx``, ``forward``) where it recomputes inside its graph (Note
     [Recomputation inside the compiled graph]; ``None``: it recomputes eagerly). The runtime
     installs these."""
-    return ctx(forward), ((ctx, forward) if recomputes_in_graph(module) else None)
+    return compile_with(ctx, forward), ((ctx, forward) if recomputes_in_graph(module) else None)
+
+
+def compile_with(ctx: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` compiled by the Dynamo context ``ctx``, without AOTAutograd's cache while Dynamo
+    compiles it from an eager call (Note [Random numbers under Inductor]); traced inside a graph
+    that encloses it, it is ``ctx(fn)``."""
+    compiled = ctx(fn)
+    config = getattr(torch._functorch, "config", None)
+    if not hasattr(config, "enable_autograd_cache"):  # pragma: no cover - a torch without the cache
+        return compiled
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return compiled(*args, **kwargs)
+        with config.patch(enable_autograd_cache=False):
+            return compiled(*args, **kwargs)
+
+    return run
 
 
 def _dynamo() -> Any:
@@ -228,3 +282,97 @@ def is_compiled(model: nn.Module) -> bool:
 def fullgraph(ctx: Any) -> bool:
     """Whether ``ctx`` was made with ``fullgraph=True`` (graph breaks are errors)."""
     return bool(getattr(ctx, "fullgraph", False))
+
+
+#: Ledgers of the installed runtimes (Note [Nothing compiled under the runtime outlives it]).
+_LEDGERS: list["DynamoLedger"] = []
+_DYNAMO_DIR = os.path.join(os.path.dirname(torch.__file__), "_dynamo") + os.sep
+_CALL_IMPL = torch.nn.Module._call_impl.__code__.co_filename
+
+
+def note_compiled_callers(entry: object) -> None:
+    """Called by a runtime entry point (``entry``: the wrapper or hook object) as it runs:
+    Note [Nothing compiled under the runtime outlives it]."""
+    for ledger in _LEDGERS:
+        ledger.note(entry)
+
+
+class DynamoLedger:
+    """What Dynamo compiled under one installed runtime, dropped by :meth:`drop`: Note [Nothing
+    compiled under the runtime outlives it]."""
+
+    def __init__(self) -> None:
+        frames = sys.modules.get("torch._dynamo.convert_frame")
+        #: Compile attempts per Dynamo frame id so far: entries numbered from here are ours.
+        self._start = dict(frames.FRAME_COMPILE_COUNTER) if frames is not None else {}
+        self._compiled: set[Any] = set()  # codes compiled under the runtime
+        self._eager: set[Any] = set()  # codes Dynamo gave up on under the runtime
+        self._seen: set[int] = set()  # entry points already looked from
+        _LEDGERS.append(self)  # until drop()
+
+    def own(self, fn: Any) -> None:
+        """``fn`` (a function or bound method) is compiled by the runtime."""
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is not None:
+            self._compiled.add(code)
+
+    def note(self, entry: object) -> None:
+        if id(entry) in self._seen or eager_stance():
+            return
+        utils = sys.modules.get("torch._dynamo.utils")
+        if utils is None:
+            return
+        self._seen.add(id(entry))
+        compiled, gave_up = [], []
+        frame = sys._getframe(3)  # (note, note_compiled_callers, the entry point) then its disable wrapper
+        while frame is not None and frame.f_code.co_filename.startswith(_DYNAMO_DIR):
+            frame = frame.f_back
+        while frame is not None:
+            code = frame.f_code
+            if code.co_filename.startswith(_DYNAMO_DIR):  # the compiled call (or a disabled region): the end
+                self._compiled.update(compiled)
+                self._eager.update(gave_up)
+                return
+            if code in utils.orig_code_map:
+                compiled.append(utils.orig_code_map[code])
+            elif code.co_filename != _CALL_IMPL and not (frame.f_back and frame.f_back.f_code.co_name == "nonrecursive_disable_wrapper"):
+                gave_up.append(code)  # (not one the user's torch.compiler.disable(recursive=False) runs eagerly)
+            frame = frame.f_back
+        # no compiled call above: nothing was compiled around this entry point
+
+    def drop(self) -> None:
+        """Drops what Dynamo compiled for the codes found since the ledger began; idempotent."""
+        if self in _LEDGERS:
+            _LEDGERS.remove(self)
+        eval_frame = _dynamo()
+        if eval_frame is None or not (self._compiled or self._eager):
+            return
+        from torch._C._dynamo.eval_frame import reset_code
+        from torch._dynamo.guards import DeletedGuardManagerWrapper
+        from torch._dynamo.resume_execution import ContinueExecutionCache
+
+        for code in _with_resumes(self._compiled | self._eager, ContinueExecutionCache.cache):
+            entries = eval_frame._debug_get_cache_entry_list(code)
+            ours = [e for e in entries if e.compile_id.frame_compile_id >= self._start.get(e.compile_id.frame_id, 0)]
+            if len(ours) == len(entries):
+                reset_code(code)  # all of it (and a mark to run eagerly) came under the runtime
+                continue
+            if code in self._eager:  # given up under the runtime: tried again
+                default = eval_frame.FrameAction.DEFAULT
+                eval_frame.set_code_exec_strategy(code, eval_frame.FrameExecStrategy(default, default))
+            for entry in ours:  # as Dynamo drops an entry whose guarded object died (CheckFunctionManager.invalidate)
+                manager = entry.guard_manager
+                manager.extra_state.invalidate(manager.cache_entry, DeletedGuardManagerWrapper("compiled under lightning-swap's runtime"))
+        self._compiled.clear()
+        self._eager.clear()
+
+
+def _with_resumes(codes: Iterable[Any], resumes: Any) -> list[Any]:
+    """``codes`` and the resume functions Dynamo generated from them, transitively."""
+    found, todo = [], list(codes)
+    while todo:
+        code = todo.pop()
+        if code not in found:
+            found.append(code)
+            todo.extend(resumes.get(code, {}).values())
+    return found

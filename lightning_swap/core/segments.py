@@ -49,6 +49,19 @@ FSDP1's ``FullyShardedDataParallel`` (its child ``_fsdp_wrapped_module``) and to
 block Lightning's ``FSDPStrategy`` wrapped is still ``model.blocks.0``, and the segment is the
 user's module inside, whose forward runs once its unit's parameters are gathered. FSDP2's
 ``fully_shard`` wraps nothing (it changes the module's class in place), so names never move.
+
+Note [A model that checkpoints itself]: a model may recompute its own blocks (Hugging Face's
+``gradient_checkpointing_enable()``, torch's ``checkpoint_wrapper``, ``torch.utils.checkpoint``
+called around a block). The plan decides the same blocks' activations: a segment inside the
+model's checkpoint has its offload do nothing (the checkpoint saves only its inputs), and its
+recomputation nests inside the model's, so ``selective`` caches what the checkpoint dropped
+(review ``r2_02``: 1.47x plain's peak, silently). Two owners are not composed: every front end's
+session refuses the model at setup (:func:`refuse_own_checkpointing`, from what its modules show),
+and a checkpoint the modules do not show (a ``torch.utils.checkpoint`` call in a parent's forward)
+is refused by the runtime at the segment's first forward inside it (Note [A user's checkpoint
+inside a segment] in ``runtime/runtime.py``), with the same error. A checkpoint *inside* a
+segment's forward, around part of it, is the segment's own code: the plan measures and prices
+the segment with it, and its action applies around it.
 """
 
 from __future__ import annotations
@@ -62,8 +75,8 @@ from torch import nn
 
 __all__ = [
     "CALL_SEPARATOR", "PREFIX_REGION", "TAIL_REGION", "SegmentSpec", "call_name", "canonical_name", "describe_segments",
-    "find_segments", "for_segment", "named_modules", "outside_region_names", "region_after", "resolve_modules", "split_call",
-    "unwrap_compiled",
+    "find_segments", "for_segment", "named_modules", "outside_region_names", "own_checkpointing_error", "refuse_own_checkpointing",
+    "region_after", "resolve_modules", "split_call", "unwrap_compiled",
 ]
 
 SegmentSpec = Union[None, Sequence[Union[str, type]]]
@@ -96,6 +109,38 @@ def unwrap_compiled(module: nn.Module) -> nn.Module:
     while (child := _wrapper_child(module)) is not None:
         module = getattr(module, child)
     return module
+
+
+def _checkpoints_itself(model: nn.Module) -> Optional[str]:
+    """How ``model`` checkpoints its own activations, as its modules show; ``None`` when they do not."""
+    wrapper = getattr(sys.modules.get("torch.distributed.algorithms._checkpoint.checkpoint_wrapper"), "CheckpointWrapper", ())
+    for module in model.modules():
+        for flag in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # Hugging Face (transformers 5 / 4)
+            if isinstance(getattr(type(module), flag, None), property):
+                if getattr(module, flag):
+                    return f"{type(module).__name__} has its own activation checkpointing on (gradient_checkpointing_enable())"
+                break
+        if isinstance(module, wrapper):
+            return f"{type(module).__name__} wraps {type(module._checkpoint_wrapped_module).__name__} in torch's checkpoint_wrapper"
+    return None
+
+
+def own_checkpointing_error(how: str, *, library_off: str = "train without lightning-swap") -> ValueError:
+    """Note [A model that checkpoints itself]: the error naming both owners and the two ways out."""
+    return ValueError(
+        f"{how}, and lightning-swap's policy would decide each block's activations again (inside the model's checkpoint "
+        "the plan's offload does nothing and its recomputation runs nested in the model's, above plain training's peak). "
+        "Use one of them: switch the model's checkpointing off (model.gradient_checkpointing_disable(), or no "
+        "checkpoint_wrapper / torch.utils.checkpoint around the blocks) and let the policy decide (policy='recompute' "
+        f"checkpoints every block, policy='auto' chooses per block), or {library_off}."
+    )
+
+
+def refuse_own_checkpointing(model: nn.Module, *, library_off: str = "train without lightning-swap") -> None:
+    """Note [A model that checkpoints itself]: every front end's session calls this at setup."""
+    how = _checkpoints_itself(model)
+    if how is not None:
+        raise own_checkpointing_error(how, library_off=library_off)
 
 
 #: Note [A segment per call]: call ``k`` (from 0) of a module run several times in one step.

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .compiled import dynamo_disable
+from .compiled import dynamo_disable, note_compiled_callers
 
 __all__ = [
     "CUDA_BUDGET_MARGIN", "ModuleHook", "device_budget_bytes", "gradient_bytes", "infer_batch_size", "is_kv_cache",
@@ -120,6 +120,7 @@ class ModuleHook:
 
     @dynamo_disable  # Note [Actions around compiled segments]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        note_compiled_callers(self)  # Note [Nothing compiled under the runtime outlives it]
         return self.fn(*args, **kwargs)
 
     def __reduce__(self):

@@ -22,15 +22,19 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face Trainer front end needs transformers (the `test` extra)")
 
+import lightning as L  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
+from lightning.fabric import Fabric  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
 
 from accelerate_swap import Action, SwapAccelerator, SwapPlugin  # noqa: E402
 from accelerate_swap.guard import GUARD, PlainAcceleratorGuard  # noqa: E402
 from accelerate_swap.hf import SwapTrainer  # noqa: E402
+from lightning_swap import CPUSwapStrategy  # noqa: E402
 from lightning_swap.core import DeviceMemoryMeter  # noqa: E402
+from lightning_swap.fabric import CPUSwapFabricStrategy  # noqa: E402
 
-from ..helpers import POLICIES  # noqa: E402
+from ..helpers import POLICIES, QUIET_TRAINER  # noqa: E402
 from .test_accelerate import _clean, fresh_state  # noqa: E402,F401 - a fixture
 
 STEPS = 5
@@ -241,6 +245,41 @@ def test_a_model_checkpointing_itself_beside_a_swap_policy_is_refused(tmp_path, 
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # transformers 5 / 4
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel has its own activation checkpointing on.*gradient_checkpointing_disable"):
         _trainer(SwapTrainer, tmp_path, model=model, swap_plugin=SwapPlugin(policy="recompute"))
+
+
+class _LitGPT2(L.LightningModule):
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, ids, i):
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader([torch.zeros(SEQ, dtype=torch.long)] * 2, batch_size=None)
+
+
+_REFUSED = r"GPT2LMHeadModel has its own activation checkpointing on.*gradient_checkpointing_disable.*policy='recompute'.*or "
+
+
+@pytest.mark.parametrize("front_end", ["lightning", "fabric", "accelerate"])
+@pytest.mark.parametrize("policy", ["selective", "offload"])
+def test_a_model_checkpointing_itself_is_refused_by_every_front_end_at_setup(front_end, policy, fresh_state):
+    """Note [A model that checkpoints itself] in ``core/segments.py``: as ``SwapTrainer`` refuses
+    it, so do the Lightning strategy (inside a LightningModule, review ``r2_02``: ``selective``
+    ran at 1.47x plain's peak, silently), Fabric and Accelerate, when the session is made."""
+    model = _gpt2()
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # transformers 5 / 4
+    with pytest.raises(ValueError, match=_REFUSED):
+        if front_end == "lightning":
+            L.Trainer(strategy=CPUSwapStrategy(policy=policy), accelerator="cpu", devices=1, max_steps=1, **QUIET_TRAINER).fit(_LitGPT2(model))
+        elif front_end == "fabric":
+            Fabric(accelerator="cpu", devices=1, strategy=CPUSwapFabricStrategy(policy=policy)).setup(model)
+        else:
+            SwapAccelerator(cpu=True, swap_plugin=SwapPlugin(policy=policy)).prepare(model)
 
 
 # -- a plain Accelerator under the switch says so, once ---------------------------------------------

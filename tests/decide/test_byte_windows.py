@@ -69,12 +69,13 @@ def test_fetched_ahead_never_exceeds_the_window(limit, monkeypatch):
 
 
 def test_a_window_of_zero_fetches_per_saved_tensor():
-    """``prefetch_bytes=0``: a storage several ops saved may come back more than once, and the
-    device holds only what the running op reads: a lower peak than holding each fetched storage
-    until its last unpack (``prefetch_segments=0``)."""
+    """``prefetch_bytes=0``: a storage several ops saved may come back more than once (counted in
+    ``refetched_bytes``), and the device holds only what the running op reads: a lower peak than
+    holding each fetched storage until its last unpack (``prefetch_segments=0``)."""
     _, _, per_tensor = _train("cnn", _everything_offloaded, steps=1, batch=16, prefetch_bytes=0, inflight_bytes=0)
     _, _, held = _train("cnn", _everything_offloaded, steps=1, batch=16, prefetch_segments=0)
-    assert per_tensor[0].fetched_bytes > held[0].fetched_bytes == held[0].offloaded_bytes == per_tensor[0].offloaded_bytes
+    assert per_tensor[0].fetched_bytes == held[0].fetched_bytes == held[0].offloaded_bytes == per_tensor[0].offloaded_bytes
+    assert per_tensor[0].refetched_bytes > held[0].refetched_bytes == 0
     assert per_tensor[0].peak_device_bytes <= held[0].peak_device_bytes
 
 

@@ -25,7 +25,9 @@ back once too: the device copy is held from its first unpack until every saved t
 refers to it has been unpacked (``pending``), so ``fetched_bytes == offloaded_bytes`` in a
 step with one backward; reading ``ctx.saved_tensors`` twice counts once per saved tensor
 (``round``). A second backward over a retained graph fetches again only if the
-first one's device copy died.
+first one's device copy died. ``fetched_bytes`` counts each storage's first crossing in a round;
+a crossing again in the same round (a window of 0 bytes: Note [Copy windows in bytes]) counts in
+``refetched_bytes``.
 
 Note [Prefetch schedule]: segment forwards are numbered as they run (``run``, recorded in this
 step's forward: a model may run a segment twice, or the whole model twice per backward, in
@@ -52,8 +54,10 @@ large segment does not pin its whole size twice:
   ``save_on_cpu`` does: an unpack fetches the bytes it needs, and the device copy is not held
   for the storage's later unpacks — it lives as long as the op that unpacked it holds it (a later
   unpack while it is alive reuses it: ``landed``). A storage several ops saved may come back more
-  than once: ``fetched_bytes`` may exceed ``offloaded_bytes``; the device holds only what the
-  running op reads.
+  than once (the log-probabilities ``cross_entropy`` saves twice; a block input its branch and
+  its skip connection save), which is the price of the device holding only what the running op
+  reads, the least any plan can hold: the crossings after a storage's first in a backward are
+  ``refetched_bytes``, so ``fetched_bytes + reused_bytes == offloaded_bytes`` still.
 
 Note [Used in place]: an offloaded storage may still be on the device when backward needs it
 — its copy was still in flight when backward started (the last ``inflight_segments``
@@ -146,6 +150,9 @@ class OffloadCounters:
     #: Offloaded bytes whose device original was still alive when needed: used in place, not
     #: fetched (Note [Used in place]); ``fetched + reused == offloaded`` for one backward.
     reused_bytes: int = 0
+    #: Bytes that crossed back again in the same backward, fetched per saved tensor under a window
+    #: of 0 bytes (Note [Copy windows in bytes]); not in ``fetched_bytes``.
+    refetched_bytes: int = 0
     prefetched_bytes: int = 0
     #: Host-measured copy time on CPU (synchronous copies); on CUDA see ``CopyStreams.exposed``.
     copy_ms: float = 0.0
@@ -335,6 +342,8 @@ class OffloadEngine:
         self._fetches: dict[int, tuple[torch.Tensor, Any]] = {}
         self._fetch_ids = itertools.count()
         self.counters = OffloadCounters()
+        #: Entry -> the unpack round it last crossed back in (Note [One storage, one copy]).
+        self._crossed: "weakref.WeakKeyDictionary[_Entry, int]" = weakref.WeakKeyDictionary()
         #: Storages counted in ``saved_bytes`` this step (Note [Unplanned bytes]), by id, weakly
         #: (an offloaded storage dies at once on CPU, and its id is reused).
         self._seen: dict[int, weakref.ref] = {}
@@ -545,7 +554,11 @@ class OffloadEngine:
         if not self.copies.asynchronous:
             self.counters.copy_ms += (time.perf_counter() - start) * 1e3
         entry.h2d_event = reusable  # rule 4, after the copy and what follows it
-        self.counters.fetched_bytes += nbytes
+        if self._crossed.get(entry) == entry.round:
+            self.counters.refetched_bytes += nbytes
+        else:
+            self._crossed[entry] = entry.round
+            self.counters.fetched_bytes += nbytes
         return dst, event
 
     def _start_backward(self) -> None:

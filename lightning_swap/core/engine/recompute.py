@@ -109,7 +109,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils._pytree import tree_leaves
 
 from ..actions import Action
-from ..compiled import eager_stance
+from ..compiled import compile_with, eager_stance
 from ..errors import InputMutatedError
 from .forward_state import ForwardState, written_args
 from .streams import StreamOps, Timing
@@ -353,7 +353,7 @@ def _in_graph(
     key = (action.value, None if save_ops is None else tuple(sorted(save_ops)))
     code = _POLICY_CODE.setdefault(key, recomputed.__code__.replace(co_name=f"recomputed_{len(_POLICY_CODE)}"))
     recomputed = types.FunctionType(code, recomputed.__globals__, code.co_name, None, recomputed.__closure__)
-    compiled = ctx(recomputed)
+    compiled = compile_with(ctx, recomputed)  # Note [Random numbers under Inductor] in compiled.py
     compiled.traced = recomputed  # for a graph that encloses the segment (runtime's _TracedForward)
     return compiled
 

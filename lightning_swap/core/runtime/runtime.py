@@ -50,16 +50,13 @@ backward. The forward an offloading segment is given therefore checks whether it
 hooks are running for this call (``_in_call``) and, when not, does their work itself.
 
 Note [A user's checkpoint inside a segment]: a model that checkpoints its own blocks
-(``torch.utils.checkpoint``, Hugging Face's gradient checkpointing) already recomputes them.
-With ``use_reentrant=True`` the block runs again, with grad, inside backward: the engine
-would offload what it recomputes and fetch it straight back, and its forward hooks would
-take the recomputation for a new forward. With ``use_reentrant=False`` the engine's saved-
-tensor hooks would sit inside checkpoint's and win, so the checkpoint would silently stop
-recomputing. Both are respected, for ``offload`` and ``recompute_offload`` segments alike (the
-latter's own checkpoint would recompute a second time and offload its inputs during backward):
-nothing is offloaded or counted as a forward while autograd runs a backward, and a segment
-whose forward starts under checkpoint's hooks is left to that checkpoint (recomputed),
-reported once per segment with a warning.
+(``torch.utils.checkpoint`` around a block, in its parent's forward) already recomputes them:
+two owners of one block's activations (Note [A model that checkpoints itself] in
+``segments.py``). Where the model's modules do not show it to the session at setup, a segment's
+forward does: one starting under checkpoint's saved-tensor hooks (``use_reentrant=False``), or
+running while autograd runs a backward (a reentrant checkpoint recomputing it: its forward ran
+without grad), raises the session's error; nothing is offloaded or counted as a forward while
+autograd runs a backward.
 """
 
 from __future__ import annotations
@@ -74,12 +71,12 @@ import torch
 from torch import nn
 
 from ..actions import Action
-from ..compiled import compile_context, compiled_forward, dynamo_disable, fullgraph, is_compiled
+from ..compiled import DynamoLedger, compile_context, compiled_forward, dynamo_disable, fullgraph, is_compiled, note_compiled_callers
 from ..engine.meter import DeviceMemoryMeter
 from ..engine.offload import OffloadEngine
 from ..decide.plan import Plan
 from ..engine.recompute import RecomputeTimer, checkpointed
-from ..segments import region_after, resolve_modules, split_call, unwrap_compiled
+from ..segments import own_checkpointing_error, region_after, resolve_modules, split_call, unwrap_compiled
 from ..sharded import gathered_parameters, is_sharded, units_inside
 from ..engine.streams import Timing, default_ops
 from ..config import DEFAULT_MIN_OFFLOAD_BYTES, UMMode, check_inflight_segments, check_min_offload_bytes, check_window_bytes
@@ -118,6 +115,11 @@ class _SegmentForward:
 
     @dynamo_disable  # a graph break: the action runs eagerly (Note [Actions around compiled segments])
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        note_compiled_callers(self)  # Note [Nothing compiled under the runtime outlives it] in compiled.py
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if torch._C._current_graph_task_id() != -1 or (top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint"):
+            # Note [A user's checkpoint inside a segment]: inside backward, a reentrant one recomputing
+            raise own_checkpointing_error(f"{type(self.module).__name__}, a segment, runs inside the model's own torch.utils.checkpoint")
         return self.fn(*args, **kwargs)
 
     def __reduce__(self):
@@ -138,11 +140,7 @@ class _TracedForward(_SegmentForward):
             traced = self.fn.inline()
             if traced is not None:
                 return traced(*args, **kwargs)
-        return self._eager(*args, **kwargs)
-
-    @dynamo_disable
-    def _eager(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
+        return _SegmentForward.__call__(self, *args, **kwargs)
 
 
 class _CompiledForward(_SegmentForward):
@@ -239,7 +237,7 @@ class SwapRuntime:
         self._active = self._compiled = self._step_open = self._metered = self._logged_unmetered = False
         self._handles: list[Any] = []
         #: Segments whose module call is running (hooks fired): Note [Direct forward calls].
-        self._in_call, self._reported_checkpoints = set(), set()
+        self._in_call: set[int] = set()
         #: Note [Regions outside the segments are hooked for the whole step] (engine/offload.py):
         #: segment forwards running now, the last that ended, the whole-step hooks in a step.
         #: Under FSDP, whether the parameters gathered now must be named to the engine before an
@@ -247,7 +245,7 @@ class SwapRuntime:
         self._depth, self._last_ran, self._outside_hooks, self._sharded, self._outside_params_stale = 0, None, None, is_sharded(model), True
         #: Segment -> why its recomputation cannot run as planned (Note [Refused actions]).
         self.refusals: dict[str, str] = {}
-        self.engine: Optional[OffloadEngine] = None
+        self.engine, self._ledger = None, None  # the ledger: Note [Nothing compiled under the runtime outlives it]
         #: The stream layer every timing and copy of this runtime goes through (Note [Stream protocol]).
         self.ops = default_ops(self.device)
         self.timer, self.meter = RecomputeTimer(self.ops), DeviceMemoryMeter(self.device)
@@ -272,6 +270,7 @@ class SwapRuntime:
         if self.installed:
             return self
         self._active = True
+        self._ledger = DynamoLedger()
         if self.switchable or any(a.offloads for a in self.plan.actions.values()) or self.plan.offloads_outside:
             self.engine = OffloadEngine(
                 self.device,
@@ -356,6 +355,7 @@ class SwapRuntime:
             if regional:
                 self._set_aside_compilation(module_name)
             forward, graph = compiled_forward(found[1], forward, module)
+            self._ledger.own(module.forward)
         compiled = found is not None or is_compiled(module)
         forwards = {}
         for (call, name, index), action in zip(entries, actions):
@@ -439,8 +439,6 @@ class SwapRuntime:
             assert engine is not None
 
             def offloaded(*args: Any, **kwargs: Any) -> Any:
-                if self._user_recomputes(index):
-                    return forward(*args, **kwargs)
                 with engine.hooks(index):
                     return forward(*args, **kwargs)
 
@@ -453,13 +451,7 @@ class SwapRuntime:
         )
         if outer is None:
             return (_TracedForward if inline and graph is not None else _SegmentForward)(module, fn)
-
-        def recomputed_offloaded(*args: Any, **kwargs: Any) -> Any:
-            if self._user_recomputes(index):
-                return forward(*args, **kwargs)
-            return fn(*args, **kwargs)
-
-        return _SegmentForward(module, self._also_direct(recomputed_offloaded, index, module))
+        return _SegmentForward(module, self._also_direct(fn, index, module))
 
     def _switch(self, module: nn.Module, forward: Any, name: str, index: int) -> Any:
         """Note [The budget held online]: the ``forward`` of a segment whose action may change
@@ -530,24 +522,6 @@ class SwapRuntime:
     def _room(self) -> int:
         """Note [Backward fetches within the budget]: the device bytes the budget leaves now."""
         return self._online.budget_bytes - self.meter.current_bytes
-
-    def _user_recomputes(self, index: int) -> bool:
-        """Note [A user's checkpoint inside a segment]."""
-        if torch._C._current_graph_task_id() != -1:
-            return True  # a reentrant checkpoint recomputing in backward
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is None or getattr(top[0], "__module__", None) != "torch.utils.checkpoint":
-            return False
-        name = self._names[index]
-        if name not in self._reported_checkpoints:
-            self._reported_checkpoints.add(name)
-            log.warning(
-                "lightning-swap: segment %r runs inside the model's own activation checkpoint "
-                "(torch.utils.checkpoint); that checkpoint recomputes its activations, so the plan's "
-                "offload is not applied to it",
-                name,
-            )
-        return True
 
     def _also_direct(self, fn: Any, index: int, module: nn.Module) -> Any:
         """Note [Direct forward calls]: ``block.forward(x)`` skips the module's forward hooks,
@@ -693,6 +667,8 @@ class SwapRuntime:
             handle.remove()
         self._handles.clear()
         self._remove_forwards()
+        if self._ledger is not None:
+            self._ledger.drop()
         self._contexts = {}
         self._active = False
         if self.engine is not None:
@@ -815,6 +791,7 @@ class SwapRuntime:
             fetched_bytes=counters.fetched_bytes if counters else 0,
             prefetched_bytes=counters.prefetched_bytes if counters else 0,
             reused_bytes=counters.reused_bytes if counters else 0,
+            refetched_bytes=counters.refetched_bytes if counters else 0,
             offloaded_tensors=counters.offloaded_tensors if counters else 0,
             deduplicated_tensors=counters.deduplicated_tensors if counters else 0,
             host_pool_bytes=self.engine.pool.reserved_bytes if self.engine is not None else 0,

@@ -31,8 +31,9 @@ class StepStats:
     peak_device_bytes: Optional[int]
     #: Bytes copied to host memory in forward (each storage once: Note [One storage, one copy]).
     offloaded_bytes: int
-    #: Bytes copied back to the device in backward, prefetched or on demand; with
-    #: ``reused_bytes``, equals ``offloaded_bytes`` in a step with one backward.
+    #: Bytes copied back to the device in backward, prefetched or on demand, each storage's first
+    #: time in a backward (again: ``refetched_bytes``); with ``reused_bytes``, equals
+    #: ``offloaded_bytes`` in a step with one backward.
     fetched_bytes: int
     #: Bytes of ``fetched_bytes`` copied ahead of need (Note [Prefetch schedule]).
     prefetched_bytes: int
@@ -60,6 +61,9 @@ class StepStats:
     #: Offloaded bytes whose device original was still alive when backward needed them, used
     #: in place instead of fetched (Note [Used in place] in ``engine/offload.py``).
     reused_bytes: int = 0
+    #: Bytes copied back again in the same backward: a window of 0 bytes fetches per saved tensor,
+    #: so a storage several ops saved crosses once per op (Note [Copy windows in bytes]).
+    refetched_bytes: int = 0
     #: Note [Unplanned bytes] in ``engine/offload.py``: bytes saved for backward in this step
     #: (each storage once; parameters, buffers and the batch excluded) as far as the offload
     #: engine saw them (every region a plan offloads), and of those, the bytes that stayed on the

@@ -42,7 +42,7 @@ from ..measure.observe import ObservedStep
 from ..measure.profiler import measure_bandwidth, profile as profile_step
 from ..runtime.runtime import SwapRuntime
 from ..runtime.stats import StatsHistory, StepStats
-from ..segments import describe_segments, find_segments, resolve_modules, split_call
+from ..segments import describe_segments, find_segments, refuse_own_checkpointing, resolve_modules, split_call
 from ..sharded import is_sharded, units_inside
 from ..tensors import device_budget_bytes, normalize_device, tensors_in
 from ..units import format_bytes
@@ -128,6 +128,7 @@ class SwapSession:
         self.device = normalize_device(device)
         self.unified = unified
         self.collectives = collectives
+        refuse_own_checkpointing(model)  # Note [A model that checkpoints itself]: every front end, at setup
         self.segments = find_segments(model, None if config.segments is None else list(config.segments))
         _log_segments(self.segments, found=config.segments is None)
         #: Segment name -> why its recomputation cannot run as planned, from every runtime of
