@@ -7,7 +7,9 @@ few steps, weights, buffers and gradients ``torch.equal``, under the strict stre
 from __future__ import annotations
 
 import logging
+import random
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -286,3 +288,58 @@ def test_a_change_not_seen_in_the_first_calls_is_logged_and_learned(caplog):
     plain, plain_grads = train(build, None, steps=5)
     assert torch.equal(state["0.shift"], plain["0.shift"]) and torch.equal(state["0.calls"], plain["0.calls"])
     assert all(torch.equal(grads[i][k], plain_grads[i][k]) for i in (0, 1) for k in grads[i])  # before the change
+
+
+class PyRandScale(nn.Module):
+    """Scales by a draw from Python's ``random`` (Note [Python's and numpy's RNGs] in forward_state.py)."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x) * (0.5 + random.random()))
+
+
+class PyRandBranch(PyRandScale):
+    """Takes one of two branches at random."""
+
+    def forward(self, x):
+        h = self.lin(x)
+        return x + (torch.tanh(h) if random.random() < 0.5 else h * h)
+
+
+class NumpyScale(PyRandScale):
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x) * float(np.random.uniform(0.5, 1.5)))
+
+
+class NumpyBranch(PyRandScale):
+    def forward(self, x):
+        h = self.lin(x)
+        return x + (torch.tanh(h) if np.random.rand() < 0.5 else h * h)
+
+
+def _host_rng_states():
+    return random.getstate(), np.random.get_state()
+
+
+def _train_seeded(build, action):
+    """``train`` with Python's and numpy's RNGs seeded first; their states after it too."""
+    random.seed(0)
+    np.random.seed(0)
+    return train(build, action, steps=4), _host_rng_states()
+
+
+@pytest.mark.parametrize("action", RECOMPUTING, ids=lambda a: a.value)
+@pytest.mark.parametrize("block", [PyRandScale, PyRandBranch, NumpyScale, NumpyBranch], ids=lambda b: b.__name__)
+def test_python_and_numpy_rngs_are_restored_for_the_recomputation(block, action):
+    """Note [Python's and numpy's RNGs]: the recomputation draws what the forward drew (before: other
+    weights for a scale, CheckpointError for a branch), and afterwards both RNGs are where plain
+    training leaves them (advanced once per forward)."""
+    build = lambda: nn.Sequential(block(), block(), block(), nn.Linear(16, 16))
+    (result, (python, numpy)), (plain, (plain_python, plain_numpy)) = _train_seeded(build, action), _train_seeded(build, None)
+    assert_equal(result, plain)
+    assert python == plain_python
+    assert numpy[2:] == plain_numpy[2:] and np.array_equal(numpy[1], plain_numpy[1])
+

@@ -1,7 +1,8 @@
 """Recomputation of a segment (activation checkpointing) that is invisible to training.
 
 Built on non-reentrant ``torch.utils.checkpoint`` (Chen et al. 2016), which restores the RNG
-state (dropout masks repeat) and the autocast state for the recomputation. ``SELECTIVE`` uses
+state (dropout masks repeat) and the autocast state for the recomputation; Python's and numpy's
+RNGs are restored too (Note [Python's and numpy's RNGs] in ``forward_state.py``). ``SELECTIVE`` uses
 ``create_selective_checkpoint_contexts``: outputs of compute-heavy ops are saved, the rest is
 recomputed.
 
