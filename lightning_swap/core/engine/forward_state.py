@@ -5,19 +5,28 @@ state are ``torch.utils.checkpoint``'s).
 
 Note [Buffers are kept from before they change]: a copy of a buffer's value at a call's entry
 is needed only where something changes that buffer before the call's recomputation: the call
-itself (spectral norm's power iteration, an observer's moving average, a counter) or a later
-call of the same module (the training pass after an ``eval()`` pass). So each call copies at
-entry the buffers its module's calls in this mode were seen to change, and gives the same copy,
-taken now, to each earlier call still waiting for its recomputation that has none (the value
-now is that call's entry value: nothing changed it since, or it would have its copy). A call in
-a mode not seen before copies every buffer, watches which ones change (their version counter
-moves, the module puts another tensor in their place, or an op writes into their storage: a
-write through ``.data``, which no version counter sees) and keeps only those. The copies live
-until the call's recomputation can no longer run (its graph is freed), so a second backward
-restores them again. A buffer changed by a call that was not expected to change it (its mode
-was learned without it; a change that depends on a value) cannot be rewound for that call: its
-recomputation runs on the changed value, which is put back after it, and the buffer is logged
-(once) and copied by the next calls.
+itself (spectral norm's power iteration, an observer's moving average, a counter), a later
+call of the same module (the training pass after an ``eval()`` pass), or another segment's call
+of a module both share (every block calls it, the last one updates its buffer). So each call
+copies at entry the buffers its segment's calls in this mode were seen to change, and gives the
+same copy, taken now, to each earlier call still waiting for its recomputation that has none
+(the value now is that call's entry value if the buffer did not move since). A call in a mode
+not seen before copies every buffer, watches which ones change (their version counter moves,
+the module puts another tensor in their place, or an op writes into their storage: a write
+through ``.data``, which no version counter sees) and keeps those; the others it holds until
+its recomputation (BatchNorm statistics aside, so a first step holds a copy of its recomputed
+segments' buffers through its backward). A recomputation checks the buffers it has no copy of:
+one another segment replaced is read from the tensor its forward saw (unchanged: free); one
+written in place is rewound from the held copy, and the segment's next calls copy it first;
+with no copy held (the first calls did not see it change) the recomputation runs on the
+changed value, the buffer is logged (once) and copied by the next calls, and the segment is
+refused for recomputation (Note [Refused actions] in ``measure/model_profile.py``). A write
+through ``.data`` by another segment moves nothing and is not seen. The copies live until the
+call's recomputation can no longer run (its graph is freed), so a second backward restores them
+again. A buffer changed by a call that
+was not expected to change it (its mode was learned without it; a change that depends on a
+value) cannot be rewound for that call either: its recomputation runs on the changed value,
+which is put back after it, and the buffer is logged (once) and copied by the next calls.
 
 Note [Python's and numpy's RNGs]: a forward that draws from Python's ``random`` or numpy's
 global RNG (a random scale, a layer skipped at random) would draw again when recomputed: other
@@ -106,15 +115,16 @@ def _assign(buffer: torch.Tensor, value: torch.Tensor) -> None:
 class _Call:
     """One checkpointed call of a segment: its modules' training flags, and per buffer slot the
     tensor there, its version and (``saved``) its value at the call's entry; a call that was
-    ``rngs``: Note [Python's and numpy's RNGs]."""
+    learning ``held`` the others' values too; ``rngs``: Note [Python's and numpy's RNGs]."""
 
-    __slots__ = ("flags", "objects", "versions", "saved", "trick", "rngs", "__weakref__")
+    __slots__ = ("flags", "objects", "versions", "saved", "held", "trick", "rngs", "__weakref__")
 
     def __init__(self) -> None:
         self.flags: tuple[bool, ...] = ()
         self.objects: list[Optional[torch.Tensor]] = []
         self.versions: list[int] = []
         self.saved: dict[int, torch.Tensor] = {}
+        self.held: dict[int, torch.Tensor] = {}
         self.rngs: tuple[Any, Any] = (None, None)
         #: Slots of torch's BatchNorms in training mode: never copied (Note [Recompute leaves buffers alone]).
         self.trick: set[int] = set()
@@ -152,9 +162,9 @@ class ForwardState:
     """Note [Buffers are kept from before they change] and Note [Recompute leaves buffers alone]
     (in ``recompute.py``), for one wrapped segment ``module`` named ``name``."""
 
-    def __init__(self, module: nn.Module, name: str) -> None:
+    def __init__(self, module: nn.Module, name: str, on_refuse: Optional[Callable[[str, str], None]] = None) -> None:
         named = list(module.named_modules())
-        self._name = name
+        self._name, self._on_refuse = name, on_refuse
         self._modules = [m for _, m in named]
         self._slots = [(m, b) for _, m in named for b in m._buffers]
         self._slot_names = [f"{p}.{b}" if p else b for p, m in named for b in m._buffers]
@@ -201,7 +211,7 @@ class ForwardState:
 
     def _protect(self, changing: set[int], objects: list[Optional[torch.Tensor]], copies: dict[int, torch.Tensor]) -> None:
         """Each earlier call still able to recompute gets the value now of the buffers about to
-        change that it has no copy of: nothing changed them since its entry."""
+        change that it has no copy of, if they did not move since its entry (its held copy else)."""
         alive = []
         for ref in self._pending:
             earlier = ref()
@@ -209,7 +219,9 @@ class ForwardState:
                 continue
             alive.append(ref)
             for i in changing - earlier.saved.keys() - earlier.trick:
-                if objects[i] is not None and objects[i] is earlier.objects[i]:
+                if i in earlier.held:
+                    earlier.saved[i] = earlier.held.pop(i)
+                elif objects[i] is not None and objects[i] is earlier.objects[i] and objects[i]._version == earlier.versions[i]:
                     earlier.saved[i] = _copy(copies, objects, i)
         self._pending = alive
 
@@ -250,7 +262,8 @@ class ForwardState:
         return found
 
     def _leave(self, call: _Call, learning: bool, written: set[int]) -> None:
-        """After the forward: learn what it changed; a call that was learning keeps only those."""
+        """After the forward: learn what it changed; a call that was learning copies those, and holds
+        the other copies until its recomputation."""
         objects = self._objects()
         moved = {i for i, t in enumerate(objects) if t is not call.objects[i] or (t is not None and t._version != call.versions[i])}
         changed = (moved | written | self._statistics(call.flags)[1]) - call.trick
@@ -267,7 +280,8 @@ class ForwardState:
                     "(Note [Buffers are kept from before they change])", self._name, self._slot_names[i],
                 )
         self._known.setdefault(call.flags, set()).update(changed)
-        if learning:
+        if learning:  # another segment may change the others before the recomputation: held until then
+            call.held = {i: v for i, v in call.saved.items() if i not in changed}
             call.saved = {i: v for i, v in call.saved.items() if i in changed}
         self._pending.append(weakref.ref(call))
 
@@ -290,6 +304,30 @@ class ForwardState:
             _assign(then, value)  # type: ignore[arg-type]
         return i, now, kept
 
+    def _moved(self, call: _Call) -> dict[int, Any]:
+        """The slots the call kept no copy of that moved since its entry (another segment changed
+        them), with the value its forward saw where it is known (Note [Buffers are kept from
+        before they change])."""
+        found: dict[int, Any] = {}
+        for i, (m, b) in enumerate(self._slots):
+            then, now = call.objects[i], m._buffers.get(b)
+            if i in call.saved or i in call.trick or (now is then and (then is None or then._version == call.versions[i])):
+                continue
+            if then is None or then._version == call.versions[i]:
+                found[i] = then  # put in place of another tensor: the one it saw is unchanged
+                continue
+            self._known.setdefault(call.flags, set()).add(i)  # the next calls copy it first
+            if i in call.held:
+                found[i] = call.held[i]
+            elif i not in self._logged:
+                self._logged.add(i)
+                why = f"buffer {self._slot_names[i]!r} was written outside the segment before its recomputation"
+                log.warning("lightning-swap: segment %r: %s, which sees the written value; later calls copy it first "
+                            "(Note [Buffers are kept from before they change])", self._name, why)
+                if self._on_refuse is not None:
+                    self._on_refuse(self._name, why)
+        return found
+
     @contextlib.contextmanager
     def recompute(self, call: _Call) -> Iterator[None]:
         """Around the call's recomputation: its forward's training flags, buffers and host RNGs,
@@ -297,7 +335,8 @@ class ForwardState:
         flags, rngs = self._set_flags(call.flags), _set_rngs(call.rngs)
         try:
             with torch.no_grad():
-                undo = [self._rewind(i, value, call) for i, value in call.saved.items()]
+                rewind = {**call.saved, **self._moved(call)}
+                undo = [self._rewind(i, value, call) for i, value in rewind.items()]
             frozen = [(m, m.momentum, m.num_batches_tracked) for m in self._batch_norms if m.training and m.track_running_stats]
             for m, _, _ in frozen:
                 m.momentum = 0.0

@@ -620,7 +620,7 @@ def checkpointed(
     by name, as the plan chose them (Note [Who decides under compile]); ``None``: the
     compute-heavy ops. ``graph``: (Dynamo context, uncompiled forward) of a segment recomputed
     in its compiled graph (Note [Recomputation inside the compiled graph] in ``compiled.py``)."""
-    state = ForwardState(module, name)
+    state = ForwardState(module, name, on_refuse)
     inputs_guard = _InputGuard(module, name, on_refuse)
     selective = _caches(action, compiled and graph is None, name, on_refuse)
     in_graph = _in_graph(graph, action, outer, save_ops)
