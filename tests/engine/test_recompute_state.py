@@ -280,8 +280,9 @@ class _SometimesWrites(nn.Module):
 
 def test_a_change_not_seen_in_the_first_calls_is_logged_and_learned(caplog):
     """A change the calls of its mode did not make before cannot be undone for the recomputation
-    of the call that makes it: it is logged, naming the segment and the buffer; the buffer still
-    ends as plain training leaves it, and later calls copy it first."""
+    of the call that makes it: it is logged, naming the segment and the buffer, and the segment is
+    refused for recomputation; the buffer still ends as plain training leaves it, and later calls
+    copy it first."""
     build = lambda: nn.Sequential(_SometimesWrites(), nn.Linear(16, 16))
     with caplog.at_level(logging.WARNING, logger="lightning_swap"):
         state, grads = train(build, Action.RECOMPUTE, steps=5)
@@ -290,6 +291,11 @@ def test_a_change_not_seen_in_the_first_calls_is_logged_and_learned(caplog):
     plain, plain_grads = train(build, None, steps=5)
     assert torch.equal(state["0.shift"], plain["0.shift"]) and torch.equal(state["0.calls"], plain["0.calls"])
     assert all(torch.equal(grads[i][k], plain_grads[i][k]) for i in (0, 1) for k in grads[i])  # before the change
+    model = build()
+    with SwapRuntime(model, {"0": Action.RECOMPUTE}, device="cpu") as rt:
+        for step in range(3):
+            _plain_step(model, *_batch(step))
+    assert list(rt.refusals) == ["0"] and "'shift'" in rt.refusals["0"]  # Note [Refused actions]
 
 
 class PyRandScale(nn.Module):

@@ -26,7 +26,7 @@ call's recomputation can no longer run (its graph is freed), so a second backwar
 again. A buffer changed by a call that
 was not expected to change it (its mode was learned without it; a change that depends on a
 value) cannot be rewound for that call either: its recomputation runs on the changed value,
-which is put back after it, and the buffer is logged (once) and copied by the next calls.
+which is put back after it, and the buffer is logged, copied and the segment refused as above.
 
 Note [Python's and numpy's RNGs]: a forward that draws from Python's ``random`` or numpy's
 global RNG (a random scale, a layer skipped at random) would draw again when recomputed: other
@@ -272,13 +272,7 @@ class ForwardState:
                 call.saved[i] = call.objects[i]  # put in place of another tensor: the one it saw is its value
                 continue
             call.saved[i] = _AFTER  # its value now is put back after the recomputation, at least
-            if i not in self._logged:
-                self._logged.add(i)
-                log.warning(
-                    "lightning-swap: segment %r changed buffer %r in a mode (training flags) in which its earlier calls did "
-                    "not; this call's recomputation sees the changed value, later calls keep a copy first "
-                    "(Note [Buffers are kept from before they change])", self._name, self._slot_names[i],
-                )
+            self._lost(i, "in a mode (training flags) in which its earlier calls did not change it")
         self._known.setdefault(call.flags, set()).update(changed)
         if learning:  # another segment may change the others before the recomputation: held until then
             call.held = {i: v for i, v in call.saved.items() if i not in changed}
@@ -319,14 +313,20 @@ class ForwardState:
             self._known.setdefault(call.flags, set()).add(i)  # the next calls copy it first
             if i in call.held:
                 found[i] = call.held[i]
-            elif i not in self._logged:
-                self._logged.add(i)
-                why = f"buffer {self._slot_names[i]!r} was written outside the segment before its recomputation"
-                log.warning("lightning-swap: segment %r: %s, which sees the written value; later calls copy it first "
-                            "(Note [Buffers are kept from before they change])", self._name, why)
-                if self._on_refuse is not None:
-                    self._on_refuse(self._name, why)
+            else:
+                self._lost(i, "outside the segment before its recomputation")
         return found
+
+    def _lost(self, i: int, where: str) -> None:
+        """A change to slot ``i`` that this call's recomputation cannot rewind: logged once, and the
+        segment refused for recomputation (Note [Refused actions] in ``measure/model_profile.py``)."""
+        if i not in self._logged:
+            self._logged.add(i)
+            why = f"buffer {self._slot_names[i]!r} changed {where}"
+            log.warning("lightning-swap: segment %r: %s; this call's recomputation sees the changed value, later calls "
+                        "copy it first (Note [Buffers are kept from before they change])", self._name, why)
+            if self._on_refuse is not None:
+                self._on_refuse(self._name, why)
 
     @contextlib.contextmanager
     def recompute(self, call: _Call) -> Iterator[None]:
