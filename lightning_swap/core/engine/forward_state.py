@@ -14,19 +14,17 @@ same copy, taken now, to each earlier call still waiting for its recomputation t
 not seen before copies every buffer, watches which ones change (their version counter moves,
 the module puts another tensor in their place, or an op writes into their storage: a write
 through ``.data``, which no version counter sees) and keeps those; the others it holds until
-its recomputation (BatchNorm statistics aside, so a first step holds a copy of its recomputed
+its recomputation (BatchNorm statistics aside: a first step holds a copy of its recomputed
 segments' buffers through its backward). A recomputation checks the buffers it has no copy of:
 one another segment replaced is read from the tensor its forward saw (unchanged: free); one
-written in place is rewound from the held copy, and the segment's next calls copy it first;
-with no copy held (the first calls did not see it change) the recomputation runs on the
-changed value, the buffer is logged (once) and copied by the next calls, and the segment is
-refused for recomputation (Note [Refused actions] in ``measure/model_profile.py``). A write
-through ``.data`` by another segment moves nothing and is not seen. The copies live until the
-call's recomputation can no longer run (its graph is freed), so a second backward restores them
-again. A buffer changed by a call that
-was not expected to change it (its mode was learned without it; a change that depends on a
-value) cannot be rewound for that call either: its recomputation runs on the changed value,
-which is put back after it, and the buffer is logged, copied and the segment refused as above.
+written in place is rewound from the held copy, and the segment's next calls copy it first. The
+copies live until the call's recomputation can no longer run (its graph is freed), so a second
+backward restores them again. What a recomputation cannot rewind (a buffer written in place
+with no copy held: first changed after the first calls, by another segment or by a call whose
+mode was learned without that change, one that depends on a value) it runs on the changed
+value, put back after it; the buffer is logged (once) and copied by the next calls, and the
+segment is refused for recomputation (Note [Refused actions] in ``measure/model_profile.py``).
+A write through ``.data`` by another segment moves nothing and is not seen.
 
 Note [Python's and numpy's RNGs]: a forward that draws from Python's ``random`` or numpy's
 global RNG (a random scale, a layer skipped at random) would draw again when recomputed: other
