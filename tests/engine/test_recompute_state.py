@@ -6,8 +6,11 @@ few steps, weights, buffers and gradients ``torch.equal``, under the strict stre
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import random
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -148,11 +151,12 @@ def _plain_step(model, x, y):
 
 
 def train(build, action, step=_plain_step, steps=3):
-    """Weights and buffers after ``steps`` SGD steps, and each step's gradients; ``action`` None: plain."""
+    """Weights and buffers after ``steps`` SGD steps, and each step's gradients; ``action`` None:
+    plain; a dict: the plan (its children's names -> actions)."""
     torch.manual_seed(0)
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    plan = {name: action for name, _ in model.named_children()} if action is not None else None
+    plan = action if isinstance(action, dict) or action is None else {name: action for name, _ in model.named_children()}
     grads = []
     with DoubleFactory("late") as factory:
         rt = SwapRuntime(model, plan, device="cpu", min_offload_bytes=0).install() if plan else None
@@ -252,7 +256,7 @@ def test_only_buffers_that_change_are_copied_after_the_first_call():
             with _Clones() as clones:
                 F.mse_loss(model(x), y).backward()
             counts.append(sorted(clones.numels))
-    assert counts[0][-1] == 64 * 16  # the first call copies the table too (and drops it at its end)
+    assert counts[0][-1] == 64 * 16  # the first call copies the table too (held until its recomputation)
     assert counts[1:] == [[1, 1], [1, 1]]
     assert int(model[0].calls) == 3
 
@@ -276,8 +280,9 @@ class _SometimesWrites(nn.Module):
 
 def test_a_change_not_seen_in_the_first_calls_is_logged_and_learned(caplog):
     """A change the calls of its mode did not make before cannot be undone for the recomputation
-    of the call that makes it: it is logged, naming the segment and the buffer; the buffer still
-    ends as plain training leaves it, and later calls copy it first."""
+    of the call that makes it: it is logged, naming the segment and the buffer, and the segment is
+    refused for recomputation; the buffer still ends as plain training leaves it, and later calls
+    copy it first."""
     build = lambda: nn.Sequential(_SometimesWrites(), nn.Linear(16, 16))
     with caplog.at_level(logging.WARNING, logger="lightning_swap"):
         state, grads = train(build, Action.RECOMPUTE, steps=5)
@@ -286,3 +291,140 @@ def test_a_change_not_seen_in_the_first_calls_is_logged_and_learned(caplog):
     plain, plain_grads = train(build, None, steps=5)
     assert torch.equal(state["0.shift"], plain["0.shift"]) and torch.equal(state["0.calls"], plain["0.calls"])
     assert all(torch.equal(grads[i][k], plain_grads[i][k]) for i in (0, 1) for k in grads[i])  # before the change
+    model = build()
+    with SwapRuntime(model, {"0": Action.RECOMPUTE}, device="cpu") as rt:
+        for step in range(3):
+            _plain_step(model, *_batch(step))
+    assert list(rt.refusals) == ["0"] and "'shift'" in rt.refusals["0"]  # Note [Refused actions]
+
+
+class PyRandScale(nn.Module):
+    """Scales by a draw from Python's ``random`` (Note [Python's and numpy's RNGs] in forward_state.py)."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x) * (0.5 + random.random()))
+
+
+class PyRandBranch(PyRandScale):
+    """Takes one of two branches at random."""
+
+    def forward(self, x):
+        h = self.lin(x)
+        return x + (torch.tanh(h) if random.random() < 0.5 else h * h)
+
+
+class NumpyScale(PyRandScale):
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x) * float(np.random.uniform(0.5, 1.5)))
+
+
+class NumpyBranch(PyRandScale):
+    def forward(self, x):
+        h = self.lin(x)
+        return x + (torch.tanh(h) if np.random.rand() < 0.5 else h * h)
+
+
+def _host_rng_states():
+    return random.getstate(), np.random.get_state()
+
+
+def _train_seeded(build, action):
+    """``train`` with Python's and numpy's RNGs seeded first; their states after it too."""
+    random.seed(0)
+    np.random.seed(0)
+    return train(build, action, steps=4), _host_rng_states()
+
+
+@pytest.mark.parametrize("action", RECOMPUTING, ids=lambda a: a.value)
+@pytest.mark.parametrize("block", [PyRandScale, PyRandBranch, NumpyScale, NumpyBranch], ids=lambda b: b.__name__)
+def test_python_and_numpy_rngs_are_restored_for_the_recomputation(block, action):
+    """Note [Python's and numpy's RNGs]: the recomputation draws what the forward drew (before: other
+    weights for a scale, CheckpointError for a branch), and afterwards both RNGs are where plain
+    training leaves them (advanced once per forward)."""
+    build = lambda: nn.Sequential(block(), block(), block(), nn.Linear(16, 16))
+    (result, (python, numpy)), (plain, (plain_python, plain_numpy)) = _train_seeded(build, action), _train_seeded(build, None)
+    assert_equal(result, plain)
+    assert python == plain_python
+    assert numpy[2:] == plain_numpy[2:] and np.array_equal(numpy[1], plain_numpy[1])
+
+
+class _SharedShift(nn.Module):
+    """A module every block calls; only the last block's call updates its buffer, by putting a
+    new tensor in its place (``in_place=False``) or writing into it."""
+
+    def __init__(self, width=16, in_place=False):
+        super().__init__()
+        self.in_place = in_place
+        self.register_buffer("shift", torch.ones(width))
+
+    def forward(self, x, update):
+        if update:
+            ema = 0.5 * self.shift + 0.5 * x.detach().abs().mean(0)
+            if self.in_place:
+                self.shift.copy_(ema)
+            else:
+                self.shift = ema
+        return x - self.shift  # saves nothing: autograd lets the last block write into it
+
+
+class _SharedBlock(nn.Module):
+    def __init__(self, shared, last, width=16):
+        super().__init__()
+        self.lin, self.shared, self.last = nn.Linear(width, width), shared, last
+
+    def forward(self, x):
+        return x + torch.tanh(self.shared(self.lin(x), update=self.last))
+
+
+def _shared_model(in_place, blocks=3):
+    shared = _SharedShift(in_place=in_place)
+    return nn.Sequential(*[_SharedBlock(shared, i == blocks - 1) for i in range(blocks)], nn.Linear(16, 16))
+
+
+@pytest.mark.parametrize("last", ["recomputed", "kept"])
+@pytest.mark.parametrize("action", RECOMPUTING, ids=lambda a: a.value)
+@pytest.mark.parametrize("in_place", [False, True], ids=["replaced", "in_place"])
+def test_a_buffer_another_segment_changes_is_restored(in_place, action, last):
+    """Note [Buffers are kept from before they change]: the earlier blocks' recomputations read the
+    value their forward saw, not the one the last block left (before: other gradients)."""
+    build = lambda: _shared_model(in_place)
+    plan = {"0": action, "1": action, "2": action if last == "recomputed" else Action.KEEP}
+    assert_equal(train(build, plan), train(build, None))
+
+
+class _LateShared(_SharedShift):
+    """Written into by the last block from its third call on only: a change no earlier call saw."""
+
+    def forward(self, x, update):
+        self.calls = getattr(self, "calls", 0) + update
+        return super().forward(x, update and self.calls >= 3)
+
+
+def _late_shared_grads(plan):
+    torch.manual_seed(0)
+    shared = _LateShared(in_place=True)
+    model = nn.Sequential(*[_SharedBlock(shared, i == 1) for i in range(2)])
+    grads = []
+    with SwapRuntime(model, plan, device="cpu") if plan else contextlib.nullcontext() as rt:
+        for step in range(4):
+            x, y = _batch(step)
+            F.mse_loss(model(x), y).backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+            model.zero_grad(set_to_none=True)
+    return grads, rt
+
+
+def test_a_buffer_another_segment_changes_unforeseen_refuses_recomputation(caplog):
+    """A buffer written in place by another segment, which the first calls did not see change,
+    cannot be rewound for the call that missed it (the third step's): the segment is refused
+    (Note [Refused actions]) and logged, naming the buffer; its later calls copy it first."""
+    with caplog.at_level(logging.WARNING, logger="lightning_swap"):
+        grads, rt = _late_shared_grads({"0": Action.RECOMPUTE})
+    plain, _ = _late_shared_grads(None)
+    assert [torch.equal(a, b) for a, b in zip(grads, plain)] == [True, True, False, True]
+    assert list(rt.refusals) == ["0"] and "'shared.shift'" in rt.refusals["0"]
+    assert [r.getMessage().count("'shared.shift'") for r in caplog.records] == [1]

@@ -1,28 +1,48 @@
 """The state a segment's forward saw, restored for its recomputation: every buffer as it was when
-the forward entered the segment, and the modules' training flags (Note [Recompute leaves buffers
-alone] in ``recompute.py``; the RNG and autocast state are ``torch.utils.checkpoint``'s).
+the forward entered the segment, the modules' training flags (Note [Recompute leaves buffers
+alone] in ``recompute.py``), and Python's and numpy's global RNGs (torch's RNG and the autocast
+state are ``torch.utils.checkpoint``'s).
 
 Note [Buffers are kept from before they change]: a copy of a buffer's value at a call's entry
 is needed only where something changes that buffer before the call's recomputation: the call
-itself (spectral norm's power iteration, an observer's moving average, a counter) or a later
-call of the same module (the training pass after an ``eval()`` pass). So each call copies at
-entry the buffers its module's calls in this mode were seen to change, and gives the same copy,
-taken now, to each earlier call still waiting for its recomputation that has none (the value
-now is that call's entry value: nothing changed it since, or it would have its copy). A call in
-a mode not seen before copies every buffer, watches which ones change (their version counter
-moves, the module puts another tensor in their place, or an op writes into their storage: a
-write through ``.data``, which no version counter sees) and keeps only those. The copies live
-until the call's recomputation can no longer run (its graph is freed), so a second backward
-restores them again. A buffer changed by a call that was not expected to change it (its mode
-was learned without it; a change that depends on a value) cannot be rewound for that call: its
-recomputation runs on the changed value, which is put back after it, and the buffer is logged
-(once) and copied by the next calls.
+itself (spectral norm's power iteration, an observer's moving average, a counter), a later
+call of the same module (the training pass after an ``eval()`` pass), or another segment's call
+of a module both share (every block calls it, the last one updates its buffer). So each call
+copies at entry the buffers its segment's calls in this mode were seen to change, and gives the
+same copy, taken now, to each earlier call still waiting for its recomputation that has none
+(the value now is that call's entry value if the buffer did not move since). A call in a mode
+not seen before copies every buffer, watches which ones change (their version counter moves,
+the module puts another tensor in their place, or an op writes into their storage: a write
+through ``.data``, which no version counter sees) and keeps those; the others it holds until
+its recomputation (BatchNorm statistics aside: a first step holds a copy of its recomputed
+segments' buffers through its backward). A recomputation checks the buffers it has no copy of:
+one another segment replaced is read from the tensor its forward saw (unchanged: free); one
+written in place is rewound from the held copy, and the segment's next calls copy it first. The
+copies live until the call's recomputation can no longer run (its graph is freed), so a second
+backward restores them again. What a recomputation cannot rewind (a buffer written in place
+with no copy held: first changed after the first calls, by another segment or by a call whose
+mode was learned without that change, one that depends on a value) it runs on the changed
+value, put back after it; the buffer is logged (once) and copied by the next calls, and the
+segment is refused for recomputation (Note [Refused actions] in ``measure/model_profile.py``).
+A write through ``.data`` by another segment moves nothing and is not seen.
+
+Note [Python's and numpy's RNGs]: a forward that draws from Python's ``random`` or numpy's
+global RNG (a random scale, a layer skipped at random) would draw again when recomputed: other
+values, or another branch (checkpoint's ``CheckpointError``). So each call reads both states at
+entry and exit (numpy's where ``numpy.random`` is imported), and the recomputation of a call
+whose forward moved one sets it to its entry state and back afterwards: each RNG advances once,
+as without recomputation. The reads cost about 70 us per call on a slow CPU, numpy's mostly (0.3%
+of a GPT-2-small block's forward there); setting both around a recomputation about 120 us. Like
+any Python object the forward mutates (an int counter), a ``random.Random`` or
+``numpy.random.Generator`` it holds is not restored: torch's checkpoint's limit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import random
+import sys
 import weakref
 from typing import Any, Callable, Iterator, Optional
 
@@ -58,6 +78,32 @@ def _plain_batch_norm(m: nn.Module) -> bool:
     return isinstance(m, _BatchNorm) and type(m).forward in (_BatchNorm.forward, SyncBatchNorm.forward)
 
 
+def _host_rngs() -> tuple[Any, Any]:
+    """Python's and numpy's global RNG states (Note [Python's and numpy's RNGs])."""
+    np_random = sys.modules.get("numpy.random")
+    return random.getstate(), np_random.get_state() if np_random is not None else None
+
+
+def _drawn(entry: tuple[Any, Any]) -> tuple[Any, Any]:
+    """Of the states ``entry`` (a forward's), those of the RNGs the forward drew from, else None."""
+    python, numpy = _host_rngs()
+    # numpy's legacy state: (name, key array, pos, has_gauss, cached_gaussian)
+    same = entry[1] is None or (entry[1][2:] == numpy[2:] and (entry[1][1] == numpy[1]).all())
+    return (None if entry[0] == python else entry[0]), (None if same else entry[1])
+
+
+def _set_rngs(states: tuple[Any, Any]) -> tuple[Any, Any]:
+    """Python's and numpy's RNG set to ``states`` (None: left alone); returns what they were."""
+    python, numpy = states
+    np_random = sys.modules.get("numpy.random")
+    before = random.getstate() if python is not None else None, np_random.get_state() if numpy is not None else None
+    if python is not None:
+        random.setstate(python)
+    if numpy is not None:
+        np_random.set_state(numpy)
+    return before
+
+
 def _assign(buffer: torch.Tensor, value: torch.Tensor) -> None:
     if buffer.shape != value.shape:  # an observer sizes its statistics on its first call
         buffer.resize_(value.shape)
@@ -66,15 +112,18 @@ def _assign(buffer: torch.Tensor, value: torch.Tensor) -> None:
 
 class _Call:
     """One checkpointed call of a segment: its modules' training flags, and per buffer slot the
-    tensor there, its version and (``saved``) its value at the call's entry."""
+    tensor there, its version and (``saved``) its value at the call's entry; a call that was
+    learning ``held`` the others' values too; ``rngs``: Note [Python's and numpy's RNGs]."""
 
-    __slots__ = ("flags", "objects", "versions", "saved", "trick", "__weakref__")
+    __slots__ = ("flags", "objects", "versions", "saved", "held", "trick", "rngs", "__weakref__")
 
     def __init__(self) -> None:
         self.flags: tuple[bool, ...] = ()
         self.objects: list[Optional[torch.Tensor]] = []
         self.versions: list[int] = []
         self.saved: dict[int, torch.Tensor] = {}
+        self.held: dict[int, torch.Tensor] = {}
+        self.rngs: tuple[Any, Any] = (None, None)
         #: Slots of torch's BatchNorms in training mode: never copied (Note [Recompute leaves buffers alone]).
         self.trick: set[int] = set()
 
@@ -111,9 +160,9 @@ class ForwardState:
     """Note [Buffers are kept from before they change] and Note [Recompute leaves buffers alone]
     (in ``recompute.py``), for one wrapped segment ``module`` named ``name``."""
 
-    def __init__(self, module: nn.Module, name: str) -> None:
+    def __init__(self, module: nn.Module, name: str, on_refuse: Optional[Callable[[str, str], None]] = None) -> None:
         named = list(module.named_modules())
-        self._name = name
+        self._name, self._on_refuse = name, on_refuse
         self._modules = [m for _, m in named]
         self._slots = [(m, b) for _, m in named for b in m._buffers]
         self._slot_names = [f"{p}.{b}" if p else b for p, m in named for b in m._buffers]
@@ -160,7 +209,7 @@ class ForwardState:
 
     def _protect(self, changing: set[int], objects: list[Optional[torch.Tensor]], copies: dict[int, torch.Tensor]) -> None:
         """Each earlier call still able to recompute gets the value now of the buffers about to
-        change that it has no copy of: nothing changed them since its entry."""
+        change that it has no copy of, if they did not move since its entry (its held copy else)."""
         alive = []
         for ref in self._pending:
             earlier = ref()
@@ -168,7 +217,9 @@ class ForwardState:
                 continue
             alive.append(ref)
             for i in changing - earlier.saved.keys() - earlier.trick:
-                if objects[i] is not None and objects[i] is earlier.objects[i]:
+                if i in earlier.held:
+                    earlier.saved[i] = earlier.held.pop(i)
+                elif objects[i] is not None and objects[i] is earlier.objects[i] and objects[i]._version == earlier.versions[i]:
                     earlier.saved[i] = _copy(copies, objects, i)
         self._pending = alive
 
@@ -181,9 +232,10 @@ class ForwardState:
 
     @contextlib.contextmanager
     def forward(self, call: _Call, eager: bool) -> Iterator[None]:
-        call.flags = self._flags()
+        call.flags, rngs = self._flags(), _host_rngs()
         if not self._slots:
             yield
+            call.rngs = _drawn(rngs)
             return
         call.objects = self._objects()
         call.versions = [t._version if t is not None else -1 for t in call.objects]
@@ -196,6 +248,7 @@ class ForwardState:
         watch = _Writes(self._storages(call.objects)) if learning and eager else None
         with watch if watch is not None else contextlib.nullcontext():
             yield
+        call.rngs = _drawn(rngs)
         self._leave(call, learning, watch.slots if watch is not None else set())
 
     @staticmethod
@@ -207,7 +260,8 @@ class ForwardState:
         return found
 
     def _leave(self, call: _Call, learning: bool, written: set[int]) -> None:
-        """After the forward: learn what it changed; a call that was learning keeps only those."""
+        """After the forward: learn what it changed; a call that was learning copies those, and holds
+        the other copies until its recomputation."""
         objects = self._objects()
         moved = {i for i, t in enumerate(objects) if t is not call.objects[i] or (t is not None and t._version != call.versions[i])}
         changed = (moved | written | self._statistics(call.flags)[1]) - call.trick
@@ -216,15 +270,10 @@ class ForwardState:
                 call.saved[i] = call.objects[i]  # put in place of another tensor: the one it saw is its value
                 continue
             call.saved[i] = _AFTER  # its value now is put back after the recomputation, at least
-            if i not in self._logged:
-                self._logged.add(i)
-                log.warning(
-                    "lightning-swap: segment %r changed buffer %r in a mode (training flags) in which its earlier calls did "
-                    "not; this call's recomputation sees the changed value, later calls keep a copy first "
-                    "(Note [Buffers are kept from before they change])", self._name, self._slot_names[i],
-                )
+            self._lost(i, "in a mode (training flags) in which its earlier calls did not change it")
         self._known.setdefault(call.flags, set()).update(changed)
-        if learning:
+        if learning:  # another segment may change the others before the recomputation: held until then
+            call.held = {i: v for i, v in call.saved.items() if i not in changed}
             call.saved = {i: v for i, v in call.saved.items() if i in changed}
         self._pending.append(weakref.ref(call))
 
@@ -247,14 +296,45 @@ class ForwardState:
             _assign(then, value)  # type: ignore[arg-type]
         return i, now, kept
 
+    def _moved(self, call: _Call) -> dict[int, Any]:
+        """The slots the call kept no copy of that moved since its entry (another segment changed
+        them), with the value its forward saw where it is known (Note [Buffers are kept from
+        before they change])."""
+        found: dict[int, Any] = {}
+        for i, (m, b) in enumerate(self._slots):
+            then, now = call.objects[i], m._buffers.get(b)
+            if i in call.saved or i in call.trick or (now is then and (then is None or then._version == call.versions[i])):
+                continue
+            if then is None or then._version == call.versions[i]:
+                found[i] = then  # put in place of another tensor: the one it saw is unchanged
+                continue
+            self._known.setdefault(call.flags, set()).add(i)  # the next calls copy it first
+            if i in call.held:
+                found[i] = call.held[i]
+            else:
+                self._lost(i, "outside the segment before its recomputation")
+        return found
+
+    def _lost(self, i: int, where: str) -> None:
+        """A change to slot ``i`` that this call's recomputation cannot rewind: logged once, and the
+        segment refused for recomputation (Note [Refused actions] in ``measure/model_profile.py``)."""
+        if i not in self._logged:
+            self._logged.add(i)
+            why = f"buffer {self._slot_names[i]!r} changed {where}"
+            log.warning("lightning-swap: segment %r: %s; this call's recomputation sees the changed value, later calls "
+                        "copy it first (Note [Buffers are kept from before they change])", self._name, why)
+            if self._on_refuse is not None:
+                self._on_refuse(self._name, why)
+
     @contextlib.contextmanager
     def recompute(self, call: _Call) -> Iterator[None]:
-        """Around the call's recomputation: its forward's training flags and buffers, and torch's
-        BatchNorms updating their statistics by 0; afterwards everything as it was before."""
-        flags = self._set_flags(call.flags)
+        """Around the call's recomputation: its forward's training flags, buffers and host RNGs,
+        and torch's BatchNorms updating their statistics by 0; afterwards everything as it was before."""
+        flags, rngs = self._set_flags(call.flags), _set_rngs(call.rngs)
         try:
             with torch.no_grad():
-                undo = [self._rewind(i, value, call) for i, value in call.saved.items()]
+                rewind = {**call.saved, **self._moved(call)}
+                undo = [self._rewind(i, value, call) for i, value in rewind.items()]
             frozen = [(m, m.momentum, m.num_batches_tracked) for m in self._batch_norms if m.training and m.track_running_stats]
             for m, _, _ in frozen:
                 m.momentum = 0.0
@@ -273,3 +353,4 @@ class ForwardState:
                             _assign(now, kept)  # type: ignore[arg-type]
         finally:
             self._set_flags(flags)
+            _set_rngs(rngs)

@@ -1,7 +1,8 @@
 """Recomputation of a segment (activation checkpointing) that is invisible to training.
 
 Built on non-reentrant ``torch.utils.checkpoint`` (Chen et al. 2016), which restores the RNG
-state (dropout masks repeat) and the autocast state for the recomputation. ``SELECTIVE`` uses
+state (dropout masks repeat) and the autocast state for the recomputation; Python's and numpy's
+RNGs are restored too (Note [Python's and numpy's RNGs] in ``forward_state.py``). ``SELECTIVE`` uses
 ``create_selective_checkpoint_contexts``: outputs of compute-heavy ops are saved, the rest is
 recomputed.
 
@@ -619,7 +620,7 @@ def checkpointed(
     by name, as the plan chose them (Note [Who decides under compile]); ``None``: the
     compute-heavy ops. ``graph``: (Dynamo context, uncompiled forward) of a segment recomputed
     in its compiled graph (Note [Recomputation inside the compiled graph] in ``compiled.py``)."""
-    state = ForwardState(module, name)
+    state = ForwardState(module, name, on_refuse)
     inputs_guard = _InputGuard(module, name, on_refuse)
     selective = _caches(action, compiled and graph is None, name, on_refuse)
     in_graph = _in_graph(graph, action, outer, save_ops)
