@@ -270,7 +270,7 @@ class _SwapStrategyMixin(SessionViews):
         states = _optimizer_states(self.optimizers)
         # The planned timeline needs the meter open (Note [No dispatch mode under compile]).
         timeline_wanted = self.report and self.report_path is None and self.swap_config.is_auto
-        kind = session.open_step(args[0] if args else kwargs.get("batch"), [args, kwargs, states], states, measure=timeline_wanted)
+        kind = session.open_step(args[0] if args else kwargs.get("batch"), [args, kwargs, states], list(self.optimizers), measure=timeline_wanted)
         if kind is StepKind.RUN and self._report_due():
             label = f"planned ({session.plan.summary()})"
             self._recorder = TimelineRecorder(self.lightning_module, session.segments, session.step_meter, label).__enter__()

@@ -36,24 +36,28 @@ def _mib(nbytes: int) -> str:
 
 
 class InfeasibleBudgetError(ValueError):
-    """No plan fits the memory budget; ``min_budget_bytes`` is the smallest budget one fits in."""
+    """No plan fits the memory budget; ``min_budget_bytes`` is the smallest budget one fits in
+    (``lower_bound``: at least that, found before the first step was over: Note [The least budget
+    from the first step])."""
 
-    def __init__(self, *, budget_bytes: int, min_budget_bytes: int, batch_size: int | None = None) -> None:
+    def __init__(self, *, budget_bytes: int, min_budget_bytes: int, batch_size: int | None = None, lower_bound: bool = False) -> None:
         self.budget_bytes = int(budget_bytes)
         self.min_budget_bytes = int(min_budget_bytes)
-        self.batch_size = batch_size
+        self.batch_size, self.lower_bound = batch_size, lower_bound
         at = f" at batch size {batch_size}" if batch_size is not None else ""
+        least = "at least " if lower_bound else ""
         super().__init__(
             f"No plan fits a budget of {_mib(self.budget_bytes)}{at}: the smallest budget any plan "
-            f"fits in is {_mib(self.min_budget_bytes)} ({self.min_budget_bytes} bytes)."
+            f"fits in is {least}{_mib(self.min_budget_bytes)} ({self.min_budget_bytes} bytes)"
+            + (", found before the first step was over." if lower_bound else ".")
         )
 
     def __reduce__(self):  # keyword-only __init__: make pickling (DDP, multiprocessing) work
-        return (_rebuild, (self.budget_bytes, self.min_budget_bytes, self.batch_size))
+        return (_rebuild, (self.budget_bytes, self.min_budget_bytes, self.batch_size, self.lower_bound))
 
 
-def _rebuild(budget_bytes: int, min_budget_bytes: int, batch_size: int | None) -> InfeasibleBudgetError:
-    return InfeasibleBudgetError(budget_bytes=budget_bytes, min_budget_bytes=min_budget_bytes, batch_size=batch_size)
+def _rebuild(budget_bytes: int, min_budget_bytes: int, batch_size: int | None, lower_bound: bool = False) -> InfeasibleBudgetError:
+    return InfeasibleBudgetError(budget_bytes=budget_bytes, min_budget_bytes=min_budget_bytes, batch_size=batch_size, lower_bound=lower_bound)
 
 
 class UnifiedMemoryError(RuntimeError):

@@ -191,14 +191,12 @@ class StepInputs:
 @dataclass(frozen=True)
 class Outcome:
     """What a step measured (the largest over the processes): its peak (``None``: not measured),
-    whether the online budget moved anything, the largest shift it saw (Note [The budget held
-    online]), and its first pass's peaks before and after the backward (for the least budget)."""
+    whether the online budget moved anything, and the largest shift it saw (Note [The budget held
+    online])."""
 
     peak_bytes: Optional[int]
     moved: bool = False
     shift_bytes: Optional[int] = None
-    forward_peak_bytes: Optional[int] = None
-    backward_peak_bytes: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -278,8 +276,6 @@ class AutoPlanner:
     _refusals_planned: int = 0
     _current: Optional[tuple] = None  # the key of the step running, and its plan
     _running: Optional[_Planned] = None
-    _first_state: Optional[StateSizes] = None
-    _first_outcome: Optional[Outcome] = None
 
     def __post_init__(self) -> None:
         self.segments = tuple(self.segments)
@@ -314,10 +310,7 @@ class AutoPlanner:
                 return Decision(StepKind.RUN, ("keep",), plan=self._running.plan)
             return Decision(StepKind.PLAN, ("keep",), plan=Plan(actions={name: Action.KEEP for name in self.segments}))
         if not self._entries:
-            self._first_state = step.state
             return Decision(StepKind.FIRST, ("first",), trace=True, plan=self.lowest_memory())
-        if self._first_outcome is not None:
-            self._least_after_first(self._first_outcome, step.state)
         if step.state.total_bytes > self._state.total_bytes or len(self.refusals) != self._refusals_planned:
             self._plans.clear()  # Note [Steady-state shift]; Note [Refused actions]
             self._state, self._refusals_planned = step.state, len(self.refusals)
@@ -466,22 +459,21 @@ class AutoPlanner:
             drop = covered[0] if covered else min(range(len(self._entries)), key=lambda i: self._entries[i].elements)
             del self._entries[drop]
 
-    def finished(self, outcome: Outcome, state: Optional[StateSizes], *, first: bool) -> None:
+    def finished(self, outcome: Outcome, *, first: bool) -> None:
         """Every process: the step is over, with ``outcome`` (Note [Auto learns from the steps it
-        runs]; its peak ``None`` where it ran no backward: nothing is learned) and, after the first
-        step, the ``state`` alive after it. Raises :class:`InfeasibleBudgetError` as soon as the
-        lowest-memory plan is known not to fit."""
-        if self.budget_bytes is None or not self.segments:
-            return
-        if first:  # the least it predicts needs the next step's state: decided there
-            self._first_outcome = outcome
+        runs]; its peak ``None`` where it ran no backward: nothing is learned; the first step's
+        teaches the least budget only, which the session sets: Note [The least budget from the
+        first step]). Raises :class:`InfeasibleBudgetError` as soon as the lowest-memory plan is
+        known not to fit."""
+        if self.budget_bytes is None or not self.segments or first:
             return
         running, key = self._running, self._current
         if running is None or outcome.peak_bytes is None or key is None:
             return
-        if self._is_lowest(running.plan) and not outcome.moved:
-            self.least_bytes = outcome.peak_bytes  # measured: the least budget is this peak
-            if outcome.peak_bytes > self.budget_bytes:
+        if self._is_lowest(running.plan):
+            if not outcome.moved:
+                self.least_bytes = outcome.peak_bytes  # measured: the least budget is this peak
+            if outcome.peak_bytes > self.budget_bytes:  # the floor, its moves lower still: nothing fits
                 raise InfeasibleBudgetError(budget_bytes=self.budget_bytes, min_budget_bytes=outcome.peak_bytes, batch_size=running.plan.batch_size)
         budget, predicted = self.budget_bytes, running.predicted_bytes
         miss, shift = outcome.peak_bytes - predicted, 0 if running.online is None else outcome.shift_bytes or 0
@@ -503,22 +495,6 @@ class AutoPlanner:
         else:
             running.checked = True
             self._go(Event.HELD)
-
-    def _least_after_first(self, outcome: Outcome, state: StateSizes) -> None:
-        """The lowest-memory plan's steady peak, predicted from the first step (which began without
-        gradients or optimizer state) and ``state``, the one the second step begins with: its
-        forward and backward hold what the state grew by, its optimizer step ran with it. Over
-        the budget: :class:`InfeasibleBudgetError`, before the second step could run over."""
-        self._first_outcome = None
-        if outcome.peak_bytes is None:
-            return
-        start = self._first_state or StateSizes()
-        grown_forward, grown = state_growth(start, state, grads_freed_before_backward=self.grads_freed_before_backward)
-        backward = outcome.backward_peak_bytes if outcome.backward_peak_bytes is not None else outcome.peak_bytes
-        forward = outcome.forward_peak_bytes if outcome.forward_peak_bytes is not None else backward
-        self.least_bytes = max(outcome.peak_bytes, backward + grown, forward + grown_forward)
-        if outcome.peak_bytes > self.budget_bytes or self.least_bytes > self.budget_bytes:
-            raise InfeasibleBudgetError(budget_bytes=self.budget_bytes, min_budget_bytes=self.least_bytes, batch_size=None)
 
     def adopt(self, profile: ModelProfile, batch: Optional[BatchKey], *, steady: bool = False) -> None:
         """Every process: plan from ``profile`` (a plain step's, made elsewhere: a batch-size

@@ -120,7 +120,7 @@ class HookedSwapSession(SwapSession):
         states = self.optimizer_states()
         track = [args, kwargs, states]
         if self.auto is not None and not self._planning_suspended:
-            self.open_step((args, kwargs), track, states)
+            self.open_step((args, kwargs), track, [optimizer for optimizer, _ in self._optimizers.values()])
         elif self.runtime is not None:
             self.begin_step(track)
             self._step_open = True

@@ -31,12 +31,13 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..actions import Action, allowed_actions, resolve_policy
 from ..config import SwapConfig
 from ..decide.plan import Plan
 from ..engine.unified.memory import UnifiedMemory
-from ..errors import is_out_of_memory
+from ..errors import InfeasibleBudgetError, is_out_of_memory
 from ..measure.model_profile import ModelProfile, max_profile
 from ..measure.observe import ObservedStep
 from ..measure.profiler import measure_bandwidth, profile as profile_step
@@ -49,7 +50,7 @@ from ..units import format_bytes
 from .auto import AutoPlanner, BatchKey, Decision, Outcome, StepInputs, StepKind, fits_in
 from .collectives import Collectives
 from .plan_log import PlanLog, PlanSink
-from .steady_state import StateSizes
+from .steady_state import FirstStepWindows, StateSizes
 
 __all__ = ["SessionViews", "SwapSession"]
 
@@ -154,12 +155,20 @@ class SwapSession:
         self._planning_suspended = False
         #: The step API's state (Note [One step API]): a step is open; a backward pass is running;
         #: the backward passes of the step; the auto step running (its decision, inputs and
-        #: optimizer states), its trace, and its first pass's peaks before and after the backward.
+        #: optimizers), its trace; the first measured step's windows, and the least budget they gave
+        #: (Note [The least budget from the first step]).
         self._step_open = self._in_backward = False
         self._backwards = 0
         self._step: Optional[tuple[Decision, StepInputs, Any]] = None
         self._trace: Optional[ObservedStep] = None
-        self._pass_peaks: list[Optional[int]] = [None, None]
+        self._first: Optional[FirstStepWindows] = None
+        self._first_over: Optional[FirstStepWindows] = None
+        self.least_bytes: Optional[int] = None
+        #: Optimizer steps running now, seen by torch's global optimizer-step hooks until the first
+        #: step is over (a closure's step begins before the training step it runs).
+        self._updating, self._optimizer_hooks = 0, []
+        if self._budget_bytes is not None:
+            self._optimizer_hooks = [register_optimizer_step_pre_hook(self._update_begins), register_optimizer_step_post_hook(self._update_ends)]
         if self.auto is not None and self._budget_bytes is None and self.segments and collectives.is_main:
             self.warn_no_budget()  # now, before training starts: not in the middle of a progress bar
         if self.auto is not None and self.segments:
@@ -242,12 +251,13 @@ class SwapSession:
         """The meter of the open step's window, else ``None``: for a timeline recorded over the step."""
         return self.runtime.meter if self.measuring else None
 
-    def open_step(self, batch: Any, track: Any, states: Any, *, measure: bool = False) -> StepKind:
+    def open_step(self, batch: Any, track: Any, optimizers: Any, *, measure: bool = False) -> StepKind:
         """A training batch starts: ``auto`` decides its plan (a plan made is logged: Note [The
         plan's log]), and the step's window opens. ``track``: what is alive besides the model (the
-        batch, ``states``); ``states``: the optimizer states; ``measure``: as :meth:`begin_step`'s."""
+        batch, the optimizers' states); ``optimizers``: the step's optimizers; ``measure``: as
+        :meth:`begin_step`'s."""
         self._in_backward = False
-        kind = self.before_step(batch, track, states, measure=measure)
+        kind = self.before_step(batch, track, optimizers, measure=measure)
         if kind is not StepKind.RUN:
             self.plan_log.made(self.plan, _WHY[kind])
         self._step_open = True
@@ -320,16 +330,27 @@ class SwapSession:
         self.plan_log.measured(measured)
 
     # -- the parts of a step ------------------------------------------------------------
-    def before_step(self, batch: Any, track: Any, states: Any, *, measure: bool = False) -> StepKind:
+    def before_step(self, batch: Any, track: Any, optimizers: Any, *, measure: bool = False) -> StepKind:
         """Before a training step's forward: ``auto`` decides the step's plan, which is installed,
-        and the window opens. ``track``: what is alive besides the model (the batch, ``states``);
-        ``states``: the optimizer states; ``measure``: as :meth:`begin_step`'s. Every process calls
-        it for every step (plans are broadcast from the main process)."""
-        self._backwards, self._pass_peaks, self._step = 0, [None, None], None
+        and the window opens. ``track``: what is alive besides the model (the batch, the
+        optimizers' states); ``optimizers``: the step's optimizers (or their states); ``measure``:
+        as :meth:`begin_step`'s. Every process calls it for every step (plans are broadcast from
+        the main process)."""
+        self._backwards, self._step = 0, None
+        first = self.least_bytes is None and self._first is None and self._first_over is None and self._budget_bytes is not None and not self._pinned
+        if self._first_over is not None:  # the second step: the first step's least budget is known now
+            windows, self._first_over = self._first_over, None
+            self.least_bytes = self.collectives.largest(windows.least_bytes(StateSizes.of(self.model, optimizers)))
+            if self.auto is None:
+                self._warn_forced_over(self.least_bytes)
+            else:
+                self._refuse_over(self.least_bytes)
+                self.auto.least_bytes = self.least_bytes
         if self.auto is None or self._pinned:
-            self.begin_step(track, measure=measure)
+            self.begin_step(track, measure=measure or first)
+            self._first_windows(first, optimizers)
             return StepKind.RUN
-        step = StepInputs(self._agreed(BatchKey.of(batch)), self._state_sizes(states))
+        step = StepInputs(self._agreed(BatchKey.of(batch)), self._state_sizes(optimizers))
         decision = self.auto.next_step(step)
         if decision.plan is None and self._budget_bytes is None:
             self.warn_no_budget()
@@ -337,8 +358,9 @@ class SwapSession:
         self.auto.applied(decision, plan)
         if plan != self.plan or self.runtime is None:  # by value: other processes get a new object each time
             self.apply(plan)
-        self._step = (decision, step, states)
+        self._step = (decision, step, optimizers)
         self.begin_step(track, measure=measure or decision.trace or self.auto.check_pending, online=self.auto.online)
+        self._first_windows(first and decision.kind is StepKind.FIRST, optimizers)
         if decision.trace:
             self._trace = ObservedStep(
                 self.model, list(self.segments), device=self.device, batch=batch, track=track,
@@ -347,6 +369,31 @@ class SwapSession:
             ).begin()
             self.runtime.engine.observer = self._trace.observer  # Note [A traced step sees what the plan moves]
         return decision.kind
+
+    def _first_windows(self, first: bool, optimizers: Any) -> None:
+        """The first measured step with a budget is cut into windows (Note [The least budget from
+        the first step])."""
+        if first and self.measuring:
+            check = (lambda least: self._refuse_over(self.collectives.largest(least), lower_bound=True)) if self.auto is not None else (lambda least: None)
+            self._first = FirstStepWindows(
+                self.runtime.meter, self.model, optimizers, self.device.type, grads_in_forward=self._grads_freed, check=check,
+                in_update=self._updating > 0,
+            )
+
+    def _update_begins(self, *_: Any) -> None:
+        self._updating += 1
+        if self._first is not None:
+            self._first.update_begins()
+
+    def _update_ends(self, *_: Any) -> None:
+        self._updating = max(0, self._updating - 1)
+        if self._first is not None:
+            self._first.update_ends()
+
+    def _remove_optimizer_hooks(self) -> None:
+        for handle in self._optimizer_hooks:
+            handle.remove()
+        self._optimizer_hooks = []
 
     def _agreed(self, key: BatchKey) -> BatchKey:
         """The batch key every process decides from (Note [Auto decides from values]): the same
@@ -365,8 +412,8 @@ class SwapSession:
         largest = next((k.shape for k in keys if all(fits_in(other.shape, k.shape) for other in keys)), None)
         return BatchKey(largest if largest is not None else max(keys, key=lambda k: k.elements).shape, size)
 
-    def _state_sizes(self, states: Any) -> StateSizes:
-        self._state = StateSizes.of(self.model, states, self._state)
+    def _state_sizes(self, optimizers: Any) -> StateSizes:
+        self._state = StateSizes.of(self.model, optimizers, self._state)
         return self._state
 
     def _received(self, plan: Plan) -> Plan:
@@ -391,8 +438,8 @@ class SwapSession:
         self._in_backward = True
         if self.runtime is not None:
             self.runtime.new_pass()
-        if self._backwards == 1 and self.measuring:
-            self._pass_peaks[0] = self.runtime.meter.peak_bytes
+        if self._first is not None:
+            self._first.cut(backward=False)
         if self._trace is not None:
             if self._backwards == 1:
                 self._trace.backward_begins()
@@ -403,8 +450,8 @@ class SwapSession:
         """The loss's backward is over (what follows, the optimizer step, is its own window in a
         traced step)."""
         self._in_backward = False
-        if self._backwards == 1 and self.measuring:
-            self._pass_peaks[1] = self.runtime.meter.peak_bytes
+        if self._first is not None:
+            self._first.cut(backward=True)  # Note [The least budget from the first step]: the bound so far checked
         if self._trace is not None and self._trace.open and not self._trace.backward_over:
             self._trace.backward_done()
 
@@ -421,9 +468,14 @@ class SwapSession:
             return None
         if self.runtime.engine is not None:
             self.runtime.engine.observer = None
+        if self._first is not None:
+            self._first.close()
+            self._first_over, self._first = self._first, None
+            self._remove_optimizer_hooks()
         self.last_stats = self.runtime.end_step()
         self.records.add(self.runtime.records.newest_record())
-        self._warn_forced_over(self.last_stats)
+        if self._first_over is None:  # the first step's peak is not the plan's steady one
+            self._warn_forced_over(self.last_stats.peak_device_bytes)
         for name, why in self.runtime.refusals.items():
             self.refusals.setdefault(name, why)
         self._note_measured_plan(wait=False)
@@ -454,10 +506,15 @@ class SwapSession:
             peak_bytes=collectives.largest(stats.peak_device_bytes if stats is not None and ran else None),
             moved=bool(collectives.largest(int(bool(stats is not None and stats.moved)))),
             shift_bytes=collectives.largest(max(0, self.auto.online.shift_bytes or 0) if self.auto.online is not None else None),
-            forward_peak_bytes=collectives.largest(self._pass_peaks[0]), backward_peak_bytes=collectives.largest(self._pass_peaks[1]),
         )
-        first = decision.kind is StepKind.FIRST
-        self.auto.finished(outcome, self._state_sizes(states) if first else None, first=first)
+        self.auto.finished(outcome, first=decision.kind is StepKind.FIRST)
+
+    def _refuse_over(self, least: Optional[int], *, lower_bound: bool = False) -> None:
+        """Note [The least budget from the first step]: a budget below the least is refused now,
+        the open step dropped."""
+        if least is not None and self._budget_bytes is not None and least > self._budget_bytes:
+            self.abort_step()
+            raise InfeasibleBudgetError(budget_bytes=self._budget_bytes, min_budget_bytes=least, lower_bound=lower_bound)
 
     def abort_step(self) -> None:
         """The step failed (out of memory, an exception) or is dropped: nothing of it is kept, no
@@ -468,6 +525,7 @@ class SwapSession:
         if self._trace is not None:
             self._trace.abort()
             self._trace = None
+        self._first = None
         if self.runtime is not None and self.runtime.measuring:
             self.runtime.abort_step()
 
@@ -507,17 +565,17 @@ class SwapSession:
         self._measured = measured
         return measured
 
-    def _warn_forced_over(self, stats: StepStats) -> None:
+    def _warn_forced_over(self, peak: Optional[int]) -> None:
         """A forced policy with a budget it cannot meet: said once (WARNING), with the least budget
-        that plan needs (its measured peak), never silently."""
-        budget, peak = self._budget_bytes, stats.peak_device_bytes
-        if self.auto is not None or budget is None or peak is None or peak <= budget or self._warned_over:
+        that plan needs (its steady peak: Note [The least budget from the first step]), never silently."""
+        budget, peak = self._budget_bytes, max(peak or 0, self.least_bytes or 0)
+        if self.auto is not None or budget is None or not peak or peak <= budget or self._warned_over:
             return
         self._warned_over = True
         log.warning(
-            "lightning-swap: policy=%r peaked at %s, over the budget of %s: this plan needs a budget of at least %s. "
-            "Choose a policy that keeps less, or policy='auto', which holds the budget.", self.config.policy,
-            format_bytes(peak), format_bytes(budget), format_bytes(peak),
+            "lightning-swap: policy=%r needs a budget of at least %s (%d bytes), over the budget of %s. "
+            "Choose a policy that keeps less, or policy='auto', which holds the budget.", getattr(self.config.policy, "value", self.config.policy),
+            format_bytes(peak), peak, format_bytes(budget),
         )
 
     def warn_no_budget(self) -> None:
@@ -607,4 +665,5 @@ class SwapSession:
         """The session is over: everything it installed on the model is removed (the runtime;
         an adapter's session removes its own hooks too), and the model is the user's again."""
         self.abort_step()
+        self._remove_optimizer_hooks()
         self.remove()
