@@ -74,11 +74,11 @@ def forced(name: str, policy: str):
 
 
 @pytest.mark.slow
-def test_import_lightning_swap_then_fabric_resolves_the_names():
-    """In a fresh interpreter (Note [Strategies registered when Lightning is imported] in
-    ``lightning_swap/_lazy.py``): ``import lightning_swap`` first, Fabric later."""
+def test_import_fabric_then_lightning_swap_resolves_the_names():
+    """In a fresh interpreter (Note [Strategies registered on import] in
+    ``lightning_swap/__init__.py``): Fabric first, then ``import lightning_swap``."""
     code = (
-        "import lightning_swap\nfrom lightning.fabric import Fabric\n"
+        "from lightning.fabric import Fabric\nimport lightning_swap\n"
         "print(type(Fabric(accelerator='cpu', strategy='cpu_swap').strategy).__name__,"
         " type(Fabric(accelerator='cpu', devices=2, strategy='ddp_cpu_swap').strategy).__name__)"
     )

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import accelerate_swap.accelerator
-import lightning_swap.strategy
+import lightning_swap.strategy_base
 
 from lightning_swap import CPUSwapStrategy, UMMode, UnifiedMemoryError, install_unified_memory
 from lightning_swap.core import find_segments, resolve_policy
@@ -637,7 +637,7 @@ def _fake_install(monkeypatch) -> dict:
         made.setdefault("handles", []).append(handle)
         return handle
 
-    monkeypatch.setattr(lightning_swap.strategy, "unified_memory_for", install)
+    monkeypatch.setattr(lightning_swap.strategy_base, "unified_memory_for", install)
     monkeypatch.setattr(accelerate_swap.accelerator, "unified_memory_for", install)
     _Tracked.closed = 0
     return made
