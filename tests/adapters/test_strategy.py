@@ -195,3 +195,17 @@ def test_log_plan_switches_the_strategys_plan_log(log_plan, monkeypatch):
     assert len(logged) == (1 if log_plan else 0), logged
     assert all("not measured yet" not in text for text in logged), logged
     assert trainer.strategy.plan.measured and trainer.strategy.swap_config.log_plan is log_plan
+
+
+def test_the_no_budget_warning_names_the_class_in_use(caplog):
+    """Issue 42: the library's own warnings name the front end's class in use (here a user's
+    subclass), not one fixed class."""
+    import logging
+
+    class MyStrategy(CPUSwapStrategy):
+        pass
+
+    caplog.set_level(logging.WARNING, logger="lightning_swap")
+    fit("cnn", MyStrategy(), steps=1)
+    said = [r.getMessage() for r in caplog.records if "no memory budget" in r.getMessage()]
+    assert len(said) == 1 and "MyStrategy(budget_bytes='8GiB')" in said[0], said
