@@ -64,6 +64,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
 FRACTIONS = (0.7, 0.5, 0.3, 0.1)
+#: Where every process trains (``--device``): ``cpu``, memory the rise of ``VmHWM``; ``cuda``, the
+#: rise of the CUDA allocator's peak (``torch.cuda.max_memory_allocated``).
+DEVICE = "cpu"
 SIZES = {  # layers, dim, heads, seq, batch, vocab
     "default": dict(layers=6, dim=256, heads=4, seq=256, batch=8, vocab=4096),
     "smoke": dict(layers=2, dim=64, heads=2, seq=32, batch=2, vocab=256),
@@ -80,10 +83,35 @@ def _status(field: str) -> int:
 
 
 def _reset_peak() -> int:
-    """Reset ``VmHWM`` to the current resident set (Linux's clear_refs 5); returns that size."""
+    """Reset the peak to what is in use now, and return that: on CPU ``VmHWM`` to the current
+    resident set (Linux's clear_refs 5); on CUDA the allocator's peak."""
+    if DEVICE == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return _status("VmRSS")
+
+
+def _peak() -> int:
+    """The peak since :func:`_reset_peak`."""
+    if DEVICE == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _status("VmHWM")
+
+
+def _sync() -> None:
+    """On CUDA the device idle before a clock is read (the harness's own wait)."""
+    if DEVICE == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def _gpt(size: dict, renamed: str = ""):
@@ -134,8 +162,10 @@ def _timed(steps: int, *runs) -> list[list[float]]:
     times: list[list[float]] = [[] for _ in runs]
     for _ in range(steps):
         for run, out in zip(runs, times):
+            _sync()
             start = time.perf_counter()
             run()
+            _sync()
             out.append((time.perf_counter() - start) * 1e3)
     return times
 
@@ -152,7 +182,7 @@ def _steady(step, rule, steps: int, reset=lambda: None):
     at the same steady state])."""
     from common import time_steps
 
-    return time_steps(step, rule, steps, reset=reset)
+    return time_steps(step, rule, steps, reset=reset, sync=_sync)
 
 
 def _measure(kind: str, fraction: float, size: dict, steps: int, target_rise: int, rule) -> dict:
@@ -162,8 +192,8 @@ def _measure(kind: str, fraction: float, size: dict, steps: int, target_rise: in
     from plan_quality import observed_profile
     from lightning_swap.core import Action, InfeasibleBudgetError, SwapRuntime, solve
 
-    model = _gpt(size)
-    idx = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=torch.Generator().manual_seed(0))
+    model = _gpt(size).to(DEVICE)
+    idx = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     compiled = kind in ("compile", "ours_compiled")
     net = torch.compile(model) if compiled else model
     step, optimizer = _trainer(net, idx, fraction if kind == "compile" else 1.0)
@@ -175,10 +205,10 @@ def _measure(kind: str, fraction: float, size: dict, steps: int, target_rise: in
         # compiled step's (the yardsticks differ by a constant).
         base = _reset_peak()
         step()
-        plain_rise = _status("VmHWM") - base
+        plain_rise = _peak() - base
         state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         # The profile auto plans from, our segments timed as the runtime runs them: compiled.
-        prof = observed_profile(net, idx, _loss, torch.device("cpu"), track=state)
+        prof = observed_profile(net, idx, _loss, torch.device(DEVICE), track=state)
         budget = prof.peak_bytes - (plain_rise - target_rise)
         own = {s.name: s.selective_ops for s in prof.segments}
         correction = 0
@@ -191,7 +221,7 @@ def _measure(kind: str, fraction: float, size: dict, steps: int, target_rise: in
                 return dict(kind=kind, fraction=fraction, infeasible=True, min_budget_bytes=err.min_budget_bytes, budget_bytes=budget)
             if runtime is not None:
                 runtime.remove()
-            runtime = SwapRuntime(net, plan, device="cpu").install()
+            runtime = SwapRuntime(net, plan, device=DEVICE).install()
             lighter = sum(ops != own.get(name) for name, ops in plan.selective_ops.items())  # Note [Lighter selective]
             summary = plan.summary() + (f" ({lighter} lighter)" if lighter else "")
             summary += f", re-planned {correction / MiB:.1f} MiB lower" if correction else ""
@@ -204,7 +234,7 @@ def _measure(kind: str, fraction: float, size: dict, steps: int, target_rise: in
             step()
             base = _reset_peak()
             step()
-            rise = _status("VmHWM") - base
+            rise = _peak() - base
             if rise <= target_rise or attempt == 2:
                 break
             # Over the compiler's memory: the plan's compiled step kept more than its eager pricing
@@ -214,14 +244,14 @@ def _measure(kind: str, fraction: float, size: dict, steps: int, target_rise: in
             correction += rise - target_rise
     bases = []  # the resident set when the timed steps begin (the peak is reset there)
     timing = _steady(step, rule, steps, reset=lambda: bases.append(_reset_peak()))
-    rise = _status("VmHWM") - bases[-1]
+    rise = _peak() - bases[-1]
     info.update(warmup_steps=timing.warmup_steps, steady=timing.steady)
     if kind == "ours_compiled":
         # Time beside the compiler in this process, steps alternating (twice as many: the comparison
         # of record): fresh processes differ by more (5-10% on this machine) than the plans do. The
         # rival warms up by the same rule. The ratio is the median of each pair's (adjacent steps
         # share the machine's load), not the ratio of the medians.
-        rival, _ = _trainer(torch.compile(_gpt(size, renamed="rival_forward")), idx, fraction)
+        rival, _ = _trainer(torch.compile(_gpt(size, renamed="rival_forward").to(DEVICE)), idx, fraction)
         _steady(rival, rule, 1)
         ours_ms, rival_ms = _timed(2 * steps, step, rival)
         info.update(race_ms=statistics.median(ours_ms), race_compile_ms=statistics.median(rival_ms),
@@ -232,10 +262,12 @@ def _measure(kind: str, fraction: float, size: dict, steps: int, target_rise: in
 
 
 def _run_worker(kind: str, fraction: float, size_name: str, steps: int, threads: int, target_rise: int = 0, flush: bool = True) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="",
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if DEVICE == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, __file__, "--worker", kind, str(fraction), size_name, str(steps), str(threads), str(target_rise),
-           str(int(flush))]
+           str(int(flush)), DEVICE]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {kind} {fraction} failed:\n{proc.stderr[-3000:]}")
@@ -253,18 +285,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds (compile f, ours f, ...)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--eager", action="store_true", help="also our plan on the eager model (fresh processes)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where every process trains (cuda: memory is the rise of the CUDA allocator's peak)")
     keep_denormals_arg(parser)
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    import torch
+
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
     size_name = "smoke" if args.smoke else "default"
     fractions = args.fractions or ((0.5,) if args.smoke else FRACTIONS)
     steps = args.steps or (2 if args.smoke else 7)
-    import torch
-
     size, flush = SIZES[size_name], not args.keep_denormals
     rule = STEADY["smoke" if size_name == "smoke" else "full"]
-    print(f"torch {torch.__version__}, CPU, {args.threads} thread(s), {denormals_line(torch.device('cpu'), args.keep_denormals)}, "
+    where = torch.cuda.get_device_name() if DEVICE == "cuda" else f"CPU, {args.threads} thread(s)"
+    yardstick = "the CUDA allocator's peak" if DEVICE == "cuda" else "VmHWM"
+    print(f"torch {torch.__version__}, {where}, {denormals_line(torch.device(DEVICE), args.keep_denormals)}, "
           f"{time.strftime('%Y-%m-%d')}; GPT {size}, AdamW at lr 0 (the same weights in every process), {rule.describe()}, then "
-          f"the median of {steps} timed steps; memory = rise of VmHWM over the timed steps")
+          f"the median of {steps} timed steps; memory = rise of {yardstick} over the timed steps")
     kinds = ("compile", "ours_compiled", "ours") if args.eager else ("compile", "ours_compiled")
     rows: dict[float, dict[str, list[dict]]] = {f: {k: [] for k in kinds} for f in fractions}
     plain = _run_worker("eager", 1.0, size_name, steps, args.threads, flush=flush)
@@ -301,7 +341,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        kind, fraction, size_name, steps, threads, target, flush = sys.argv[2:9]
+        kind, fraction, size_name, steps, threads, target, flush, DEVICE = sys.argv[2:10]
         import torch
 
         torch.set_num_threads(int(threads))

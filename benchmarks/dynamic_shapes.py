@@ -93,6 +93,8 @@ SIZES = {
                   fsdp_steps=6, rule="smoke", tokens=64),
 }
 BUDGETS = (0.6, 0.8, 1.2)
+#: Where the single-process part trains (``--device``); the FSDP part's processes train on the CPU (gloo).
+DEVICE = torch.device("cpu")
 UNIFORM = (Action.OFFLOAD, Action.RECOMPUTE, Action.SELECTIVE, Action.RECOMPUTE_OFFLOAD)
 LOWEST = "lowest-memory"
 #: The action of ``auto``'s first step (the lowest-memory plan's).
@@ -196,11 +198,11 @@ class Stepper:
         self.kinds: list[str] = []
         self.plans: list[str] = []
         if plan is not None:
-            self.runtime, self.session = SwapRuntime(model, plan, device="cpu").install(), None
+            self.runtime, self.session = SwapRuntime(model, plan, device=_device_of(model)).install(), None
         else:
             config = SwapConfig(policy="auto", budget_bytes=budget, log_plan=False)
             kwargs = {} if collectives is None else dict(collectives=collectives)
-            self.runtime, self.session = None, SwapSession(model, config, "cpu", **kwargs)
+            self.runtime, self.session = None, SwapSession(model, config, _device_of(model), **kwargs)
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
         track = [batch, self.opt.state]
@@ -230,10 +232,19 @@ class Stepper:
             self.runtime.remove()
 
 
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 def timed(step: Callable[[], int], sync: Callable[[float], float] = lambda ms: ms) -> tuple[int, float]:
-    """(the step's peak, its wall ms; ``sync``: the ms every process agrees on)."""
+    """(the step's peak, its wall ms; ``sync``: the ms every process agrees on). On CUDA the
+    device is idle at both ends (the harness's own waits: a step's time is its kernels')."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
     peak = step()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
     return peak, sync((time.perf_counter() - start) * 1e3)
 
 
@@ -251,7 +262,7 @@ def run_method(name: str, size: dict, batches: list, warm_batch: tuple, rule: An
                model_for: Callable[[], torch.nn.Module] = None) -> Run:
     """``name`` over ``batches``: warmed up on ``warm_batch`` (``auto``: in a throwaway session),
     then every batch once, each step's peak and wall ms."""
-    model_for = model_for or (lambda: build_gpt(size))
+    model_for = model_for or (lambda: build_gpt(size).to(DEVICE))
 
     def stepper() -> Stepper:
         model = model_for()
@@ -312,7 +323,7 @@ def over_text(run: Run, budget: int) -> str:
 def single_process(size: dict, args: argparse.Namespace) -> None:
     rule = STEADY[size["rule"]]
     lengths = sequence(size, size["steps"], seed=args.seed)
-    batches = [padded_batch(size, b, seed=args.seed * 100_000 + i) for i, b in enumerate(lengths)]
+    batches = [tuple(t.to(DEVICE) for t in padded_batch(size, b, seed=args.seed * 100_000 + i)) for i, b in enumerate(lengths)]
     padded = [b[0].shape[1] for b in batches]
     warm_index = sorted(range(len(padded)), key=lambda i: padded[i])[len(padded) // 2]  # a batch of the median length
     warm_batch = batches[warm_index]
@@ -528,8 +539,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="dynamic padding (a fixed number of documents a batch) or a token budget (default: padding)")
     parser.add_argument("--online-cost", action="store_true", help="only the online budget's cost, on vs off")
     parser.add_argument("--log", choices=("DEBUG", "INFO", "WARNING"), default=None, help="the library's log level, on stderr")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the single-process part trains (cuda: peaks are the CUDA allocator's; FSDP stays on CPU)")
     keep_denormals_arg(parser)
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    global DEVICE
+    DEVICE = torch.device(args.device)
     size = dict(SIZES["quick" if args.quick else "default"], multiple=args.pad_to_multiple_of, token_budget=args.batching == "token-budget")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -537,10 +554,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         logging.basicConfig(level=getattr(logging, args.log), format="%(name)s %(levelname)s: %(message)s")
         logging.getLogger("lightning_swap").setLevel(getattr(logging, args.log))
     args.flush = not args.keep_denormals
-    device = torch.device("cpu")
-    print(f"dynamic shapes (issues 33, 41): device cpu (1 thread per process), torch {torch.__version__}, size "
-          f"{'quick' if args.quick else 'default'}, simulated budget (CPU live-storage meter, every step metered), "
-          f"{denormals_line(device, args.keep_denormals)}, {time.strftime('%Y-%m-%d')}")
+    where = (f"cuda ({torch.cuda.get_device_name()}), budgets on the CUDA allocator's peak" if DEVICE.type == "cuda" else
+             "cpu (1 thread per process), simulated budget (CPU live-storage meter, every step metered)")
+    print(f"dynamic shapes (issues 33, 41): device {where}, torch {torch.__version__}, size {'quick' if args.quick else 'default'}, "
+          f"{denormals_line(DEVICE, args.keep_denormals)}, {time.strftime('%Y-%m-%d')}")
     print(f"timing: each method on a fresh seeded model, {STEADY[size['rule']].describe()} on one batch, then the whole sequence "
           f"once (its wall time; auto from a fresh session)")
     started = time.perf_counter()

@@ -296,11 +296,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--compile", action="store_true", help="add torch.compile rows (plain, keep, offload, recompute)")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per model process")
+    parser.add_argument("--methods", nargs="+", default=None, help="these methods only, in this order (default: every one)")
     parser.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     # auto under 60% of plain's peak on a GPU (the first run's row); the tiny smoke ResNet-50 peaks in its AdamW step, which no plan changes
     methods = ["plain", "torch checkpoint", "save_on_cpu", *POLICIES, "auto@100%" if args.cpu_smoke else "auto@60%"]
+    if args.methods:
+        unknown = sorted(set(args.methods) - set(methods))
+        if unknown:
+            parser.error(f"--methods: unknown {unknown}; allowed: {methods}")
+        methods = args.methods
     if args.worker:
         return run_worker(args.worker, methods, args.steps, args.warmup, args.cpu_smoke, args.compile)
     if not torch.cuda.is_available() and not args.cpu_smoke:
@@ -315,6 +321,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--worker", model, "--steps", str(steps), "--warmup", str(warmup)]
         cmd += ["--cpu-smoke"] if args.cpu_smoke else []
         cmd += ["--compile"] if args.compile else []
+        cmd += ["--methods", *methods] if args.methods else []
         start = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ, PYTHONPATH=str(ROOT)))

@@ -43,7 +43,7 @@ from dataclasses import fields
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -58,10 +58,6 @@ __all__ = [
 
 #: Note [Fabric options]: the swap options, read from the one option table.
 SWAP_OPTIONS = tuple(f.name for f in fields(SwapConfig))
-
-#: How a Fabric user gives ``auto`` a budget (the session's warning without one).
-_ADVICE = "CPUSwapFabricStrategy(budget_bytes='8GiB')"
-
 
 class _FabricSwapMixin(SessionViews):
     """Wires a :class:`HookedSwapSession` into a Fabric strategy."""
@@ -143,7 +139,7 @@ class _FabricSwapMixin(SessionViews):
                 )
             return
         session = HookedSwapSession(  # the plan is logged on rank 0 only (Note [The plan's log])
-            module, self.swap_config, self.root_device, advice=_ADVICE,
+            module, self.swap_config, self.root_device, advice=f"{type(self).__name__}(budget_bytes='8GiB')",
             collectives=process_group_collectives(self.root_device), unified=self.unified_memory,
         )
         try:
@@ -253,14 +249,10 @@ class ModelParallelCPUSwapFabricStrategy(_FabricSwapMixin, ModelParallelStrategy
 
 
 def register_fabric_strategies() -> None:
-    """Register ``"cpu_swap"`` and ``"ddp_cpu_swap"`` in Fabric's strategy registry (idempotent)."""
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
-
+    """Register ``"cpu_swap"`` and ``"ddp_cpu_swap"`` in Fabric's strategy registry (idempotent;
+    importing this module does it: Note [Strategies registered on import] in ``lightning_swap/__init__.py``)."""
     for cls in (CPUSwapFabricStrategy, DDPCPUSwapFabricStrategy):
         cls.register_strategies(STRATEGY_REGISTRY)
 
 
-
-# Importing this module registers the names too: when it is the first to import Lightning Fabric,
-# the package's watcher (``_lazy.py``) runs while this module is half made and finds nothing to call.
 register_fabric_strategies()

@@ -27,7 +27,7 @@ from typing_extensions import override
 from .core import adopt_search_profile, search_for_loop
 from .core import ScaleConfig, ScaleResult, build_options, describe_options
 from .core import ByteSize, parse_bytes
-from .strategy import _SwapStrategyMixin
+from .strategy_base import _SwapStrategyMixin
 
 __all__ = ["SwapBatchSizeFinder"]
 

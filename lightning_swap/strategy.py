@@ -1,498 +1,116 @@
-"""Lightning adapters: the ``"cpu_swap"`` and ``"ddp_cpu_swap"`` strategies and their stats logger.
+"""The Lightning Trainer's strategies (``lightning.pytorch``): ``"cpu_swap"``, ``"ddp_cpu_swap"``,
+``"fsdp_cpu_swap"`` and ``"model_parallel_cpu_swap"``, registered in Lightning's
+``StrategyRegistry`` when this module is imported (Note [Strategies registered on import] in
+``lightning_swap/__init__.py``); and :func:`with_cpu_swap` for a strategy the user built.
 
-Thin by design: every decision lives in :mod:`lightning_swap.core`; these classes only call
-its step API from Lightning's hooks (Note [One step API] in ``core/scale/session.py``: the step's
-window, the budget held online and the plan's log are the core's, one
-implementation for every front end; this module has none of its own). The same mixin serves ``lightning.pytorch`` and, when installed,
-the standalone ``pytorch_lightning`` package (a separate class for each, since a strategy
-must subclass that package's own ``Strategy``).
+Each class is a kind (``strategy_base.py``, ``fsdp.py``: how a ``SwapSession`` is wired into the
+hooks) and Lightning's own strategy; ``pl.py`` has the same four for ``pytorch_lightning``.
 """
 
 from __future__ import annotations
 
-import inspect
-import logging
-from contextlib import contextmanager
-from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import Any, Optional
-
-import lightning.pytorch as _lightning_pytorch
-import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from typing_extensions import override
-
-from .core import Collectives
-from .core import SwapConfig, build_options, check_bool, describe_options, option, split_options
-from .core import SessionViews, StepKind, SwapSession
-from .core import TimelineRecorder
-from .core import UnifiedMemory, unified_memory_for
-from .report import plot_timelines
-
-log = logging.getLogger(__name__)
-
-#: How a Lightning user gives ``auto`` a budget (the session's warning without one).
-_ADVICE = "CPUSwapStrategy(budget_bytes='8GiB')"
-
-
-class _ProgressBarLog(logging.Handler):
-    """Note [Warnings above the progress bar]: the library logs warnings (a segment that writes
-    into its input, ...) with :mod:`logging`; where nothing was configured Python writes them to
-    stderr (``logging.lastResort``), in the middle of the line Lightning's progress bar is
-    drawing. For the strategy's lifetime, and only when no handler would take them, this handler
-    takes the ``lightning_swap`` warnings and prints them as ``LightningModule.print`` does,
-    above the bar (``ProgressBar.print``), else to stderr as before."""
-
-    def __init__(self, trainer: Any) -> None:
-        super().__init__(logging.WARNING)
-        self.trainer = trainer
-
-    @classmethod
-    def install(cls, trainer: Any) -> Optional["_ProgressBarLog"]:
-        logger = logging.getLogger("lightning_swap")
-        if logger.hasHandlers():
-            return None  # the user's configuration decides where they go
-        handler = cls(trainer)
-        logger.addHandler(handler)
-        return handler
-
-    def remove(self) -> None:
-        logging.getLogger("lightning_swap").removeHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        import sys
-
-        text = self.format(record)
-        bar = getattr(self.trainer, "progress_bar_callback", None)
-        if bar is not None and bar.is_enabled and getattr(self.trainer, "training", False):
-            bar.print(text)
-        else:
-            sys.stderr.write(text + "\n")
-
-
-@dataclass(frozen=True, kw_only=True)
-class _StrategyOptions(SwapConfig):
-    """The strategies' swap options: ``SwapConfig``'s and the adapter's own (Note [One option table])."""
-
-    log_stats: bool = option(
-        True, "send ``swap/...`` metrics (plain floats) to the loggers every ``log_every_n_steps`` (default on).", check=check_bool,
-    )
-    report: bool = option(
-        False, "once training is in its steady state, draw one plain and one planned step's device memory on "
-        "``swap_memory_timeline.png`` in the trainer's log directory (``strategy.report_path``; default off).", check=check_bool,
-    )
-
-
-class _SwapStrategyMixin(SessionViews):
-    """Wires a :class:`SwapSession` into a Lightning strategy's hooks.
-
-    Note [Lightning's step]: a step is everything from a training batch's start to its end. Under
-    automatic optimization Lightning runs ``optimizer_step(closure)``, and the optimizer calls the
-    closure (``training_step`` then ``backward``) once, or several times (LBFGS; a SAM-style
-    optimizer calls it twice): the step opens at the first ``training_step`` of the batch and
-    closes when ``optimizer_step`` returns (a batch that only accumulates, at the next batch's
-    start). Under manual optimization everything (each ``manual_backward``, each ``opt.step()``,
-    two optimizers) happens inside the user's ``training_step``, which therefore is the step. A
-    step of several backward passes is measured whole, each forward held within the budget (Note
-    [The budget held online] in ``core/runtime/online.py``). The hooks only say where the step begins and ends; what happens then
-    is the core's step API (Note [One step API] in ``core/scale/session.py``)."""
-
-    _stats_callback_class: type = None  # set per Lightning package
-
-    def __init__(self, **options: Any) -> None:
-        """Note [One option table]: the swap options are ``_StrategyOptions``' fields, given as
-        keywords (the signature shown is generated from them: :func:`_finish`); every other
-        keyword goes to Lightning's strategy (:meth:`_strategy_kwargs` says how)."""
-        swap, strategy_kwargs = split_options(options, _StrategyOptions)
-        swap = _StrategyOptions(**swap)  # checked before Lightning's strategy is built
-        self._refuse_unknown(strategy_kwargs)
-        base_kwargs, device_given = self._strategy_kwargs(strategy_kwargs)
-        super().__init__(**base_kwargs)
-        self._init_swap(swap, device_given=device_given)
-
-    @classmethod
-    def _refuse_unknown(cls, options: dict[str, Any]) -> None:
-        """A name that is neither a swap option nor Lightning's strategy's is refused, naming both
-        (unless that strategy passes unknown names on: DDP gives them to ``DistributedDataParallel``)."""
-        base = next(c for c in cls.__mro__ if c.__module__.startswith(("lightning.", "pytorch_lightning.")))
-        params = inspect.signature(base.__init__).parameters
-        unknown = sorted(set(options) - set(params))
-        if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            allowed = sorted({f.name for f in fields(_StrategyOptions)} | set(params) - {"self"})
-            raise ValueError(f"{cls.__name__}: unknown options {unknown}; allowed: {allowed}.")
-
-    @staticmethod
-    def _strategy_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """Lightning's strategy's keyword arguments, and whether the user chose the device."""
-        raise NotImplementedError  # each strategy class says
-
-    def _init_swap(self, options: _StrategyOptions, *, device_given: bool) -> None:
-        #: The session's options (its ``log_plan`` is the user's: the session logs the plan,
-        #: through :meth:`_print_plan`, Note [The plan's log]).
-        self.swap_config = options.to_config()
-        self.log_plan = options.log_plan
-        self.log_stats = options.log_stats
-        self.report = options.report
-        self.report_path: Optional[Path] = None
-        self.unified_memory: Optional[UnifiedMemory] = None
-        self._recorder: Optional[TimelineRecorder] = None
-        self._device_given = device_given
-        self._session: Optional[SwapSession] = None
-        self._stats_callback = None
-        self._bar_log: Optional[_ProgressBarLog] = None
-
-    # -- device -------------------------------------------------------------------------
-    def _pick_device(self, trainer: Any) -> None:
-        """Lightning builds a registered strategy without a device; follow the accelerator."""
-        if self._device_given or self.accelerator is None:
-            return
-        if type(self.accelerator).__name__ == "CUDAAccelerator":
-            devices = getattr(getattr(trainer, "_accelerator_connector", None), "_parallel_devices", None)
-            if devices:
-                self._root_device = torch.device(devices[0])
-            else:
-                self._root_device = torch.device("cuda", torch.cuda.current_device())
-
-    # -- hooks --------------------------------------------------------------------------
-    @override
-    def setup_environment(self) -> None:
-        """Unified memory is installed here: after the device is chosen and set, before
-        ``setup`` moves the model to it (``um="all"`` must precede every CUDA allocation)."""
-        module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        if trainer is not None:
-            self._pick_device(trainer)
-        super().setup_environment()
-        if self.unified_memory is None:
-            self.unified_memory = unified_memory_for(self.swap_config, self.root_device)
-            if self.unified_memory is not None:
-                rank_zero_info(
-                    f"lightning-swap unified memory: um={self.swap_config.um.value!r} on {self.root_device}, "
-                    f"at most {self.unified_memory.memory.max_bytes} bytes managed"
-                )
-
-    @override
-    def setup(self, trainer: Any) -> None:
-        self._pick_device(trainer)
-        super().setup(trainer)
-        if getattr(trainer.state, "fn", "fit") != "fit":
-            return  # validate / test / predict train nothing: the last fit's session and statistics stay
-        module = self.lightning_module
-        self._bar_log = _ProgressBarLog.install(trainer)
-        self._session = SwapSession(
-            module, self.swap_config, self.root_device, unified=self.unified_memory, collectives=self._swap_collectives(),
-            # Lightning's closure runs forward, zero_grad, backward: without accumulation the last
-            # step's gradients are gone before the backward (Note [Steady-state shift]).
-            grads_freed_before_backward=bool(module.automatic_optimization and getattr(trainer, "accumulate_grad_batches", 1) == 1),
-            advice=_ADVICE, plan_sink=self._print_plan,
-        )
-        if not self.swap_config.is_auto:
-            self._session.apply_forced_plan()  # every rank runs rank 0's plan (identity on one device)
-        if self.log_stats and self._stats_callback_class is not None:
-            self._stats_callback = self._stats_callback_class(self)
-            trainer.callbacks.append(self._stats_callback)
-
-    def _swap_collectives(self) -> Collectives:
-        """How the ranks agree (plans, verdicts, the batch-size search): Lightning's broadcast
-        from rank 0 and its reductions, every rank's profile gathered."""
-        device = self.root_device
-
-        def reduce(value: float, op: str) -> float:
-            # float64: the batch key's agreement packs a 32-bit hash and a size in one number
-            return float(self.reduce(torch.tensor(float(value), dtype=torch.float64, device=device), reduce_op=op).item())
-
-        return Collectives(
-            is_main=self.is_global_zero,
-            broadcast=lambda obj: self.broadcast(obj, src=0),
-            reduce_max=lambda value: reduce(value, "max"),
-            reduce_min=lambda value: int(reduce(value, "min")),
-            gather=_gather_objects,
-        )
-
-    def profile_step_fn(self) -> Any:
-        """One training step as the batch-size finder's profiler runs it, in Lightning's closure
-        order: forward, zero_grad (last step's gradients are freed), backward. The profiler
-        restores gradients. (``policy="auto"`` never runs it: Note [Observe, do not re-run].)"""
-        module = self.lightning_module
-        optimizers = list(self.optimizers)
-        precision = self.precision_plugin
-
-        def step_fn(model: Any, batch: Any) -> Any:
-            # As Lightning runs it (its precision context: autocast under "bf16-mixed"), with
-            # ``self.log`` silenced: a profiled call is not a training step to report.
-            with _silenced_logging(module), precision.train_step_context():
-                loss = self._profiled_training_step(module, batch)
-            for optimizer in optimizers:
-                optimizer.zero_grad(set_to_none=True)
-            return loss
-
-        return step_fn
-
-    def _profiled_training_step(self, module: Any, batch: Any) -> Any:
-        """The user's ``training_step`` as the profiler calls it (a strategy whose wrapper must
-        run around it says how)."""
-        return module.training_step(batch, 0)
-
-    def _print_plan(self, text: str) -> None:
-        """Where the session's plan log goes (Note [The plan's log]; it logs on rank zero only):
-        through the progress bar when one is drawing (as ``LightningModule.print`` does, so the
-        bar is not broken), else ``rank_zero_info``."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        bar = getattr(trainer, "progress_bar_callback", None) if trainer is not None else None
-        if bar is not None and bar.is_enabled and trainer.training:
-            bar.print(text)
-        else:
-            rank_zero_info(text)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Note [Lightning's step]: the first call of a batch opens the step; a closure called
-        again inside its optimizer step (LBFGS, SAM) is part of it; under manual optimization the
-        user's ``training_step`` is the whole step, so its end closes it. A failed step is dropped
-        (its window, its hooks) and its error raised as it was."""
-        session = self._session
-        if session is None or session.step_open:
-            return super().training_step(*args, **kwargs)
-        self._open_step(session, args, kwargs)
-        try:
-            out = super().training_step(*args, **kwargs)
-        except BaseException as exc:
-            self._drop_recorder()
-            session.step_failed(exc)
-            raise
-        if not self.lightning_module.automatic_optimization:
-            self._end_swap_step()
-        return out
-
-    def _open_step(self, session: SwapSession, args: tuple, kwargs: dict) -> None:
-        """The step's first ``training_step``: the core opens its window (``auto`` guards,
-        observes or plans first); a timeline is recorded over it when one is due."""
-        states = _optimizer_states(self.optimizers)
-        # The planned timeline needs the meter open (Note [No dispatch mode under compile]).
-        timeline_wanted = self.report and self.report_path is None and self.swap_config.is_auto
-        kind = session.open_step(args[0] if args else kwargs.get("batch"), [args, kwargs, states], list(self.optimizers), measure=timeline_wanted)
-        if kind is StepKind.RUN and self._report_due():
-            label = f"planned ({session.plan.summary()})"
-            self._recorder = TimelineRecorder(self.lightning_module, session.segments, session.step_meter, label).__enter__()
-
-    def _report_due(self) -> bool:
-        """The planned timeline is recorded once, in the steady state: the plan's check passed."""
-        session = self._session
-        return (
-            self.report
-            and self.report_path is None
-            and self._recorder is None
-            and not session.pinned
-            and session.measuring
-            and self.swap_config.is_auto
-            and not session.check_pending
-        )
-
-    def _finish_report(self) -> None:
-        recorder, self._recorder = self._recorder, None
-        recorder.__exit__(None, None, None)
-        timelines = [recorder.timeline]  # the checked plan's own step, beside the budget
-        trainer = self.lightning_module.trainer
-        path = Path(trainer.log_dir or trainer.default_root_dir) / "swap_memory_timeline.png"
-        if self.is_global_zero:
-            plot_timelines(timelines, path, budget_bytes=self._session.budget_bytes())
-            rank_zero_info(f"lightning-swap memory timeline written to {path}")
-        self.report_path = path
-
-    def _drop_recorder(self) -> None:
-        """A step that never reached its backward's end: its timeline is not drawn."""
-        if self._recorder is not None:
-            self._recorder.__exit__(None, None, None)
-            self._recorder = None
-
-    @override
-    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        """Inside the core's backward (Note [One step API]); a failed one is the session's
-        (:meth:`SwapSession.step_failed`), its error raised as it was."""
-        session = self._session
-        if session is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        try:
-            with session.backward():
-                out = super().backward(closure_loss, optimizer, *args, **kwargs)
-                if self._recorder is not None:  # a timeline covers the forward and the backward
-                    self._finish_report()
-        except BaseException:
-            self._drop_recorder()
-            raise
-        return out
-
-    @override
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().optimizer_step(*args, **kwargs)
-        if self.lightning_module.automatic_optimization:
-            self._end_swap_step()  # the closure (every call of it) and the optimizer step are over
-        return out
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._end_swap_step()  # a step without an optimizer step (accumulation) ends here
-        super().on_train_batch_start(batch, batch_idx)
-
-    @override
-    def on_train_end(self) -> None:
-        self._end_swap_step()
-        super().on_train_end()
-
-    def _end_swap_step(self) -> None:
-        """The whole training step is over (its optimizer step included, when it had one): the
-        core closes it. Strategy hooks, not callbacks, call it: Lightning's batch-size finder
-        runs its trial steps with the callbacks removed."""
-        if self._session is not None and self._session.step_open:
-            self._session.close_step()
-
-    @override
-    def teardown(self) -> None:
-        self._drop_recorder()
-        if self._session is not None:
-            self._session.end_training()  # its statistics stay readable (`stats_history`)
-        if getattr(self, "_bar_log", None) is not None:
-            self._bar_log.remove()
-            self._bar_log = None
-        if self.unified_memory is not None:
-            # New allocations go back to torch's allocator; managed ones stay valid
-            # (Note [Managed memory outlives the session]).
-            self.unified_memory.close()
-            self.unified_memory = None
-        if self._stats_callback is not None and self.lightning_module is not None:
-            trainer = self.lightning_module._trainer
-            if trainer is not None and self._stats_callback in trainer.callbacks:
-                trainer.callbacks.remove(self._stats_callback)
-        self._stats_callback = None
-        super().teardown()
-
-
-def _gather_objects(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order (one process: ``[obj]``)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [obj]
-    gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, obj)
-    return gathered
-
-
-def _optimizer_states(optimizers: Any) -> list:
-    return [optimizer.state for optimizer in optimizers]
-
-
-@contextmanager
-def _silenced_logging(module: Any):
-    """``self.log`` / ``self.log_dict`` do nothing inside (a fake-tensor profile of the step)."""
-    noop = lambda *args, **kwargs: None  # noqa: E731
-    module.log, module.log_dict = noop, noop
-    try:
-        yield
-    finally:
-        del module.log, module.log_dict
-
-
-def _stats_callback_for(callback_base: type) -> type:
-    class _SwapStatsLogger(callback_base):
-        """(``log_stats``) Sends the newest complete ``step_stats`` to the loggers as ``swap/...`` plain floats,
-        at Lightning's ``log_every_n_steps``: no per-step device tensor, nothing that waits for
-        the device (Note [Stream protocol])."""
-
-        def __init__(self, strategy: Any) -> None:
-            self._strategy = strategy
-
-        @override
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            connector = trainer._logger_connector
-            if not trainer.loggers or not connector.should_update_logs:
-                return
-            stats = self._strategy.step_stats
-            if stats is not None:
-                connector.log_metrics(stats.as_metrics())
-
-    return _SwapStatsLogger
-
-
-def _build_single(base: type, callback_base: type, name: str) -> type:
-    class CPUSwapStrategy(_SwapStrategyMixin, base):
-        strategy_name = "cpu_swap"
-
-        @staticmethod
-        def _strategy_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-            # Lightning builds a registered strategy without a device: CPU until the
-            # accelerator is known (``_pick_device``).
-            device = kwargs.pop("device", None)
-            return {"device": device if device is not None else "cpu", **kwargs}, device is not None
-
-    CPUSwapStrategy.__doc__ = (
-        "Single-device training with activations kept, offloaded to CPU RAM or recomputed.\n\n"
-        "        Args:\n{swap_options}\n"
-        "            **strategy_kwargs: passed to Lightning's ``SingleDeviceStrategy``: ``device`` (by default\n"
-        "                ``cuda:<first device>`` with a CUDA accelerator, else CPU), ``accelerator``,\n"
-        "                ``checkpoint_io``, ``precision_plugin``.\n"
-    )
-    return _finish(CPUSwapStrategy, callback_base, name)
-
-
-def _build_ddp(base: type, callback_base: type, name: str) -> type:
-    class DDPCPUSwapStrategy(_SwapStrategyMixin, base):
-        strategy_name = "ddp_cpu_swap"
-
-        @staticmethod
-        def _strategy_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-            return kwargs, True  # DDP places each rank on its own device already
-
-    DDPCPUSwapStrategy.__doc__ = (
-        "Lightning's DDP with the same runtime on every rank; the plan is solved on rank 0 and broadcast.\n\n"
-        "        Args:\n{swap_options}\n"
-        "            **strategy_kwargs: passed to Lightning's ``DDPStrategy``.\n"
-    )
-    return _finish(DDPCPUSwapStrategy, callback_base, name)
-
-
-def _finish(cls: type, callback_base: type, name: str) -> type:
-    @classmethod
-    def register_strategies(klass, strategy_registry: Any) -> None:
-        strategy_registry.register(klass.strategy_name, klass, description=klass.__doc__.splitlines()[0], override=True)
-
-    cls.register_strategies = register_strategies
-    cls._stats_callback_class = _stats_callback_for(callback_base)
-    cls.__qualname__ = cls.__name__ = name
-    cls.__module__ = __name__
-    # Note [One option table]: the swap options' documentation and signature, generated from the fields.
-    cls.__doc__ = cls.__doc__.replace("{swap_options}", describe_options(_StrategyOptions))
-    keyword = inspect.Parameter.KEYWORD_ONLY
-    cls.__signature__ = inspect.Signature([
-        *(inspect.Parameter(f.name, keyword, default=f.default) for f in fields(_StrategyOptions)),
-        inspect.Parameter("strategy_kwargs", inspect.Parameter.VAR_KEYWORD),
-    ])
-    return cls
-
-
-def _classes_for(package: Any, prefix: str) -> tuple[type, type]:
-    """Build and register both strategies for one Lightning package."""
-    strategies = package.strategies
-    single = _build_single(strategies.SingleDeviceStrategy, package.callbacks.Callback, f"{prefix}CPUSwapStrategy")
-    ddp = _build_ddp(strategies.DDPStrategy, package.callbacks.Callback, f"{prefix}DDPCPUSwapStrategy")
-    for cls in (single, ddp):
-        cls.register_strategies(strategies.StrategyRegistry)
-    return single, ddp
-
-
-def _pytorch_lightning() -> Any:
-    try:
-        import pytorch_lightning
-    except ImportError:
-        return None
-    return pytorch_lightning
-
-
-def swap_options(options: dict[str, Any]) -> _StrategyOptions:
-    """The strategies' swap options as given to ``with_cpu_swap`` (Note [One option table])."""
-    return build_options(_StrategyOptions, options, owner="cpu_swap")
-
-
-CPUSwapStrategy, DDPCPUSwapStrategy = _classes_for(_lightning_pytorch, "")
-_pl = _pytorch_lightning()
-PLCPUSwapStrategy, PLDDPCPUSwapStrategy = _classes_for(_pl, "PL") if _pl is not None else (None, None)
-
-from . import fsdp as _fsdp  # noqa: E402,F401  the sharded strategies, registered with these (Note [Strategies registered when Lightning is imported])
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, StrategyRegistry
+
+from .fsdp import FSDPSwap, ModelParallelSwap, refuse_activation_checkpointing
+from .strategy_base import OPTIONS_DOC, DDPSwap, SingleDeviceSwap, StatsLogging, _SwapStrategyMixin, swap_options
+
+__all__ = ["CPUSwapStrategy", "DDPCPUSwapStrategy", "FSDPCPUSwapStrategy", "ModelParallelCPUSwapStrategy", "with_cpu_swap"]
+
+
+class _SwapStatsLogger(StatsLogging, Callback):
+    pass
+
+
+class CPUSwapStrategy(SingleDeviceSwap, SingleDeviceStrategy):
+    __doc__ = f"""Single-device training with activations kept, offloaded to CPU RAM or recomputed.
+
+        Args:
+{OPTIONS_DOC}
+            **strategy_kwargs: passed to Lightning's ``SingleDeviceStrategy``: ``device`` (by default
+                ``cuda:<first device>`` with a CUDA accelerator, else CPU), ``accelerator``,
+                ``checkpoint_io``, ``precision_plugin``.
+"""
+    _stats_callback_class = _SwapStatsLogger
+
+
+class DDPCPUSwapStrategy(DDPSwap, DDPStrategy):
+    __doc__ = f"""Lightning's DDP with the same runtime on every rank; the plan is solved on rank 0 and broadcast.
+
+        Args:
+{OPTIONS_DOC}
+            **strategy_kwargs: passed to Lightning's ``DDPStrategy``.
+"""
+    _stats_callback_class = _SwapStatsLogger
+
+
+class FSDPCPUSwapStrategy(FSDPSwap, FSDPStrategy):
+    __doc__ = f"""Lightning's FSDP (FSDP1) with the same runtime on every rank; the plan is agreed by every rank.
+
+        Runs on CUDA and, unlike Lightning's ``FSDPStrategy``, on the CPU (gloo). Refuses
+        ``activation_checkpointing_policy`` (Note [One activation policy] in ``lightning_swap/fsdp.py``).
+
+        Args:
+{OPTIONS_DOC}
+            **strategy_kwargs: passed to Lightning's ``FSDPStrategy`` (``auto_wrap_policy``,
+                ``sharding_strategy``, ``state_dict_type``, ...).
+"""
+    _stats_callback_class = _SwapStatsLogger
+
+
+class ModelParallelCPUSwapStrategy(ModelParallelSwap, ModelParallelStrategy):
+    __doc__ = f"""Lightning's ModelParallelStrategy (FSDP2: ``fully_shard`` in ``configure_model``) with the same runtime on every rank.
+
+        Defaults to FSDP2 over every process (``data_parallel_size`` = all processes,
+        ``tensor_parallel_size=1``); tensor parallelism is refused.
+
+        Args:
+{OPTIONS_DOC}
+            **strategy_kwargs: passed to Lightning's ``ModelParallelStrategy``
+                (``data_parallel_size``, ``save_distributed_checkpoint``, ...).
+"""
+    _stats_callback_class = _SwapStatsLogger
+
+
+def with_cpu_swap(strategy: Any, **options: Any) -> Any:
+    """``strategy`` (a Lightning ``FSDPStrategy``, ``ModelParallelStrategy``, ``DDPStrategy`` or
+    ``SingleDeviceStrategy`` the user built, not yet given to a ``Trainer``) with cpu_swap: an
+    object of the matching cpu_swap class carrying every setting ``strategy`` was built with,
+    plus ``options`` (the cpu_swap strategies' keyword arguments: ``policy``, ``budget_bytes``,
+    ...). ``strategy`` itself is left as it was::
+
+        strategy = with_cpu_swap(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                                 policy="auto", budget_bytes="20GiB")
+
+    A ``pytorch_lightning`` strategy gets its class from ``lightning_swap.pl`` (imported by then:
+    Note [Strategies registered on import])."""
+    classes = {cls.lightning_base(): cls for cls in _concrete(_SwapStrategyMixin)}
+    cls = classes.get(type(strategy))
+    if cls is None:
+        allowed = sorted({f"{c.__module__.split('.')[0]}.{c.__name__}" for c in classes})
+        raise ValueError(f"`strategy` must be one of {allowed} (exactly, not a subclass); got {type(strategy).__name__}.")
+    if getattr(strategy, "_lightning_module", None) is not None:
+        raise ValueError("`strategy` is already in use by a Trainer; pass the strategy before Trainer(strategy=...) sees it.")
+    if getattr(strategy, "_activation_checkpointing_kwargs", None):
+        refuse_activation_checkpointing({"activation_checkpointing_policy": True})
+    swap = swap_options(options)
+    swapped = cls.__new__(cls)
+    swapped.__dict__.update(strategy.__dict__)
+    if "_tensor_parallel_size" in swapped.__dict__ and swapped._tensor_parallel_size == "auto":
+        swapped._tensor_parallel_size = 1  # as ModelParallelCPUSwapStrategy's default
+    swapped._init_swap(swap, device_given=True)
+    return swapped
+
+
+def _concrete(kind: type) -> list[type]:
+    """Every class under ``kind`` built on a Lightning strategy (those of each package imported)."""
+    found = []
+    for sub in kind.__subclasses__():
+        found += [sub] if sub.lightning_base() in sub.__bases__ else _concrete(sub)
+    return found
+
+
+for _cls in (CPUSwapStrategy, DDPCPUSwapStrategy, FSDPCPUSwapStrategy, ModelParallelCPUSwapStrategy):
+    _cls.register_strategies(StrategyRegistry)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import socket
 from typing import Callable, Iterable
 
 import pytest
@@ -36,7 +37,7 @@ def swap_runtime(model: torch.nn.Module, policy, *, device, **kwargs) -> SwapRun
 
 def train_core(
     name: str,
-    policy: str | None,
+    policy,
     *,
     steps: int = 3,
     batch: int = 4,
@@ -59,24 +60,54 @@ def train_core(
         runtime = swap_runtime(
             model, policy, device=device, min_offload_bytes=min_offload_bytes, prefetch_segments=prefetch_segments, unified=unified
         ).install()
-    stats, grads = [], {}
     torch.manual_seed(seed + 1)  # dropout masks
+    batches = ((x.to(device), y.to(device)) for x, y in (data(batch + step) for step in range(steps)))
+    grads, stats = run_steps(model, opt, runtime, batches, lambda m, x, y: loss_fn(m(x), y).backward())
+    return model, stats, grads[-1] if grads else {}
+
+
+def run_steps(model: torch.nn.Module, optimizer, runtime, batches: Iterable, step: Callable) -> tuple[list[dict], list]:
+    """One optimizer step per ``(x, y)`` of ``batches``, each read when its step begins (a batch
+    drawn from torch's RNG is drawn where a written-out loop would draw it): ``step(model, x, y)``
+    runs the forward and backward, under ``runtime`` (installed; ``None``: plain training), which
+    is removed afterwards, after an error too. Returns each step's gradients by parameter name and
+    the runtime's ``StepStats``."""
+    grads, stats = [], []
     try:
-        for step in range(steps):
-            x, y = (t.to(device) for t in data(batch + step))
+        for x, y in batches:
             if runtime is not None:
-                runtime.begin_step([x, y, opt.state])
-            loss = loss_fn(model(x), y)
-            loss.backward()
+                runtime.begin_step([x, y, optimizer.state])
+            step(model, x, y)
             if runtime is not None:
                 stats.append(runtime.end_step())
-            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     finally:
         if runtime is not None:
             runtime.remove()
-    return model, stats, grads
+    return grads, stats
+
+
+def grads_that_differ(grads: list[dict], expected: list[dict]) -> list[tuple[int, str]]:
+    """(step, parameter) of each gradient of :func:`run_steps`' ``grads`` not bit-equal to ``expected``'s, or missing."""
+    assert len(grads) == len(expected)
+    return [
+        (i, k) for i, (got, want) in enumerate(zip(grads, expected)) for k in sorted(got.keys() | want.keys())
+        if k not in got or k not in want or not torch.equal(got[k], want[k])
+    ]
+
+
+def peaks(trainer) -> list[int]:
+    """Each step's metered device peak under a Lightning strategy, oldest first."""
+    return [s.peak_device_bytes for s in trainer.strategy.stats_history]
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:

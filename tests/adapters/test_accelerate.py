@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,19 +26,13 @@ from torch.nn import functional as F
 from accelerate_swap import SwapAccelerator, SwapPlugin
 from lightning_swap import Action
 
-from ..helpers import POLICIES
+from ..helpers import POLICIES, free_port
 from ..models import CNN, MODELS
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "accelerate_scripts" / "train_cnn.py"
 SEGMENTS = [f"blocks.{i}" for i in range(4)]
 SWAP_RUNS = ["launched", *POLICIES, "code"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(num_processes: int, out: Path) -> None:
@@ -57,7 +50,7 @@ def _launch(num_processes: int, out: Path) -> None:
     if num_processes == 1:
         cmd += ["--cpu"]
     else:
-        cmd += ["--multi_gpu", "--main_process_port", str(_free_port())]
+        cmd += ["--multi_gpu", "--main_process_port", str(free_port())]
         env["ACCELERATE_USE_CPU"] = "true"
     cmd += [str(SCRIPT), str(out)]
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)

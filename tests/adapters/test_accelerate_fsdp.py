@@ -22,7 +22,7 @@ from accelerate.utils import DistributedType
 
 from accelerate_swap import SwapAccelerator
 
-from .test_accelerate import _free_port
+from ..helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "accelerate_scripts" / "train_fsdp.py"
@@ -39,7 +39,7 @@ def launched(tmp_path_factory):
     )
     env["ACCELERATE_USE_CPU"] = "true"  # the processes are CPU ones; FSDP is set by the script (its Note)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--num_processes", "2"]
-    cmd += ["--num_cpu_threads_per_process", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+    cmd += ["--num_cpu_threads_per_process", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
     cmd += ["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"]
     cmd += ["--fsdp_transformer_layer_cls_to_wrap", "Block", "--fsdp_reshard_after_forward", "true", str(SCRIPT), str(out)]
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)

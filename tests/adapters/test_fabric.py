@@ -74,11 +74,11 @@ def forced(name: str, policy: str):
 
 
 @pytest.mark.slow
-def test_import_lightning_swap_then_fabric_resolves_the_names():
-    """In a fresh interpreter (Note [Strategies registered when Lightning is imported] in
-    ``lightning_swap/_lazy.py``): ``import lightning_swap`` first, Fabric later."""
+def test_import_fabric_then_lightning_swap_resolves_the_names():
+    """In a fresh interpreter (Note [Strategies registered on import] in
+    ``lightning_swap/__init__.py``): Fabric first, then ``import lightning_swap``."""
     code = (
-        "import lightning_swap\nfrom lightning.fabric import Fabric\n"
+        "from lightning.fabric import Fabric\nimport lightning_swap\n"
         "print(type(Fabric(accelerator='cpu', strategy='cpu_swap').strategy).__name__,"
         " type(Fabric(accelerator='cpu', devices=2, strategy='ddp_cpu_swap').strategy).__name__)"
     )
@@ -212,3 +212,17 @@ def test_on_two_gloo_processes_equals_plain(tmp_path, kind):
         assert set(results["auto:plan"]) != {"keep"}
         assert results["auto:trace"] == results["plain:trace"] and results["plain:trace"][1:] == ([], True)
     assert ranks[0]["auto:plan"] == ranks[1]["auto:plan"] and ranks[0]["auto:budget"] == ranks[1]["auto:budget"]
+
+
+def test_the_no_budget_warning_names_the_class_in_use(caplog):
+    """Issue 42: under Fabric the warning recommends Fabric's class (the one in use), not the Trainer's."""
+    import logging
+
+    class MyFabricStrategy(CPUSwapFabricStrategy):
+        pass
+
+    caplog.set_level(logging.WARNING, logger="lightning_swap")
+    _, strategy, _ = train("cnn", MyFabricStrategy(), steps=1)
+    strategy.teardown()
+    said = [r.getMessage() for r in caplog.records if "no memory budget" in r.getMessage()]
+    assert len(said) == 1 and "MyFabricStrategy(budget_bytes='8GiB')" in said[0], said

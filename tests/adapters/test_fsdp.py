@@ -246,7 +246,7 @@ def test_an_empty_optimizer_state_loads_as_empty(tmp_path):
     empty, full = tmp_path / "empty.ckpt", tmp_path / "full.ckpt"
     torch.save({"state_dict": {}, "optimizer_states": [{"state": {}, "param_groups": []}]}, empty)
     torch.save({"state_dict": {}, "optimizer_states": [optimizer.state_dict()]}, full)
-    with _empty_optimizer_states_loaded([optimizer]):
+    with _empty_optimizer_states_loaded([optimizer], lightning_fsdp):
         assert "optimizer_states" in lightning_fsdp._lazy_load(full) and optimizer.state
         assert "optimizer_states" not in lightning_fsdp._lazy_load(empty)
     assert not optimizer.state
@@ -258,7 +258,7 @@ def test_model_parallel_swap_shards_over_every_process_and_refuses_tensor_parall
     tensor-parallel group); a tensor-parallel dimension is refused once the mesh exists."""
     from types import SimpleNamespace
 
-    from lightning_swap.strategy import _SwapStrategyMixin
+    from lightning_swap.strategy_base import _SwapStrategyMixin
 
     def mesh_from_sizes(self):  # Lightning's setup_environment, reduced to the mesh it builds
         self._device_mesh = {"tensor_parallel": SimpleNamespace(size=lambda: self._tensor_parallel_size)}

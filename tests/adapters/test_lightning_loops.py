@@ -1,5 +1,5 @@
 """Lightning loops beyond one forward and one backward (Note [Lightning's step] in
-``strategy.py``, Note [The budget held online] in ``core/runtime/online.py``): a SAM-style closure
+``strategy_base.py``, Note [The budget held online] in ``core/runtime/online.py``): a SAM-style closure
 optimizer (the closure called twice per step), LBFGS, manual optimization with two optimizers.
 Every forced policy trains equal to plain; ``auto`` runs without a crash and keeps every whole
 step (measured by a meter of the test's own, around all of the step's ``training_step`` calls

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 import lightning_swap  # noqa: F401 - registers "cpu_swap"
 from accelerate_swap import SwapAccelerator, SwapPlugin
-from lightning_swap.strategy import _ProgressBarLog
+from lightning_swap.strategy_base import _ProgressBarLog
 
 from ..helpers import QUIET_TRAINER
 from ..lit import LitModel
@@ -37,7 +37,7 @@ class _Order(L.Callback):
 
 def test_default_cpu_swap_logs_its_keep_table_again_with_numbers(caplog, monkeypatch):
     said = []
-    monkeypatch.setattr("lightning_swap.strategy.rank_zero_info", said.append)  # the strategy's plan log
+    monkeypatch.setattr("lightning_swap.strategy_base.rank_zero_info", said.append)  # the strategy's plan log
     caplog.set_level(logging.INFO)
     order = _Order(caplog)
     trainer = L.Trainer(strategy="cpu_swap", accelerator="cpu", devices=1, max_steps=2, callbacks=[order], **QUIET_TRAINER)

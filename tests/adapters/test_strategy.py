@@ -94,9 +94,11 @@ def test_checkpoint_keys_unchanged(tmp_path):
 
 
 def test_pytorch_lightning_gets_its_own_class():
+    """Its own classes, registered in its own registry once used (Note [Strategies registered on import])."""
     pl = pytest.importorskip("pytorch_lightning")
-    assert "cpu_swap" in pl.strategies.StrategyRegistry
     cls = lightning_swap.PLCPUSwapStrategy
+    assert {"cpu_swap", "ddp_cpu_swap", "fsdp_cpu_swap", "model_parallel_cpu_swap"} <= set(pl.strategies.StrategyRegistry)
+    assert pl.strategies.StrategyRegistry["cpu_swap"]["strategy"] is cls
     assert issubclass(cls, pl.strategies.SingleDeviceStrategy)
     assert not issubclass(cls, L.pytorch.strategies.SingleDeviceStrategy)
 
@@ -171,7 +173,7 @@ def test_every_overridden_lightning_hook_is_marked_override(cls):
     """STYLE 3: a method of the swap mixin that Lightning's strategy also defines carries ``@override``."""
     from lightning.pytorch.strategies import Strategy
 
-    from lightning_swap.strategy import _SwapStrategyMixin
+    from lightning_swap.strategy_base import _SwapStrategyMixin
 
     mixin = vars(_SwapStrategyMixin)
     hooks = [name for name, fn in mixin.items() if callable(fn) and not name.startswith("__") and hasattr(Strategy, name)]
@@ -186,10 +188,24 @@ def test_log_plan_switches_the_strategys_plan_log(log_plan, monkeypatch):
     core writes through the strategy's sink on rank zero (Note [The plan's log]): a forced plan
     once its first step measured it; the plan is applied and measured either way."""
     said = []
-    monkeypatch.setattr("lightning_swap.strategy.rank_zero_info", said.append)
+    monkeypatch.setattr("lightning_swap.strategy_base.rank_zero_info", said.append)
     strategy = CPUSwapStrategy(policy="offload", min_offload_bytes=0, log_plan=log_plan)
     _, trainer = fit("cnn", strategy, steps=2)
     logged = [text for text in said if text.startswith("lightning-swap plan")]
     assert len(logged) == (1 if log_plan else 0), logged
     assert all("not measured yet" not in text for text in logged), logged
     assert trainer.strategy.plan.measured and trainer.strategy.swap_config.log_plan is log_plan
+
+
+def test_the_no_budget_warning_names_the_class_in_use(caplog):
+    """Issue 42: the library's own warnings name the front end's class in use (here a user's
+    subclass), not one fixed class."""
+    import logging
+
+    class MyStrategy(CPUSwapStrategy):
+        pass
+
+    caplog.set_level(logging.WARNING, logger="lightning_swap")
+    fit("cnn", MyStrategy(), steps=1)
+    said = [r.getMessage() for r in caplog.records if "no memory budget" in r.getMessage()]
+    assert len(said) == 1 and "MyStrategy(budget_bytes='8GiB')" in said[0], said

@@ -7,12 +7,8 @@ import pytest
 
 from lightning_swap import Action, CPUSwapStrategy
 
-from ..helpers import QUIET_TRAINER, assert_same_state
+from ..helpers import QUIET_TRAINER, assert_same_state, peaks as _peaks
 from ..lit import fit
-
-
-def _peaks(trainer):
-    return [s.peak_device_bytes for s in trainer.strategy.stats_history]
 
 
 @pytest.mark.parametrize("name", ["gpt", "cnn"])

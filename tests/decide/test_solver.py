@@ -171,6 +171,8 @@ def test_plan_renders_a_table() -> None:
     for name, action in plan.actions.items():
         assert any(line.startswith(name) and action.value in line for line in text.splitlines())
     assert "predicted peak" in text and "budget" in text
+    # print(plan) shows the table (the README's `print(accelerator.swap_plan)`, issue 42); repr is the dataclass's
+    assert str(plan) == f"{plan}" == text and repr(plan).startswith("Plan(actions=")
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ CI (Note [Tests say which device they mean] in tests/pretend_gpu.py).
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -35,6 +36,18 @@ def _run(script: str, *args: str) -> str:
     return proc.stdout
 
 
+@functools.cache
+def _gpu_check():
+    """``benchmarks/gpu_check.py`` as a module, once (its readers are checked on the smoke runs'
+    output; its dataclass looks its module up in ``sys.modules``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", BENCHMARKS / "gpu_check.py")
+    module = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _header(out: str, first: str) -> list[str]:
     """The columns of the first table whose header starts with ``first``."""
     line = next(line for line in out.splitlines() if line.strip().startswith(first + " "))
@@ -53,6 +66,10 @@ def test_benchmark_runs_in_smoke_mode(script, columns):
     out = _run(script)
     assert _header(out, columns[0]) == columns
     assert "simulated budget" in out
+    if script == "max_batch.py":  # gpu_check.py reads each model's largest batches from this table
+        found = _gpu_check().max_batch_figures(out, BENCHMARKS)
+        assert [line.split(":")[0] for line in found] == ["gpt2-small-like", "gpt2-small-like+chunked"], found
+        assert all("plain " in line and "torch checkpoint " in line and "save_on_cpu " in line for line in found), found
     if script == "max_batch.py":  # the GPT with the chunked loss, held to the plain-loss budget
         assert "== gpt2-small-like+chunked" in out and "plain peak of gpt2-small-like (plain loss)" in out
         assert "max batch, chunked loss" in out
@@ -146,6 +163,8 @@ def test_engine_benchmark_needs_a_gpu_and_its_harness_runs_on_cpu():
         assert f"\n   {method} " in out, method
     assert "Error" not in out, out
     assert "keep / plain:" in out and "recompute / torch checkpoint:" in out
+    found = _gpu_check().offload_figures(out, BENCHMARKS)  # what gpu_check.py reads (the copy-bound line needs a GPU)
+    assert [line.split(":")[0] for line in found] == ["gpt2", "resnet50"] and all("offload " in line for line in found), found
 
 
 @pytest.mark.slow
@@ -164,6 +183,8 @@ def test_compile_budget_benchmark_runs_in_smoke_mode():
     row = next(line for line in proc.stdout.splitlines() if line.startswith("0.5 |"))
     assert len(row.split("|")) == 9 and "plain eager:" in proc.stdout
     assert "denormals flushed" in proc.stdout and "AdamW at lr 0" in proc.stdout and "warm-up until the median" in proc.stdout
+    found = _gpu_check().compile_figures(proc.stdout, BENCHMARKS)  # what gpu_check.py reads
+    assert found[0].startswith("plain eager:") and found[1].startswith("f=0.5: compile ") and "ours / compile beside" in found[1]
 
 
 @pytest.mark.long("fsdp.py's smoke run: 2 processes, ~30 s")
@@ -199,6 +220,8 @@ def test_dynamic_shapes_benchmark_runs_in_quick_mode():
         assert f"padding {padding}" in out, padding
     assert out.count("auto / lowest-memory plan (total time") == 2
     assert out.count("FSDP2 + auto ") == 4  # one row per rank, per padding
+    found = _gpu_check().dynamic_figures(out, BENCHMARKS)  # what gpu_check.py reads
+    assert [line.split(" ")[0] for line in found] == ["0.6x", "0.8x", "1.2x"] and all("auto / " in line for line in found), found
 
 
 def test_dynamic_shapes_token_budget_and_online_cost_run_in_quick_mode():
@@ -283,3 +306,69 @@ def test_time_steps_resets_warms_up_by_the_rule_then_times(monkeypatch):
     assert (timing.warmup_steps, timing.steady) == (27, True)
     assert abs(timing.step_ms - 100.0) < 1e-6 and abs(timing.min_ms - 90.0) < 1e-6  # the 3 steps after the warm-up
     assert log == ["reset"] + ["step"] * 27 + ["reset"] + ["step"] * 3
+
+
+# -- benchmarks/gpu_check.py (issue 42, item 7) --------------------------------------------------------
+def test_gpu_check_dry_run_plans_every_part_with_flags_its_scripts_have(tmp_path, capsys):
+    """The one command for a GPU, run dry (seconds, nothing started): every part planned, every
+    flag it passes declared by its script (a renamed flag fails here, not on the GPU), the cuda
+    test files found, and the section written, marked as a dry run."""
+    check = _gpu_check()
+    assert check.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    section = (tmp_path / "gpu_check_section.md").read_text()
+    assert section == capsys.readouterr().out.rstrip("\n") + "\n"
+    assert "GPU check (DRY RUN: no figures)" in section and "MISSING" not in section
+    assert [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| ") and "dry run" in line] == [
+        "tests", "offload", "max_batch", "dynamic", "compile",
+    ]
+    assert "tests/engine/test_cuda.py tests/engine/test_unified.py" in section
+    assert "`dynamic_shapes.py --device cuda --no-fsdp`" in section and "--fractions 0.7 0.3" in section
+    assert sum(p.limit_s * len(p.runs) for p in check.parts(tmp_path)) <= check.TOTAL_S  # the 8 minutes hold
+
+
+def test_gpu_check_flags_a_part_whose_script_lost_its_flag(tmp_path, monkeypatch):
+    check = _gpu_check()
+    monkeypatch.setattr(check, "_flags_of", lambda script: set())
+    result = check.dry_part(check.parts(tmp_path)[3])
+    assert result["missing"] == ["dynamic_shapes.py --device", "dynamic_shapes.py --no-fsdp"]
+    assert check.main(["--dry-run", "--out", str(tmp_path), "--only", "dynamic"]) == 1
+
+
+_SLOW_PART = r"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+open(sys.argv[1], "w").write(str(child.pid))
+print("budget | fastest uniform that fits | auto / uniform (<= 1.1)", flush=True)
+print("0.8x | offload 1.00 s | 1.05x PASS", flush=True)
+time.sleep(60)
+"""
+
+
+def test_gpu_check_kills_a_part_at_its_limit_and_keeps_what_it_printed(tmp_path, monkeypatch):
+    """A part past its limit: its process group (a worker it started included) is killed, what it
+    printed is read, and the next part still runs; a part left too little time is skipped."""
+    import time
+
+    check = _gpu_check()
+    pid_file = tmp_path / "child.pid"
+    monkeypatch.setattr(check, "_command", lambda script, args: [sys.executable, "-c", _SLOW_PART, str(pid_file)])
+    part = check.Part(name="dynamic", question="q", runs=((None, ()),), limit_s=2, least_s=1, read=check.dynamic_figures)
+    start = time.monotonic()
+    result = check.run_part(part, tmp_path, left_s=30)
+    assert time.monotonic() - start < 10
+    assert result["ended"] == ["timed out after 2 s"]
+    assert result["figures"][0] == "0.8x: auto / offload 1.00 s = 1.05x PASS; auto / plain -; over budget: -"
+    stat = Path(f"/proc/{pid_file.read_text()}/stat")
+    time.sleep(0.2)
+    assert not stat.exists() or stat.read_text().split(") ")[1][0] in "ZX"  # the worker went with the part (gone, or unreaped)
+    skipped = check.run_part(part, tmp_path, left_s=0.5)
+    assert skipped["ended"] == ["skipped it: 0 s left, 1 s wanted"]
+
+
+def test_gpu_check_runs_nothing_without_a_cuda_device(tmp_path, monkeypatch):
+    """Note [A GPU's free memory is the limit]: no device, or too little free, and no part starts."""
+    check = _gpu_check()
+    monkeypatch.setattr(check, "device_info", lambda: {"available": True, "free": 1 << 30, "total": 80 << 30, "name": "GPU", "torch": "x"})
+    monkeypatch.setattr(check, "run_part", lambda *a, **k: pytest.fail("a part started"))
+    assert check.main(["--out", str(tmp_path)]) == 0
+    assert "nothing run" in (tmp_path / "gpu_check_section.md").read_text()

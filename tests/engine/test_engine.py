@@ -20,7 +20,7 @@ from lightning_swap.core import Action, Plan, resolve_policy
 from lightning_swap.core.engine.offload import OffloadEngine
 from lightning_swap.core.engine.streams import CopyStreams, override_stream_ops
 
-from ..helpers import POLICIES, sweep, train_core
+from ..helpers import POLICIES, grads_that_differ, run_steps, sweep, train_core
 from ..lit import fit
 from ..models import MODELS
 from ..stream_double import DoubleFactory, StreamDouble
@@ -256,35 +256,25 @@ def _loop(name, kind, policy, *, prefetch=1, inflight=1, user_checkpoint=None, s
         segments = find_segments(model)
         plan = resolve_policy(policy, segments) if policy != "mixed" else {n: _MIXED[i % len(_MIXED)] for i, n in enumerate(segments)}
         runtime = SwapRuntime(model, plan, device="cpu", min_offload_bytes=0, prefetch_segments=prefetch, inflight_segments=inflight).install()
+
+    def step(model, x, y):
+        if kind == "two_forwards":
+            (loss_fn(model(x[:2]), y[:2]) + loss_fn(model(x[2:]), y[2:])).backward()
+        elif kind == "retain_graph":
+            loss = loss_fn(model(x), y)
+            loss.backward(retain_graph=True)
+            loss.backward()
+        elif kind == "dropped_graph":  # a forward nobody back-propagates, then a step
+            loss_fn(model(x[:2]), y[:2])
+            loss_fn(model(x), y).backward()
+        elif kind == "accumulate":
+            loss_fn(model(x[:2]), y[:2]).backward()
+            loss_fn(model(x[2:]), y[2:]).backward()
+        else:
+            loss_fn(model(x), y).backward()
+
     torch.manual_seed(1)
-    grads = []
-    try:
-        for step in range(steps):
-            x, y = data(4 + step)
-            if runtime is not None:
-                runtime.begin_step([x, y])
-            if kind == "two_forwards":
-                (loss_fn(model(x[:2]), y[:2]) + loss_fn(model(x[2:]), y[2:])).backward()
-            elif kind == "retain_graph":
-                loss = loss_fn(model(x), y)
-                loss.backward(retain_graph=True)
-                loss.backward()
-            elif kind == "dropped_graph":  # a forward nobody back-propagates, then a step
-                loss_fn(model(x[:2]), y[:2])
-                loss_fn(model(x), y).backward()
-            elif kind == "accumulate":
-                loss_fn(model(x[:2]), y[:2]).backward()
-                loss_fn(model(x[2:]), y[2:]).backward()
-            else:
-                loss_fn(model(x), y).backward()
-            if runtime is not None:
-                runtime.end_step()
-            grads.append([p.grad.clone() for p in model.parameters()])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    finally:
-        if runtime is not None:
-            runtime.remove()
+    grads, _ = run_steps(model, opt, runtime, (data(4 + s) for s in range(steps)), step)
     return grads, model.state_dict()
 
 
@@ -301,7 +291,7 @@ def _assert_exact_under_strict_model(name, kind, policy, *, mode="late", **kwarg
     factory.drain()
     assert factory.violations == []
     assert sum(d.copies_done for d in factory.doubles) > 0  # the copies went through the model
-    assert [i for i, (g, h) in enumerate(zip(grads, plain_grads)) if not all(torch.equal(a, b) for a, b in zip(g, h))] == []
+    assert grads_that_differ(grads, plain_grads) == []
     assert [k for k in plain_state if not torch.equal(state[k], plain_state[k])] == []
 
 

@@ -21,6 +21,7 @@ from torch.nn import functional as F
 
 from lightning_swap.core import Action, SwapRuntime
 
+from ..helpers import run_steps
 from ..stream_double import DoubleFactory
 from .test_recompute_state import _retain  # a second backward through a retained graph
 
@@ -159,6 +160,11 @@ def _build(blocks) -> nn.Module:
     return nn.Sequential(nn.Linear(W, W), *[nn.Sequential(*[VOCABULARY[c]() for c in block]) for block in blocks], nn.Linear(W, W))
 
 
+def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(6, W, generator=g), torch.randn(6, W, generator=g)
+
+
 def train(r: dict, policy) -> tuple[dict, list]:
     """Weights and buffers after :data:`STEPS` SGD steps of recipe ``r``, and each step's
     gradients; ``policy`` None: plain training."""
@@ -166,25 +172,10 @@ def train(r: dict, policy) -> tuple[dict, list]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     actions = r["mix"] if policy == "mix" else [policy] * len(r["blocks"])
     plan = {str(i + 1): a for i, a in enumerate(actions)}
-    grads = []
     with DoubleFactory("late") as factory:
         rt = SwapRuntime(model, plan, device="cpu", min_offload_bytes=0).install() if policy is not None else None
         torch.manual_seed(1)
-        try:
-            for i in range(STEPS):
-                g = torch.Generator().manual_seed(i)
-                x, y = torch.randn(6, W, generator=g), torch.randn(6, W, generator=g)
-                if rt is not None:
-                    rt.begin_step([x, y, opt.state])
-                STEP_KINDS[r["step"]](model, x, y)
-                if rt is not None:
-                    rt.end_step()
-                grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        finally:
-            if rt is not None:
-                rt.remove()
+        grads, _ = run_steps(model, opt, rt, (_batch(i) for i in range(STEPS)), STEP_KINDS[r["step"]])
     factory.drain()
     if factory.violations:
         raise AssertionError(f"the strict stream model saw: {factory.violations[:2]}")

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 
 from lightning_swap.core import Action, SwapRuntime
 
+from ..helpers import grads_that_differ, run_steps
 from ..stream_double import DoubleFactory
 
 torch.set_num_threads(1)
@@ -157,24 +158,10 @@ def train(build, action, step=_plain_step, steps=3):
     model = build()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     plan = action if isinstance(action, dict) or action is None else {name: action for name, _ in model.named_children()}
-    grads = []
     with DoubleFactory("late") as factory:
         rt = SwapRuntime(model, plan, device="cpu", min_offload_bytes=0).install() if plan else None
         torch.manual_seed(1)
-        try:
-            for i in range(steps):
-                x, y = _batch(i)
-                if rt is not None:
-                    rt.begin_step([x, y, opt.state])
-                step(model, x, y)
-                if rt is not None:
-                    rt.end_step()
-                grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        finally:
-            if rt is not None:
-                rt.remove()
+        grads, _ = run_steps(model, opt, rt, (_batch(i) for i in range(steps)), step)
     factory.drain()
     assert factory.violations == []
     return model.state_dict(), grads
@@ -184,7 +171,7 @@ def assert_equal(a, b):
     (state_a, grads_a), (state_b, grads_b) = a, b
     assert state_a.keys() == state_b.keys()
     assert [k for k in state_a if not torch.equal(state_a[k], state_b[k])] == []
-    assert [(i, k) for i, (ga, gb) in enumerate(zip(grads_a, grads_b)) for k in ga if not torch.equal(ga[k], gb[k])] == []
+    assert grads_that_differ(grads_a, grads_b) == []
 
 
 @pytest.mark.parametrize("action", RECOMPUTING, ids=lambda a: a.value)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import accelerate_swap.accelerator
-import lightning_swap.strategy
+import lightning_swap.strategy_base
 
 from lightning_swap import CPUSwapStrategy, UMMode, UnifiedMemoryError, install_unified_memory
 from lightning_swap.core import find_segments, resolve_policy
@@ -637,7 +637,7 @@ def _fake_install(monkeypatch) -> dict:
         made.setdefault("handles", []).append(handle)
         return handle
 
-    monkeypatch.setattr(lightning_swap.strategy, "unified_memory_for", install)
+    monkeypatch.setattr(lightning_swap.strategy_base, "unified_memory_for", install)
     monkeypatch.setattr(accelerate_swap.accelerator, "unified_memory_for", install)
     _Tracked.closed = 0
     return made
@@ -798,6 +798,7 @@ def test_first_refusal_warns_once_with_the_cap_and_how_to_raise_it(caplog):
     assert "6000 bytes" in warning and "um_max_bytes=10000" in warning and "free memory at installation" in warning
     assert "6000 bytes already managed" in warning
     assert "Raise um_max_bytes" in warning and "ACCELERATE_CPU_SWAP_UM_MAX_BYTES" in warning and "cuDNN" in warning
+    assert "CPUSwapStrategy" not in warning  # no one front end's class: the one in use has the option (issue 42)
     assert memory.refused_allocations == 3 and memory.refused_bytes == 6000 + 5000 + 20_000
     unified = UnifiedMemory(UMMode.ALL, CPU, memory, None)
     stats = unified.stats()

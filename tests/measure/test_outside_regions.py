@@ -16,6 +16,7 @@ import torch
 from lightning_swap.core import Action, Plan, SwapRuntime, find_segments, profile, simulate
 from lightning_swap.core.segments import PREFIX_REGION, TAIL_REGION, outside_region_names
 
+from ..helpers import grads_that_differ, run_steps
 from ..models import MODELS
 from ..stream_double import DoubleFactory
 
@@ -33,22 +34,9 @@ def _train(name: str, plan_for, *, steps: int = 2, batch: int = 4, **runtime_kwa
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     plan = plan_for(find_segments(model)) if plan_for is not None else None
     runtime = SwapRuntime(model, plan, device="cpu", min_offload_bytes=0, **runtime_kwargs).install() if plan is not None else None
-    grads, stats = [], []
     torch.manual_seed(1)  # dropout masks
-    try:
-        for step in range(steps):
-            x, y = data(batch + step)
-            if runtime is not None:
-                runtime.begin_step([x, y, opt.state])
-            loss_fn(model(x), y).backward()
-            if runtime is not None:
-                stats.append(runtime.end_step())
-            grads.append([p.grad.clone() for p in model.parameters()])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    finally:
-        if runtime is not None:
-            runtime.remove()
+    batches = (data(batch + step) for step in range(steps))
+    grads, stats = run_steps(model, opt, runtime, batches, lambda m, x, y: loss_fn(m(x), y).backward())
     return grads, model.state_dict(), stats
 
 
@@ -63,7 +51,7 @@ def _assert_plain(name, grads, state):
     if name not in _PLAIN:
         _PLAIN[name] = _train(name, None)
     plain_grads, plain_state, _ = _PLAIN[name]
-    assert all(torch.equal(a, b) for g, h in zip(grads, plain_grads) for a, b in zip(g, h))
+    assert grads_that_differ(grads, plain_grads) == []
     assert [k for k in plain_state if not torch.equal(state[k], plain_state[k])] == []
 
 

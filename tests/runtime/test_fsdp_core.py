@@ -8,7 +8,6 @@ predictions per rank, the gathers counted) runs in ``tests/adapters/test_fsdp.py
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import pytest
 import torch
@@ -20,19 +19,14 @@ from lightning_swap.core.measure.model_profile import max_profile
 from lightning_swap.core.segments import resolve_modules
 from lightning_swap.core.sharded import gathered_parameters, is_sharded, world_size
 
+from ..helpers import free_port
 from ..models import MODELS, TinyGPT
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def one_process_group():
     """A gloo group of one process: FSDP shards over it (everything gathered is a copy)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         yield
     finally:

@@ -163,7 +163,7 @@ _GROWN = textwrap.dedent(
 
     import inspect
     from lightning_swap.strategy import CPUSwapStrategy
-    from lightning_swap.fsdp import with_cpu_swap
+    from lightning_swap.strategy import with_cpu_swap
     from lightning.pytorch.strategies import DDPStrategy
     from lightning_swap.fabric import CPUSwapFabricStrategy
     from accelerate_swap.plugin import SwapPlugin

@@ -113,6 +113,10 @@ class Plan:
         moved = sum(a is Action.OFFLOAD for a in self.outside.values())
         return f"{text} outside offload={moved}" if moved else text
 
+    def __str__(self) -> str:
+        """The table (``print(accelerator.swap_plan)``); ``repr`` stays the dataclass's."""
+        return self.render()
+
     def render(self) -> str:
         """The plan as a text table: segment, action, and — predicted by the planner, or measured
         in the plan's first step (Note [Measured rows]) — bytes kept, offloaded and recomputed and

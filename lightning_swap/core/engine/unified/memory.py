@@ -218,8 +218,8 @@ class ManagedMemory:
             "unified memory refused a managed allocation of %d bytes on cuda:%d: it would exceed the cap "
             "um_max_bytes=%d (%s), with %d bytes already managed. torch turns a refusal into an out-of-memory "
             "error, or picks a kernel needing less workspace (cuDNN convolutions), which changes speed and can "
-            "change results. Raise um_max_bytes (CPUSwapStrategy(um_max_bytes=...), SwapPlugin(um_max_bytes=...) "
-            "or ACCELERATE_CPU_SWAP_UM_MAX_BYTES); above the device's free memory it oversubscribes the GPU. "
+            "change results. Raise um_max_bytes (the option of the strategy or plugin in use, or "
+            "ACCELERATE_CPU_SWAP_UM_MAX_BYTES); above the device's free memory it oversubscribes the GPU. "
             "Refusals are counted in stats().refused_allocations; this is logged once per installation.",
             nbytes, self.device_index, self.max_bytes, self.cap_origin, in_use,
         )
