@@ -108,22 +108,22 @@ def internal_kept(s: SegmentProfile, a: Action) -> int:
     return 0
 
 
-def forward_own(s: SegmentProfile, a: Action, *, overlap: bool) -> int:
+def forward_own(s: SegmentProfile, a: Action) -> int:
     """Bytes of segment ``s`` alive at its own forward's peak beyond the window's base.
 
     Note [A forward that does not keep]: kept, a segment's forward ends holding everything it
-    saves. Recomputed, or offloaded by copies done when issued (CPU), its saved tensors are not
-    held for backward, yet its forward still holds what its own code references — a block's
-    ``q, k, v`` stay alive in its frame to its end — which no trace of ops can see. Where it was
+    saves. Recomputed, or offloaded, its saved tensors are not held for backward (what is still
+    in flight to the host is the in-flight window's: Note [Copy windows, priced]), yet its forward
+    still holds what its own code references — a block's ``q, k, v`` stay alive in its frame to
+    its end — which no trace of ops can see. Where it was
     measured (``SegmentProfile.released_forward_working_bytes``, ``W``), with ``S`` the saved
     bytes and ``w`` the kept forward's working bytes, the window's peak is its start level plus
     ``W``, i.e. the base plus ``S - w + W``; plus what the action keeps. Not measured (``auto``
     runs no segment outside the user's step to measure it: Note [Observe, do not re-run] in
     ``measure/observe.py``): as kept, which never under-predicts, and never more than kept (a
-    segment's forward that saves less holds no more than the kept one). Offloaded with copies beside compute (CUDA), the sources
-    stay until their copies are waited for (Note [Stream protocol], rule 2): all of it, as kept.
+    segment's forward that saves less holds no more than the kept one).
     """
-    if a is Action.KEEP or (a is Action.OFFLOAD and overlap) or s.released_forward_working_bytes < 0:
+    if a is Action.KEEP or s.released_forward_working_bytes < 0:
         return s.internal_saved_bytes
     own = s.internal_saved_bytes - s.forward_working_bytes + s.released_forward_working_bytes
     return min(s.internal_saved_bytes, max(0, own) + internal_kept(s, a))
@@ -346,8 +346,8 @@ AUTO_WINDOW = "auto"
 class CopyWindow:
     """The copy windows one plan is priced for (Note [Copy windows, priced])."""
 
-    prefetch_bytes: Optional[int] = None
-    inflight_bytes: Optional[int] = None
+    prefetch_bytes: int
+    inflight_bytes: int
 
     def keywords(self) -> dict[str, Any]:
         return {"prefetch_bytes": self.prefetch_bytes, "inflight_bytes": self.inflight_bytes}
@@ -457,7 +457,7 @@ def _forward(walk: _Walk, profile: ModelProfile) -> tuple[list[int], int]:
         prev, p = (segs[i - 1], acts[i - 1]) if i else (None, None)
         in_flight = min(limit, int(queue) + copies[i]) if walk.overlap else 0
         referenced = sum(segs[r + 1].input_bytes for r in refs[i] if not boundary_held(segs[r], acts[r], segs[r + 1], acts[r + 1]))
-        peaks.append(costs.forward_base_bytes[i] + kept + forward_own(s, a, overlap=False) + in_flight + referenced)
+        peaks.append(costs.forward_base_bytes[i] + kept + forward_own(s, a) + in_flight + referenced)
         walk.starts.append(_start(costs.forward_base_bytes[i] + kept + in_flight + referenced, s))
         walk.clock += s.forward_ms
         if copies[i]:

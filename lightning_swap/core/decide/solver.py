@@ -53,7 +53,8 @@ import numpy as np
 
 from ..actions import Action
 from .costmodel import (
-    CopyWindow, SegmentCosts, backward_need, boundary_kept, copied_bytes, elements, forward_own, internal_kept, outside_mask, recompute_ms, Prediction, referenced_outputs, resolve_windows, segment_costs, simulate_chain,
+    CopyWindow, SegmentCosts, backward_need, boundary_kept, copied_bytes, elements, forward_own, internal_kept, outside_mask,
+    recompute_ms, Prediction, referenced_outputs, resolve_windows, segment_costs, simulate_chain,
 )
 from ..errors import InfeasibleBudgetError
 from .plan import Plan
@@ -172,14 +173,13 @@ class _Transitions:
                 self.fwd_need[i, pi, ai] = _FORBIDDEN
                 continue
             in_flight = self._in_flight(i, pi, pi, self.copies[i][ai])
-            # The in-flight window retires the rest of the element's sources as it runs.
-            self.fwd_need[i, pi, ai] = costs.forward_base_bytes[i] + forward_own(s, a, overlap=False) + in_flight + self.referenced[i]
+            self.fwd_need[i, pi, ai] = costs.forward_base_bytes[i] + forward_own(s, a) + in_flight + self.referenced[i]
             need = backward_need(costs.backward_base_bytes[i], prev, p, s, a, per_tensor=per_tensor)
             self.bwd_need[i, pi, ai] = need + self._prefetched(i, pi, self.copies[i][ai])
             self.add_kept[i, pi, ai] = internal_kept(s, a) + boundary_kept(prev, p, s, a)
-            self.add_ms[i, pi, ai] = self._ms(profile, i, pi, p, ai, a)
+            self.add_ms[i, pi, ai] = self._ms(profile, i, ai, a)
 
-    def _ms(self, profile: ModelProfile, i: int, pi: int, p: Optional[Action], ai: int, a: Action) -> float:
+    def _ms(self, profile: ModelProfile, i: int, ai: int, a: Action) -> float:
         """The time segment ``i`` adds: exact where every copy is waited for (windows of 0, or
         CPU), otherwise an estimate (the plan's numbers come from ``simulate``)."""
         s = self.segs[i]

@@ -62,8 +62,9 @@ over) and stays under in forward.
 
 Note [Used in place]: an offloaded storage may still be on the device when backward needs it
 — its copy was still in flight when backward started (within ``inflight_bytes``), or something
-else holds it (the batch, a kept segment's saved tensor, the user). Then the original is used (and held by the entry until its last unpack, as a fetched copy
-would be) instead of a second device copy: nothing is fetched while its original is alive.
+else holds it (the batch, a kept segment's saved tensor, the user). Then the original is used
+(and held by the entry until its last unpack, as a fetched copy would be) instead of a second
+device copy: nothing is fetched while its original is alive.
 The version check (Note [Saved version check]) guards that the bytes are still those saved.
 Backward does not wait for the copies still reading those originals (both only read them):
 the copy streams let go of each source once the host sees its copy complete, without waiting,

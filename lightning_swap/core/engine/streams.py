@@ -14,8 +14,7 @@ checked on CPU by an adversarial double of this module (``tests/stream_double.py
    the source is held in a stash while the copy overlaps the forward, until more than the
    in-flight window's bytes are stashed (Note [Copy windows] in ``offload.py``); then the
    *compute* stream waits on the oldest copies' events and their references are dropped. The
-   block belongs to
-   the compute stream's pool, so any later reuse is ordered after that wait (no
+   block belongs to the compute stream's pool, so any later reuse is ordered after that wait (no
    ``record_stream``: under ``um="all"`` the allocator never reclaims blocks freed after one,
    and without it memory is freed at a point the host, the meter and the planner all agree on).
    This also bounds what is in flight: a fast forward cannot pile activations up behind a
