@@ -31,7 +31,7 @@ def sweep(cases: Iterable[tuple], keep: Callable[..., bool], long_reason: str) -
 def swap_runtime(model: torch.nn.Module, policy, *, device, **kwargs) -> SwapRuntime:
     """A runtime (not installed) applying ``policy`` to ``model``'s automatic segments on
     ``device`` (required: Note [Tests say which device they mean]); ``kwargs`` go to
-    :class:`SwapRuntime` (``min_offload_bytes``, ``prefetch_segments``, ...)."""
+    :class:`SwapRuntime` (``min_offload_bytes``, ``prefetch_bytes``, ...)."""
     return SwapRuntime(model, resolve_policy(policy, find_segments(model)), device=device, **kwargs)
 
 
@@ -42,7 +42,7 @@ def train_core(
     steps: int = 3,
     batch: int = 4,
     min_offload_bytes: int = 0,
-    prefetch_segments=None,
+    prefetch_bytes=None,
     seed: int = 0,
     unified=None,
     device: str = "cpu",
@@ -58,7 +58,7 @@ def train_core(
     runtime = None
     if policy is not None:
         runtime = swap_runtime(
-            model, policy, device=device, min_offload_bytes=min_offload_bytes, prefetch_segments=prefetch_segments, unified=unified
+            model, policy, device=device, min_offload_bytes=min_offload_bytes, prefetch_bytes=prefetch_bytes, unified=unified
         ).install()
     torch.manual_seed(seed + 1)  # dropout masks
     batches = ((x.to(device), y.to(device)) for x, y in (data(batch + step) for step in range(steps)))

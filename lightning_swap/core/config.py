@@ -35,7 +35,7 @@ from .units import ByteSize, parse_bytes
 
 __all__ = [
     "DEFAULT_MIN_OFFLOAD_BYTES", "OptionTable", "SwapConfig", "UMMode", "build_options", "check_bool", "check_count",
-    "check_inflight_segments", "check_min_offload_bytes", "check_segments", "check_um_max_bytes", "check_window_bytes",
+    "check_min_offload_bytes", "check_segments", "check_um_max_bytes", "check_window_bytes",
     "describe_options", "from_text", "import_object", "option", "parse_bool", "split_options",
 ]
 
@@ -62,17 +62,8 @@ def check_count(value: Any, field: str, *, allow_none: bool = False) -> Optional
     return value
 
 
-def check_inflight_segments(value: Any, field: str = "inflight_segments") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"`{field}` must be an int >= 0 (segments whose copies to the host may still run "
-            f"while later segments compute); got {value!r}."
-        )
-    return value
-
-
 def check_window_bytes(value: Any, field: str) -> Optional[int]:
-    """A copy window in bytes (Note [Copy windows in bytes] in ``engine/offload.py``), or ``None``."""
+    """A copy window in bytes (Note [Copy windows] in ``engine/offload.py``), or ``None``."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -138,11 +129,6 @@ def parse_bool(value: Any, field: str) -> bool:
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
         return value.strip().lower() in _TRUE
     raise ValueError(f"`{field}` got {value!r}; allowed: true or false (also {'/'.join(_TRUE[:-1])}, {'/'.join(_FALSE[:-1])}, 1/0).")
-
-
-def _int_from_text(value: Any, field: str) -> Any:
-    text = value.strip() if isinstance(value, str) else None
-    return int(text) if text and text.lstrip("+-").isdigit() else value
 
 
 def import_object(spec: str, source: str) -> Any:
@@ -260,18 +246,10 @@ class SwapConfig(OptionTable):
         "never a fraction: for 80% of a GPU pass ``int(0.8 * torch.cuda.get_device_properties(0).total_memory)``.",
         check=_bytes(allow_none=True),
     )
-    prefetch_segments: Optional[int] = option(
-        None, "segments prefetched ahead in backward (default: 1 on CUDA, 0 on CPU).",
-        check=functools.partial(check_count, allow_none=True), text=_int_from_text,
-    )
-    inflight_segments: int = option(
-        1, "segments whose copies to the host may still run while later segments compute (default 1; 0 waits for "
-        "each segment's copies before the next: Note [Stream protocol], rule 2).", check=check_inflight_segments, text=_int_from_text,
-    )
     prefetch_bytes: Optional[ByteSize] = option(
-        None, "bytes fetched ahead in backward instead of whole segments (``0``: each saved tensor when it is needed); "
-        "default: the planner's choice under ``\"auto\"`` unless ``prefetch_segments`` is set, else ``prefetch_segments`` "
-        "(Note [Copy windows in bytes] in ``engine/offload.py``).", check=_bytes(allow_none=True, minimum=0),
+        None, "bytes fetched ahead in backward (``0``: each saved tensor when it is needed); default: the planner's "
+        "choice under ``\"auto\"``, else one segment's worth on CUDA and 0 on CPU (Notes [Copy windows] and [Default "
+        "copy windows] in ``engine/offload.py``).", check=_bytes(allow_none=True, minimum=0),
     )
     inflight_bytes: Optional[ByteSize] = option(
         None, "bytes of copies to the host that may still run while the forward goes on (``0``: each waited for when "

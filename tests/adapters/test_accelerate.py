@@ -112,7 +112,7 @@ def test_launch_each_policy_equals_plain(launched, run):
         assert {k: Action(v) for k, v in r["plan"].items()} == expected
         assert _different(state(run, rank), state("plain", rank)) == []
         # installed while training: the step window's pre-hook, one per segment when something is
-        # offloaded (the in-flight bound: Note [Stream protocol]), a forward on each non-KEEP segment
+        # offloaded (where each element begins: Note [Default copy windows]), a forward on each non-KEEP segment
         offloading = any(a.offloads for a in expected.values())
         assert r["during"]["pre_hooks"] == 1 + (len(SEGMENTS) if offloading else 0)
         assert r["during"]["forward_attrs"] == [s for s, a in expected.items() if a is not Action.KEEP]

@@ -77,8 +77,8 @@ def test_default_environ_is_os_environ(monkeypatch):
         ("BUDGET_BYTES", "2GB", "budget_bytes", 2 * 10**9),
         ("BUDGET_BYTES", "123456", "budget_bytes", 123456),
         ("BUDGET_BYTES", "None", "budget_bytes", None),
-        ("PREFETCH_SEGMENTS", "2", "prefetch_segments", 2),
-        ("PREFETCH_SEGMENTS", "none", "prefetch_segments", None),
+        ("PREFETCH_BYTES", "2MiB", "prefetch_bytes", 2 << 20),
+        ("PREFETCH_BYTES", "none", "prefetch_bytes", None),
         ("LOG_PLAN", "false", "log_plan", False),
         ("LOG_STATS", "0", "log_stats", False),
     ],
@@ -111,8 +111,9 @@ def test_option_from_env(variable, value, field, expected):
         ("ACCELERATE_CPU_SWAP_BUDGET_BYTES", "12G", "not a size; allowed: an int number of bytes"),
         ("ACCELERATE_CPU_SWAP_BUDGET_BYTES", "0.8", "not a whole number of bytes.*for 80% of a GPU pass int"),
         ("ACCELERATE_CPU_SWAP_UM_MAX_BYTES", "-1MiB", "negative; allowed: an int number of bytes"),
-        ("ACCELERATE_CPU_SWAP_PREFETCH_SEGMENTS", "-2", "must be an int >= 0"),
-        ("ACCELERATE_CPU_SWAP_PREFETCH_SEGMENTS", "two", "must be an int >= 0 or None; got 'two'"),
+        ("ACCELERATE_CPU_SWAP_PREFETCH_BYTES", "-2", "negative; allowed: an int number of bytes"),
+        ("ACCELERATE_CPU_SWAP_PREFETCH_BYTES", "two", "not a size; allowed: an int number of bytes"),
+        ("ACCELERATE_CPU_SWAP_PREFETCH_SEGMENTS", "1", "known variables: .*ACCELERATE_CPU_SWAP_PREFETCH_BYTES"),  # windows are bytes
         ("ACCELERATE_CPU_SWAP_LOG_PLAN", "maybe", "allowed: true or false"),
         ("ACCELERATE_CPU_SWAP_LOG_STATS", "2", "allowed: true or false"),
         ("ACCELERATE_CPU_SWAP_BUDGET", "1GiB", "known variables: ACCELERATE_CPU_SWAP_CONFIG, ACCELERATE_CPU_SWAP_POLICY"),
@@ -129,7 +130,7 @@ def test_config_file(tmp_path):
     path = _yaml(
         tmp_path,
         "enabled: true\npolicy:\n  blocks.0: offload\n  blocks.1: recompute\nsegments: [blocks.0, blocks.1]\n"
-        "min_offload_bytes: 1KiB\nbudget_bytes: 1073741824\nprefetch_segments: 1\nlog_plan: false\nlog_stats: no\n",
+        "min_offload_bytes: 1KiB\nbudget_bytes: 1073741824\nprefetch_bytes: 1MiB\nlog_plan: false\nlog_stats: no\n",
     )
     plugin = SwapPlugin.from_env({"ACCELERATE_CPU_SWAP_CONFIG": path})
     assert plugin == SwapPlugin(
@@ -137,7 +138,7 @@ def test_config_file(tmp_path):
         segments=("blocks.0", "blocks.1"),
         min_offload_bytes=1024,
         budget_bytes=1 << 30,
-        prefetch_segments=1,
+        prefetch_bytes=1 << 20,
         log_plan=False,
         log_stats=False,
     )
@@ -176,8 +177,8 @@ def test_precedence_env_over_file(tmp_path):
         ("enabled: true\nmin_offload_bytes: 1.5\n", r"swap.yaml: min_offload_bytes. got 1.5: not a whole number of bytes; allowed"),
         ("enabled: true\nbudget_bytes: 0\n", r"swap.yaml: budget_bytes. got 0: below the minimum of 1; allowed"),
         ("enabled: true\nbudget_bytes: true\n", r"swap.yaml: budget_bytes. got True: a bool is not a size; allowed: an int number of bytes"),
-        ("enabled: true\nprefetch_segments: -1\n", r"swap.yaml: prefetch_segments. must be an int >= 0 or None; got -1"),
-        ("enabled: true\nprefetch_segments: 1.0\n", r"swap.yaml: prefetch_segments. must be an int >= 0 or None; got 1.0"),
+        ("enabled: true\nprefetch_bytes: -1\n", r"swap.yaml: prefetch_bytes. got -1: negative; allowed: an int number of bytes"),
+        ("enabled: true\nprefetch_segments: 1\n", r"unknown keys \['prefetch_segments'\]; allowed: .*prefetch_bytes"),
         ("enabled: true\nlog_stats: sometimes\n", r"swap.yaml: log_stats. got 'sometimes'; allowed: true or false"),
     ],
 )
@@ -199,7 +200,7 @@ def test_invalid_file_names_the_key(tmp_path, text, message):
         ({"segments": []}, "segments"),
         ({"min_offload_bytes": -1}, "min_offload_bytes"),
         ({"budget_bytes": 0}, "budget_bytes"),
-        ({"prefetch_segments": -1}, "prefetch_segments"),
+        ({"prefetch_bytes": -1}, "prefetch_bytes"),
         ({"log_stats": "yes"}, "log_stats"),
     ],
 )
@@ -239,7 +240,7 @@ def test_plugin_is_frozen_and_keyword_only():
         SwapPlugin(policy=Action.RECOMPUTE, budget_bytes=3 << 30, log_stats=False),
         SwapPlugin(policy="keep"),
         SwapPlugin(policy="auto", budget_bytes=12 << 30),
-        SwapPlugin(policy={"layer1.0": "offload", "layer2.0": Action.SELECTIVE}, segments=[ConvBlock, "layer4"], prefetch_segments=2, min_offload_bytes=0),
+        SwapPlugin(policy={"layer1.0": "offload", "layer2.0": Action.SELECTIVE}, segments=[ConvBlock, "layer4"], prefetch_bytes=2 << 20, min_offload_bytes=0),
     ],
 )
 def test_env_and_file_round_trip(tmp_path, plugin):

@@ -113,7 +113,7 @@ def test_pytorch_lightning_gets_its_own_class():
         ({"min_offload_bytes": 1.5}, "min_offload_bytes"),
         ({"budget_bytes": 0}, "budget_bytes"),
         ({"segments": []}, "segments"),
-        ({"prefetch_segments": -2}, "prefetch_segments"),
+        ({"prefetch_bytes": -2}, "prefetch_bytes"),
     ],
 )
 def test_bad_arguments_name_the_field(kwargs, field):

@@ -11,6 +11,7 @@ import pytest
 from lightning_swap.core import (
     Action, InfeasibleBudgetError, ModelProfile, SegmentProfile, brute_force, min_budget_bytes, simulate, solve,
 )
+from lightning_swap.core.decide.costmodel import window_candidates
 
 from ..helpers import sweep
 
@@ -62,22 +63,25 @@ def random_chain(seed: int, n: int, *, device_type: str = "cpu") -> ModelProfile
     "seed", sweep([(seed,) for seed in range(12)], lambda seed: seed < 4, "12 random chains; by default one of each length, 2 to 5")
 )
 def test_dp_matches_brute_force(seed: int, device_type: str) -> None:
+    """Under windows of 0 (where the DP is exact: Note [Deep copy windows]; on CPU, what the
+    planner chooses), the DP's plan is the fastest of every plan that fits."""
     prof = random_chain(seed, 2 + seed % 4, device_type=device_type)
-    lo = min_budget_bytes(prof)
-    plain = simulate(prof, [Action.KEEP] * len(prof.segments)).peak_bytes
+    window = {"prefetch_bytes": 0, "inflight_bytes": 0}
+    lo = min_budget_bytes(prof, **window)
+    plain = simulate(prof, [Action.KEEP] * len(prof.segments), **window).peak_bytes
     for frac in (0.0, 0.3, 0.8, 1.3):
         budget = int(lo + frac * max(plain - lo, 1))
-        expected = brute_force(prof, budget_bytes=budget)
+        expected = brute_force(prof, budget_bytes=budget, **window)
         assert expected is not None, "min_budget_bytes must be feasible"
-        plan = solve(prof, budget_bytes=budget)
+        plan = solve(prof, budget_bytes=budget, **window)
         assert plan.predicted_peak_bytes <= budget
         assert plan.predicted_step_ms == pytest.approx(expected[1], rel=1e-9, abs=1e-9)
         # the plan's numbers are the simulator's
-        pred = simulate(prof, plan.actions)
+        pred = simulate(prof, plan.actions, **window)
         assert (pred.peak_bytes, pred.step_ms) == (plan.predicted_peak_bytes, plan.predicted_step_ms)
     with pytest.raises(InfeasibleBudgetError):
-        solve(prof, budget_bytes=lo - 1)
-    assert brute_force(prof, budget_bytes=lo - 1) is None
+        solve(prof, budget_bytes=lo - 1, **window)
+    assert brute_force(prof, budget_bytes=lo - 1, **window) is None
 
 
 @pytest.mark.parametrize("n, acts", [
@@ -180,14 +184,15 @@ def test_plan_renders_a_table() -> None:
 @pytest.mark.parametrize("seed", range(16))
 def test_never_slower_than_the_fastest_uniform_plan_that_fits(seed: int, device_type: str) -> None:
     """Note [Never slower than a uniform plan], on a table of random chains and budgets, with the
-    DP's fronts thinned hard (``max_states=2``) so that the search alone could miss them."""
+    DP's fronts thinned hard (``max_states=2``) so that the search alone could miss them; a
+    uniform plan under any copy window the planner may choose."""
     prof = random_chain(100 + seed, 6 + seed % 10, device_type=device_type)
     low = min_budget_bytes(prof)
     for fraction in (0.0, 0.25, 0.5, 0.75, 1.0):
         budget = int(low + fraction * (prof.peak_bytes - low)) + 1
         plan = solve(prof, budget_bytes=budget, max_states=2)
         assert plan.predicted_peak_bytes <= budget
-        for action in Action:
-            uniform = simulate(prof, [action] * len(prof.segments))
+        for action, (p, i) in itertools.product(Action, window_candidates(prof)):
+            uniform = simulate(prof, [action] * len(prof.segments), prefetch_bytes=p, inflight_bytes=i)
             if uniform.peak_bytes <= budget:
-                assert plan.predicted_step_ms <= uniform.step_ms + 1e-9, (action, plan.summary())
+                assert plan.predicted_step_ms <= uniform.step_ms + 1e-9, (action, p, i, plan.summary())

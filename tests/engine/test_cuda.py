@@ -44,7 +44,7 @@ def _grads(model, x, runtime=None):
     return [p.grad.clone() for p in model.parameters()], stats
 
 
-@pytest.mark.parametrize("prefetch", [0, 1, 3])
+@pytest.mark.parametrize("prefetch", [0, None, 256 << 20])  # bytes: per saved tensor, one segment's worth, four tensors
 @pytest.mark.parametrize("policy", ["offload", "recompute_offload"])
 def test_streams_do_not_corrupt_gradients(policy, prefetch):
     device = torch.device("cuda")
@@ -52,7 +52,7 @@ def test_streams_do_not_corrupt_gradients(policy, prefetch):
     x = torch.randn(4096, 4096, device=device)  # 64 MiB per saved tensor
     expected, _ = _grads(model, x)
     actions = resolve_policy(policy, find_segments(model))
-    with SwapRuntime(model, actions, prefetch_segments=prefetch) as runtime:
+    with SwapRuntime(model, actions, prefetch_bytes=prefetch) as runtime:
         for _ in range(3):  # reused pinned buffers must not carry stale bytes
             got, stats = _grads(model, x, runtime)
             assert all(torch.equal(a, b) for a, b in zip(got, expected))

@@ -169,12 +169,11 @@ def test_a_factory_used_through_override_stream_ops_runs_its_clock_until_drained
 def test_the_engine_streams_see_the_same_model():
     """CopyStreams on the model: a full round trip with the protocol's own waits is clean."""
     with DoubleFactory("early") as factory:
-        copies = CopyStreams(CPU, factory(CPU), inflight_segments=0)
+        copies = CopyStreams(CPU, factory(CPU))
         x = torch.randn(6)
         host = torch.empty(24, dtype=torch.uint8)
-        copies.segment_started()
         event = copies.to_host(x.view(torch.uint8), host)
-        copies.segment_ended()
+        copies.retire()  # an in-flight window of 0
         dst, back, _ = copies.to_device(host, 24, after=(event,))
         copies.consume(back)
         got = dst.view(torch.float32).clone()

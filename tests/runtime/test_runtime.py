@@ -33,7 +33,7 @@ def test_weights_buffers_and_grads_equalplain_core(name, policy):
 
 def test_prefetch_path_on_cpu_is_exact():
     plain, _, _ = plain_core("resnet18")
-    model, stats, _ = train_core("resnet18", "offload", prefetch_segments=2)
+    model, stats, _ = train_core("resnet18", "offload", prefetch_bytes=1 << 20)
     assert_same_state(model, plain)
     assert stats[-1].prefetched_bytes > 0
 
@@ -358,8 +358,8 @@ def test_copies_of_a_planned_model_run_their_own_weights():
     torch.manual_seed(0)
     model = mlp_chain(width=16, depth=3)
     x = torch.randn(4, 16)
-    # prefetch_segments=1: the runtime's module hooks (forward and backward triggers) are copied too
-    with swap_runtime(model, "recompute_offload", min_offload_bytes=0, prefetch_segments=1, device="cpu"):
+    # offloading: the runtime's module hooks (forward and backward triggers) are copied too
+    with swap_runtime(model, "recompute_offload", min_offload_bytes=0, device="cpu"):
         twin = copy.deepcopy(model)
         buffer = io.BytesIO()
         torch.save(model, buffer)

@@ -31,8 +31,6 @@ VALUES: dict[str, tuple[Any, str, Any, dict[str, tuple[Any, str]]]] = {
     "segments": (["net.0", "net.1"], "net.0,net.1", ("net.0", "net.1"), {}),
     "min_offload_bytes": ("1KiB", "1KiB", 1024, {}),
     "budget_bytes": ("1GiB", "1GiB", 1 << 30, {}),
-    "prefetch_segments": (2, "2", 2, {}),
-    "inflight_segments": (3, "3", 3, {}),
     "prefetch_bytes": ("1MiB", "1MiB", 1 << 20, {}),
     "inflight_bytes": (0, "0", 0, {}),
     "log_plan": (False, "false", False, {}),

@@ -24,34 +24,13 @@ exact.
 Note [Time model]: step time is the measured plain step, plus recomputation (a segment's
 forward; ``SELECTIVE`` its forward minus the time in heavy ops), plus the part of the copies
 that compute does not hide. On CPU the runtime copies synchronously, so all copy time shows.
-On CUDA two copy engines (device-to-host, host-to-device) run beside compute, each a queue: a
-segment's device-to-host copy is queued when its forward ends and the compute waits for it at
-the end of the forward ``inflight_segments`` segments later (at once with 0; the backward's
-start waits for all); its host-to-device copy is queued when the backward of one of the
-``prefetch_segments`` segments after it starts (or on demand, when nothing prefetched it) and
-the compute waits for it before the segment's own backward. The queues are simulated against
-the compute timeline under those rules in :func:`simulate`.
+On CUDA two copy engines (device-to-host, host-to-device) run beside compute, each a queue
+drained at its measured bandwidth, and the compute waits for a copy where the copy windows say
+so (Note [Copy windows, priced]); :func:`simulate` walks the queues against the compute timeline.
 
-Note [Copy windows]: what the offload engine holds beyond the segment running depends on two
-runtime settings, which the plan must be made for (the runtime's defaults when not given):
-
-- ``inflight_segments = m``: on CUDA the sources of the copies to the host of the last ``m``
-  segments stay on the device until the compute waits for them (Note [Stream protocol], rule
-  2), so segment ``i``'s forward window holds segments ``i-m .. i-1``'s copied bytes, and the
-  tail segments ``n-m .. n-1``'s. On CPU copies are done when issued and the source drops at
-  once: ``m`` changes nothing (measured: the same peak for ``m`` in 0..3).
-- ``prefetch_segments = k``: when segment ``i``'s backward starts, segments ``i-1 .. i-k``
-  are fetched back (Note [Prefetch schedule] in ``engine/offload.py``), on CPU too; so
-  segment ``i``'s backward window holds those bytes, and segment ``i``'s own offloaded bytes
-  arrive all at once (fetched when ``i+1``'s backward started) instead of one op at a time —
-  except the last segment's, which nothing prefetches, and every segment's with ``k = 0`` on
-  CPU (:func:`on_demand`). On CUDA the own bytes are counted all at once in any case.
-
-Measured on CPU (a 6-layer GPT and a 7-segment MLP chain, plans mixing every action, ``k`` in
-0..3): the predicted peak equals the measured one to within 3%, never under it.
-
-Note [Copy windows in bytes, priced]: with ``prefetch_bytes`` / ``inflight_bytes`` (Note [Copy
-windows in bytes] in ``engine/offload.py``) the windows are bytes, each independent of the other:
+Note [Copy windows, priced]: what the offload engine holds beyond the element running depends
+on its copy windows (Note [Copy windows] in ``engine/offload.py``), which the plan must be made
+for; each independent of the other:
 
 - in flight ``W``: an element's forward window holds its own sources only up to ``W`` (the rest
   retire as it runs: its forward is priced as one whose copies are done when issued, plus
@@ -67,11 +46,15 @@ windows in bytes] in ``engine/offload.py``) the windows are bytes, each independ
 - prefetched ``W = 0``: every element's bytes come back per saved tensor when needed (the
   profiler's per-tensor estimate, Note [Offloaded backward fetches on demand] in ``trace.py``),
   all of the copy time exposed.
+- not given (``None``: a plan the planner did not make): Note [Default copy windows] in
+  ``engine/offload.py``, priced as the largest element's copied bytes under the plan where
+  copies overlap compute, else ``0``. The planner always prices given windows, or chooses them
+  (:func:`window_candidates`), and the plan records them.
 
 On CPU copies are done when issued: nothing is in flight whatever ``W``, and a prefetch only
 raises the peak; the planner uses ``0`` for both there (:func:`window_candidates`). The start of
-the backward is still priced as waiting for the copies in flight (as with windows in segments),
-though the engine now uses their sources in place (Note [Used in place]): conservative in time.
+the backward is still priced as waiting for the copies in flight, though the engine uses their
+sources in place (Note [Used in place]): conservative in time.
 """
 
 from __future__ import annotations
@@ -81,14 +64,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..actions import Action
-from ..config import check_inflight_segments, check_window_bytes
+from ..config import check_window_bytes
 from ..segments import for_segment
 from .plan import PlanRow
 from ..measure.model_profile import ModelProfile, SegmentProfile
 
 __all__ = [
-    "AUTO_WINDOW", "CopyWindow", "OUTSIDE_ACTIONS", "Prediction", "SegmentCosts", "backward_need", "chain_actions", "copy_window", "copy_window_of",
-    "elements", "on_demand", "outside_mask", "referenced_outputs", "resolve_windows", "segment_costs", "simulate", "simulate_chain",
+    "AUTO_WINDOW", "CopyWindow", "OUTSIDE_ACTIONS", "Prediction", "SegmentCosts", "backward_need", "chain_actions", "copy_window_of",
+    "elements", "outside_mask", "referenced_outputs", "resolve_windows", "segment_costs", "simulate", "simulate_chain",
     "window_candidates",
 ]
 
@@ -125,22 +108,22 @@ def internal_kept(s: SegmentProfile, a: Action) -> int:
     return 0
 
 
-def forward_own(s: SegmentProfile, a: Action, *, overlap: bool) -> int:
+def forward_own(s: SegmentProfile, a: Action) -> int:
     """Bytes of segment ``s`` alive at its own forward's peak beyond the window's base.
 
     Note [A forward that does not keep]: kept, a segment's forward ends holding everything it
-    saves. Recomputed, or offloaded by copies done when issued (CPU), its saved tensors are not
-    held for backward, yet its forward still holds what its own code references — a block's
-    ``q, k, v`` stay alive in its frame to its end — which no trace of ops can see. Where it was
+    saves. Recomputed, or offloaded, its saved tensors are not held for backward (what is still
+    in flight to the host is the in-flight window's: Note [Copy windows, priced]), yet its forward
+    still holds what its own code references — a block's ``q, k, v`` stay alive in its frame to
+    its end — which no trace of ops can see. Where it was
     measured (``SegmentProfile.released_forward_working_bytes``, ``W``), with ``S`` the saved
     bytes and ``w`` the kept forward's working bytes, the window's peak is its start level plus
     ``W``, i.e. the base plus ``S - w + W``; plus what the action keeps. Not measured (``auto``
     runs no segment outside the user's step to measure it: Note [Observe, do not re-run] in
     ``measure/observe.py``): as kept, which never under-predicts, and never more than kept (a
-    segment's forward that saves less holds no more than the kept one). Offloaded with copies beside compute (CUDA), the sources
-    stay until their copies are waited for (Note [Stream protocol], rule 2): all of it, as kept.
+    segment's forward that saves less holds no more than the kept one).
     """
-    if a is Action.KEEP or (a is Action.OFFLOAD and overlap) or s.released_forward_working_bytes < 0:
+    if a is Action.KEEP or s.released_forward_working_bytes < 0:
         return s.internal_saved_bytes
     own = s.internal_saved_bytes - s.forward_working_bytes + s.released_forward_working_bytes
     return min(s.internal_saved_bytes, max(0, own) + internal_kept(s, a))
@@ -199,23 +182,23 @@ def boundary_kept(prev: Optional[SegmentProfile], p: Optional[Action], s: Segmen
 
 
 def backward_own(
-    prev: Optional[SegmentProfile], p: Optional[Action], s: SegmentProfile, a: Action, *, on_demand: bool, per_tensor: bool = False,
+    prev: Optional[SegmentProfile], p: Optional[Action], s: SegmentProfile, a: Action, *, per_tensor: bool = False,
     free_output: bool = False,
 ) -> int:
     """Bytes of segment ``s`` alive during its backward, beyond ``kept``.
 
-    ``on_demand``: offloaded tensors come back one op at a time (no prefetch, as on CPU), so an
-    offloaded segment's backward peak is the profiler's estimate for that
-    (Note [Offloaded backward fetches on demand] in :mod:`.trace`), not all of it at once;
-    ``per_tensor``: and each only while an op reads it (a prefetch window of 0 bytes), its output
-    too where ``free_output`` (the next element does not hold it).
+    Offloaded tensors come back storage by storage as the backward reads them, so an offloaded
+    segment's backward peak is the profiler's estimate for that (Note [Offloaded backward
+    fetches on demand] in :mod:`.trace`), not all of it at once (what a prefetch holds ahead is
+    the caller's); ``per_tensor``: and each only while an op reads it (a prefetch window of 0
+    bytes), its output too where ``free_output`` (the next element does not hold it).
     """
     own = s.internal_saved_bytes + (s.heavy_unsaved_bytes if a is Action.SELECTIVE else 0)
     if s.input_saved or a.recomputes or boundary_held(prev, p, s, a):
         own += s.input_bytes
     if s.output_saved or held_out(s, a):
         own += s.output_bytes
-    if on_demand and a is Action.OFFLOAD:
+    if a is Action.OFFLOAD:
         own -= max(0, s.backward_peak_bytes - s.offload_backward_peak_bytes)
         free_input = s.input_saved and not boundary_held(prev, p, s, a)  # it comes back on demand too
         if per_tensor:
@@ -231,28 +214,18 @@ def backward_own(
 
 
 def fetches_held_input(prev: Optional[SegmentProfile], p: Optional[Action], s: SegmentProfile, a: Action) -> bool:
-    """Note [A fetched input beside its original]: a segment that offloads its input copies the
+    """Note [A fetched input beside its original]: ``RECOMPUTE_OFFLOAD`` copies its input's
     storage, wherever it came from; when the previous segment (or another part of the model)
-    keeps that same storage on the device, the bytes fetched back for the backward are a second
-    device copy of it, alive beside the original for the whole backward window. Measured on CPU
-    with a prefetch (an offloaded segment after a ``SELECTIVE`` one whose output is a heavy op's:
-    the window was one input over the prediction). Fetched op by op (on demand), the profiler's
-    estimate already covers it."""
-    if a is Action.OFFLOAD:
-        offloads_input = s.input_saved and not s.input_small
-    elif a is Action.RECOMPUTE_OFFLOAD:
-        offloads_input = not s.input_small
-    else:
+    keeps that same storage on the device, the bytes fetched back for the recomputation are a
+    second device copy of it, alive beside the original for the whole backward window. (An
+    offloaded segment's are fetched storage by storage: the profiler's estimate covers it.)"""
+    if a is not Action.RECOMPUTE_OFFLOAD or s.input_small:
         return False
-    if not offloads_input:
-        return False
-    if s.input_held_elsewhere:
-        return True
-    return s.input_from_previous and prev is not None and p is not None and held_out(prev, p)
+    return s.input_held_elsewhere or (s.input_from_previous and prev is not None and p is not None and held_out(prev, p))
 
 
 def backward_need(
-    base: int, prev: Optional[SegmentProfile], p: Optional[Action], s: SegmentProfile, a: Action, *, on_demand: bool, per_tensor: bool = False,
+    base: int, prev: Optional[SegmentProfile], p: Optional[Action], s: SegmentProfile, a: Action, *, per_tensor: bool = False,
     free_output: bool = False,
 ) -> int:
     """Bytes of segment ``s``'s backward window beyond what earlier segments keep: its own bytes
@@ -260,7 +233,7 @@ def backward_need(
     forward, whose transient working set (cuDNN / cuBLAS workspaces included) runs before the
     backward's: the window's base without the backward's working bytes, plus the segment's
     input and its forward's working bytes."""
-    need = base + backward_own(prev, p, s, a, on_demand=on_demand, per_tensor=per_tensor, free_output=free_output)
+    need = base + backward_own(prev, p, s, a, per_tensor=per_tensor, free_output=free_output)
     if a.recomputes:
         need = max(need, base - s.backward_working_bytes + s.input_bytes + s.forward_working_bytes)
     return need
@@ -318,7 +291,7 @@ def segment_costs(profile: ModelProfile) -> SegmentCosts:
     for s in segs:
         p = Action.KEEP if prev is not None else None
         fwd.append(s.forward_peak_bytes - kept - internal_kept(s, Action.KEEP))
-        bwd.append(s.backward_peak_bytes - kept - backward_own(prev, p, s, Action.KEEP, on_demand=False))
+        bwd.append(s.backward_peak_bytes - kept - backward_own(prev, p, s, Action.KEEP))
         kept += internal_kept(s, Action.KEEP) + boundary_kept(prev, p, s, Action.KEEP)
         prev = s
     return SegmentCosts(
@@ -364,38 +337,20 @@ def _as_list(profile: ModelProfile, actions: Mapping[str, Action] | Sequence[Act
     return actions
 
 
-def copy_window(prefetch_segments: Optional[int], inflight_segments: int, *, overlap: bool) -> tuple[int, int]:
-    """``(prefetch, inflight)`` as the engine runs them (Note [Copy windows]): ``None`` prefetch
-    is the engine's default for the device (one segment where copies overlap compute, none on
-    CPU); on CPU copies are done when issued, so nothing is ever in flight."""
-    if prefetch_segments is None:
-        prefetch_segments = 1 if overlap else 0
-    if isinstance(prefetch_segments, bool) or not isinstance(prefetch_segments, int) or prefetch_segments < 0:
-        raise ValueError(f"`prefetch_segments` must be an int >= 0 or None; got {prefetch_segments!r}.")
-    inflight_segments = check_inflight_segments(inflight_segments)
-    return prefetch_segments, inflight_segments if overlap else 0
-
-
-#: ``prefetch_bytes="auto"`` for ``solve`` and its kin: the planner chooses the byte windows
-#: (:func:`window_candidates`), and the plan records the ones it was priced with.
+#: ``prefetch_bytes="auto"`` (or ``None``) for ``solve`` and its kin: the planner chooses the
+#: byte windows (:func:`window_candidates`), and the plan records the ones it was priced with.
 AUTO_WINDOW = "auto"
 
 
 @dataclass(frozen=True)
 class CopyWindow:
-    """The copy windows one plan is priced for (Notes [Copy windows] and [Copy windows in bytes,
-    priced]): in segments, or, where set, in bytes."""
+    """The copy windows one plan is priced for (Note [Copy windows, priced])."""
 
-    prefetch_segments: int
-    inflight_segments: int
-    prefetch_bytes: Optional[int] = None
-    inflight_bytes: Optional[int] = None
+    prefetch_bytes: int
+    inflight_bytes: int
 
     def keywords(self) -> dict[str, Any]:
-        return {
-            "prefetch_segments": self.prefetch_segments, "inflight_segments": self.inflight_segments,
-            "prefetch_bytes": self.prefetch_bytes, "inflight_bytes": self.inflight_bytes,
-        }
+        return {"prefetch_bytes": self.prefetch_bytes, "inflight_bytes": self.inflight_bytes}
 
 
 def _median(values: Sequence[float]) -> float:
@@ -422,20 +377,17 @@ def window_candidates(profile: ModelProfile) -> list[tuple[int, int]]:
     return out
 
 
-def resolve_windows(
-    profile: ModelProfile, prefetch_segments: Optional[int], inflight_segments: int, prefetch_bytes: Any, inflight_bytes: Any
-) -> list[CopyWindow]:
+def resolve_windows(profile: ModelProfile, prefetch_bytes: Any, inflight_bytes: Any) -> list[CopyWindow]:
     """The windows to price: one, as given, or the planner's candidates where ``prefetch_bytes``
-    or ``inflight_bytes`` is :data:`AUTO_WINDOW` (the other, if given, kept)."""
-    prefetch, inflight = copy_window(prefetch_segments, inflight_segments, overlap=profile.copies_overlap)
-    auto = (prefetch_bytes == AUTO_WINDOW, inflight_bytes == AUTO_WINDOW)
-    if not any(auto):
-        return [CopyWindow(prefetch, inflight, check_window_bytes(prefetch_bytes, "prefetch_bytes"), check_window_bytes(inflight_bytes, "inflight_bytes"))]
+    or ``inflight_bytes`` is :data:`AUTO_WINDOW` or ``None`` (the other, if given, kept)."""
+    auto = (prefetch_bytes in (None, AUTO_WINDOW), inflight_bytes in (None, AUTO_WINDOW))
     fixed_p = None if auto[0] else check_window_bytes(prefetch_bytes, "prefetch_bytes")
     fixed_i = None if auto[1] else check_window_bytes(inflight_bytes, "inflight_bytes")
+    if not any(auto):
+        return [CopyWindow(fixed_p, fixed_i)]
     out = []
     for p_bytes, i_bytes in window_candidates(profile):
-        w = CopyWindow(prefetch, inflight, p_bytes if auto[0] else fixed_p, i_bytes if auto[1] else fixed_i)
+        w = CopyWindow(p_bytes if auto[0] else fixed_p, i_bytes if auto[1] else fixed_i)
         if w not in out:
             out.append(w)
     return out
@@ -443,29 +395,9 @@ def resolve_windows(
 
 def copy_window_of(config: Any) -> dict[str, Any]:
     """The keywords of :func:`simulate` / ``solve`` / ``min_budget_bytes`` that a
-    :class:`~lightning_swap.core.config.SwapConfig` sets (Note [Copy windows]): pass
-    ``**copy_window_of(config)`` where a plan is made for a session's runtime. The byte windows
-    are the planner's to choose (:data:`AUTO_WINDOW`) unless the config sets them, or sets
-    ``prefetch_segments`` (then the windows are in segments)."""
-    auto = AUTO_WINDOW if config.prefetch_segments is None else None
-    prefetch_bytes = getattr(config, "prefetch_bytes", None)
-    inflight_bytes = getattr(config, "inflight_bytes", None)
-    return {
-        "prefetch_segments": config.prefetch_segments, "inflight_segments": config.inflight_segments,
-        "prefetch_bytes": prefetch_bytes if prefetch_bytes is not None else auto,
-        "inflight_bytes": inflight_bytes if inflight_bytes is not None else auto,
-    }
-
-
-def on_demand(i: int, n: int, prefetch: int, *, overlap: bool) -> bool:
-    """Does segment ``i``'s backward fetch its offloaded bytes one op at a time (Note [Copy
-    windows])? On CPU, unless a later segment's backward prefetched them."""
-    return not overlap and (prefetch == 0 or i == n - 1)
-
-
-def _window(values: Sequence[int], lo: int, hi: int) -> int:
-    """``sum(values[lo:hi])`` with ``lo`` clipped at 0."""
-    return sum(values[max(lo, 0):max(hi, 0)])
+    :class:`~lightning_swap.core.config.SwapConfig` sets: pass ``**copy_window_of(config)`` where a
+    plan is made for a session's runtime (``None``: the planner's to choose)."""
+    return {"prefetch_bytes": config.prefetch_bytes, "inflight_bytes": config.inflight_bytes}
 
 
 @dataclass
@@ -477,31 +409,16 @@ class _Walk:
     costs: SegmentCosts
     copies: list[int]
     added: list[float]
-    prefetch: int
-    inflight: int
     overlap: bool
-    #: Note [Copy windows in bytes, priced]: when set, these replace ``prefetch`` / ``inflight``.
-    prefetch_bytes: Optional[int] = None
-    inflight_bytes: Optional[int] = None
+    #: Note [Copy windows, priced], the defaults resolved.
+    prefetch_bytes: int
+    inflight_bytes: int
     clock: float = 0.0
     kept_before: list[int] = field(default_factory=list)
     kept_rows: list[int] = field(default_factory=list)
     #: Each element's level as its forward starts (Note [The budget held online] in
     #: ``runtime/online.py`` compares it with the level measured there).
     starts: list[int] = field(default_factory=list)
-
-
-def _wait_d2h(walk: _Walk, pending: dict[int, float], upto: int) -> None:
-    """The compute stream waits for the copies to the host of segments ``<= upto`` (rule 2 of
-    Note [Stream protocol]); the wait is charged to the last of them."""
-    done = [j for j in pending if j <= upto]
-    if not done:
-        return
-    wait = max(0.0, max(pending[j] for j in done) - walk.clock)
-    walk.added[max(done)] += wait
-    walk.clock += wait
-    for j in done:
-        del pending[j]
 
 
 def referenced_outputs(segs: Sequence[SegmentProfile], mask: Sequence[bool]) -> list[list[int]]:
@@ -529,17 +446,18 @@ def _start(base: int, s: SegmentProfile) -> int:
     return max(0, base + s.internal_saved_bytes - s.forward_working_bytes)
 
 
-def _forward_bytes(walk: _Walk, profile: ModelProfile) -> tuple[list[int], int]:
-    """Forward under an in-flight window in bytes (Note [Copy windows in bytes, priced])."""
+def _forward(walk: _Walk, profile: ModelProfile) -> tuple[list[int], int]:
+    """Forward, with the device-to-host engine (Note [Copy windows, priced]): the window peaks
+    and the tail's."""
     segs, acts, copies, costs = walk.segs, walk.acts, walk.copies, walk.costs
-    limit, bw = walk.inflight_bytes or 0, profile.d2h_bytes_per_ms
+    limit, bw = walk.inflight_bytes, profile.d2h_bytes_per_ms
     refs = referenced_outputs(segs, outside_mask(profile))
     queue, kept, last, peaks = 0.0, 0, 0, []
     for i, (s, a) in enumerate(zip(segs, acts)):
         prev, p = (segs[i - 1], acts[i - 1]) if i else (None, None)
         in_flight = min(limit, int(queue) + copies[i]) if walk.overlap else 0
         referenced = sum(segs[r + 1].input_bytes for r in refs[i] if not boundary_held(segs[r], acts[r], segs[r + 1], acts[r + 1]))
-        peaks.append(costs.forward_base_bytes[i] + kept + forward_own(s, a, overlap=False) + in_flight + referenced)
+        peaks.append(costs.forward_base_bytes[i] + kept + forward_own(s, a) + in_flight + referenced)
         walk.starts.append(_start(costs.forward_base_bytes[i] + kept + in_flight + referenced, s))
         walk.clock += s.forward_ms
         if copies[i]:
@@ -564,45 +482,11 @@ def _forward_bytes(walk: _Walk, profile: ModelProfile) -> tuple[list[int], int]:
     return peaks, tail_peak
 
 
-def _forward(walk: _Walk, profile: ModelProfile) -> tuple[list[int], int]:
-    """Forward, with the device-to-host engine: the window peaks and the tail's."""
-    if walk.inflight_bytes is not None:
-        return _forward_bytes(walk, profile)
+def _backward(walk: _Walk, profile: ModelProfile) -> list[int]:
+    """Backward, last element first, with the host-to-device engine (Note [Copy windows,
+    priced]): the window peaks."""
     segs, acts, copies, costs = walk.segs, walk.acts, walk.copies, walk.costs
-    pending: dict[int, float] = {}  # segment -> when its copy to the host is done
-    d2h_free = 0.0
-    kept = 0
-    peaks = []
-    refs = referenced_outputs(segs, outside_mask(profile))
-    for i, (s, a) in enumerate(zip(segs, acts)):
-        prev, p = (segs[i - 1], acts[i - 1]) if i else (None, None)
-        in_flight = _window(copies, i - walk.inflight, i)
-        # Note [A region's output stays referenced in forward]: not held by the plan, it is still there.
-        referenced = sum(segs[r + 1].input_bytes for r in refs[i] if not boundary_held(segs[r], acts[r], segs[r + 1], acts[r + 1]))
-        peaks.append(costs.forward_base_bytes[i] + kept + forward_own(s, a, overlap=walk.overlap) + in_flight + referenced)
-        walk.starts.append(_start(costs.forward_base_bytes[i] + kept + in_flight + referenced, s))
-        walk.clock += s.forward_ms
-        if copies[i] and walk.overlap:
-            d2h_free = max(walk.clock, d2h_free) + copies[i] / profile.d2h_bytes_per_ms
-            pending[i] = d2h_free
-        elif copies[i]:  # synchronous memcpy on CPU
-            walk.clock += copies[i] / profile.d2h_bytes_per_ms
-            walk.added[i] += copies[i] / profile.d2h_bytes_per_ms
-        _wait_d2h(walk, pending, i - walk.inflight)
-        walk.kept_before.append(kept)
-        walk.kept_rows.append(internal_kept(s, a) + boundary_kept(prev, p, s, a))
-        kept += walk.kept_rows[-1]
-    n = len(segs)
-    tail_peak = costs.tail_base_bytes + kept + _window(copies, n - walk.inflight, n)
-    walk.clock += profile.tail_ms
-    _wait_d2h(walk, pending, n)  # the backward needs every source's copy
-    return peaks, tail_peak
-
-
-def _backward_bytes(walk: _Walk, profile: ModelProfile) -> list[int]:
-    """Backward under a prefetch window in bytes (Note [Copy windows in bytes, priced])."""
-    segs, acts, copies, costs = walk.segs, walk.acts, walk.copies, walk.costs
-    limit, bw = walk.prefetch_bytes or 0, profile.h2d_bytes_per_ms
+    limit, bw = walk.prefetch_bytes, profile.h2d_bytes_per_ms
     fetched: dict[int, float] = {}  # element -> when its bytes are on the device
     ahead: list[int] = []  # elements fetched and not yet needed, newest last
     h2d_free, peaks, n = 0.0, [], len(segs)
@@ -635,44 +519,8 @@ def _backward_bytes(walk: _Walk, profile: ModelProfile) -> list[int]:
         # Per tensor, the output is there only while read, unless the next element holds it (known
         # here, not to the solver's state, which bounds it as held).
         free_output = i + 1 < n and segs[i + 1].input_from_previous and not boundary_held(s, a, segs[i + 1], acts[i + 1])
-        need = backward_need(
-            costs.backward_base_bytes[i], prev, p, s, a, on_demand=True, per_tensor=limit == 0, free_output=free_output and limit == 0
-        )
+        need = backward_need(costs.backward_base_bytes[i], prev, p, s, a, per_tensor=limit == 0, free_output=free_output and limit == 0)
         peaks.append(walk.kept_before[i] + need + held_ahead)
-        walk.clock += s.backward_ms + recompute_ms(s, a)
-    peaks.reverse()
-    return peaks
-
-
-def _backward(walk: _Walk, profile: ModelProfile) -> list[int]:
-    """Backward, last segment first, with the host-to-device engine: the window peaks."""
-    if walk.prefetch_bytes is not None:
-        return _backward_bytes(walk, profile)
-    segs, acts, copies, costs = walk.segs, walk.acts, walk.copies, walk.costs
-    n = len(segs)
-    fetched: dict[int, float] = {}  # segment -> when its fetch is done
-    h2d_free = 0.0
-    peaks = []
-    for i in range(n - 1, -1, -1):
-        s, a = segs[i], acts[i]
-        prev, p = (segs[i - 1], acts[i - 1]) if i else (None, None)
-        if copies[i]:
-            if not walk.overlap:
-                wait = copies[i] / profile.h2d_bytes_per_ms
-            else:
-                if i not in fetched:  # nothing prefetched it: fetch now
-                    h2d_free = max(walk.clock, h2d_free) + copies[i] / profile.h2d_bytes_per_ms
-                    fetched[i] = h2d_free
-                wait = max(0.0, fetched[i] - walk.clock)
-            walk.added[i] += wait
-            walk.clock += wait
-        for j in range(i - 1, i - walk.prefetch - 1, -1):  # issued as this backward starts
-            if j >= 0 and copies[j] and j not in fetched:
-                h2d_free = max(walk.clock, h2d_free) + copies[j] / profile.h2d_bytes_per_ms
-                fetched[j] = h2d_free
-        prefetched = _window(copies, i - walk.prefetch, i)
-        demand = on_demand(i, n, walk.prefetch, overlap=walk.overlap)
-        peaks.append(walk.kept_before[i] + backward_need(costs.backward_base_bytes[i], prev, p, s, a, on_demand=demand) + prefetched)
         walk.clock += s.backward_ms + recompute_ms(s, a)
     peaks.reverse()
     return peaks
@@ -684,22 +532,18 @@ def simulate(
     costs: Optional[SegmentCosts] = None,
     *,
     outside: Optional[Mapping[str, Action]] = None,
-    prefetch_segments: Optional[int] = None,
-    inflight_segments: int = 1,
     prefetch_bytes: Optional[int] = None,
     inflight_bytes: Optional[int] = None,
     selective_ops: Optional[Mapping[str, Sequence[str]]] = None,
 ) -> Prediction:
     """Walk the step's timeline under ``actions`` (Notes [Memory model], [Time model] and [Copy
-    windows]) for the segments and ``outside`` for the regions outside them (by name; a region
-    not named is kept); ``prefetch_segments`` / ``inflight_segments`` as given to the runtime,
-    or ``prefetch_bytes`` / ``inflight_bytes`` where given (Note [Copy windows in bytes, priced]);
+    windows, priced]) for the segments and ``outside`` for the regions outside them (by name; a
+    region not named is kept); ``prefetch_bytes`` / ``inflight_bytes`` as the runtime runs them;
     ``selective_ops``: a plan's, its lighter selective choices priced (Note [Lighter selective] in
     ``measure/profiler.py``). The prediction's windows and rows are per element of :func:`elements`."""
     profile = profile.with_selective_ops(selective_ops)
     return simulate_chain(
-        profile, chain_actions(profile, actions, outside), costs, prefetch_segments=prefetch_segments, inflight_segments=inflight_segments,
-        prefetch_bytes=prefetch_bytes, inflight_bytes=inflight_bytes,
+        profile, chain_actions(profile, actions, outside), costs, prefetch_bytes=prefetch_bytes, inflight_bytes=inflight_bytes
     )
 
 
@@ -708,8 +552,6 @@ def simulate_chain(
     acts: Sequence[Action],
     costs: Optional[SegmentCosts] = None,
     *,
-    prefetch_segments: Optional[int] = None,
-    inflight_segments: int = 1,
     prefetch_bytes: Optional[int] = None,
     inflight_bytes: Optional[int] = None,
 ) -> Prediction:
@@ -719,12 +561,13 @@ def simulate_chain(
     segs = elements(profile)
     if len(acts) != len(segs):
         raise ValueError(f"`acts` has {len(acts)} entries for {len(segs)} elements.")
-    prefetch, inflight = copy_window(prefetch_segments, inflight_segments, overlap=profile.copies_overlap)
     copies = [copied_bytes(s, a) for s, a in zip(segs, acts)]
+    default = max(copies, default=0) if profile.copies_overlap else 0  # Note [Copy windows, priced]: not given
+    windows = [check_window_bytes(w, name) for w, name in ((prefetch_bytes, "prefetch_bytes"), (inflight_bytes, "inflight_bytes"))]
     walk = _Walk(
         segs=segs, acts=acts, costs=costs, copies=copies, added=[recompute_ms(s, a) for s, a in zip(segs, acts)],
-        prefetch=prefetch, inflight=inflight, overlap=profile.copies_overlap,
-        prefetch_bytes=check_window_bytes(prefetch_bytes, "prefetch_bytes"), inflight_bytes=check_window_bytes(inflight_bytes, "inflight_bytes"),
+        overlap=profile.copies_overlap, prefetch_bytes=default if windows[0] is None else windows[0],
+        inflight_bytes=default if windows[1] is None else windows[1],
     )
     fwd_peaks, tail_peak = _forward(walk, profile)
     bwd_peaks = _backward(walk, profile)

@@ -48,8 +48,8 @@ class Plan:
     #: ``measure/model_profile.py``), by name (:func:`outside_region_names`), kept or offloaded;
     #: a region not named is kept.
     outside: Mapping[str, Action] = field(default_factory=dict)
-    #: The copy windows in bytes the plan was priced for (Note [Copy windows in bytes, priced] in
-    #: ``costmodel.py``), which the runtime then uses unless told otherwise; ``None``: in segments.
+    #: The copy windows the plan was priced for (Note [Copy windows, priced] in ``costmodel.py``),
+    #: which the runtime then uses unless told otherwise; ``None``: Note [Default copy windows].
     prefetch_bytes: Optional[int] = None
     inflight_bytes: Optional[int] = None
     #: For ``SELECTIVE`` segments, the ops whose outputs are saved, decided from the profile's
@@ -87,7 +87,7 @@ class Plan:
         ``refused``, whose recomputation is refused (Note [Refused actions] in
         ``measure/model_profile.py``), every region outside them offloaded (Note [Names of the
         regions outside the segments] in ``segments.py``), copies waited for when issued and
-        fetched per saved tensor (Note [Copy windows in bytes] in ``engine/offload.py``)."""
+        fetched per saved tensor (Note [Copy windows] in ``engine/offload.py``)."""
         return cls(
             actions={name: Action.OFFLOAD if name in refused else action for name in segments},
             outside={name: Action.OFFLOAD for name in outside_region_names(segments)}, prefetch_bytes=0, inflight_bytes=0,

@@ -16,15 +16,16 @@ that fits is still found whenever one exists. Thinning can cost optimality (a bu
 of memory); below ``max_states`` the DP is exact. Either way the chosen plan is re-evaluated
 by :func:`~.costmodel.simulate`, whose numbers the plan reports, and never exceeds the budget.
 
-Note [Deep copy windows]: with ``prefetch_segments`` or ``inflight_segments`` above one, a
-window's bytes depend on the actions of segments further back than the previous one, which the
-DP's state does not hold. The DP then counts, for those older segments, the most any allowed
-action copies (:attr:`_Transitions.most`): an upper bound, so whatever the DP picks fits when
-simulated, but a plan that fits only with the true older actions may be missed. So ``solve``
-and ``min_budget_bytes`` also try the uniform plans and, when the DP found nothing, the DP's
+Note [Deep copy windows]: with a copy window above 0 where copies overlap compute, a window's
+bytes depend on the actions of elements further back than the previous one (what is still in
+flight, what is fetched ahead: Note [Copy windows, priced] in :mod:`.costmodel`), which the DP's
+state does not hold. The DP then counts, for those older elements, the most any allowed action
+copies (:attr:`_Transitions.most`): an upper bound, so whatever the DP picks fits when simulated,
+but a plan that fits only with the true older actions may be missed. So ``solve`` and
+``min_budget_bytes`` also try the uniform plans and, when the DP found nothing, the DP's
 least-peak plan, each checked by :func:`~.costmodel.simulate` (exact for any window), and keep
-the best that fits. With both settings at most one (the runtime's defaults) the state sees
-every segment the windows reach and the DP is exact.
+the best that fits. With windows of 0, or on CPU (copies done when issued), nothing is held for
+an older element and the DP is exact.
 
 Note [Lighter selective, as a descent]: the DP sees one selective per segment, its full choice
 (Note [Lighter selective] in ``measure/profiler.py``); the lighter choices are tried after it.
@@ -52,8 +53,8 @@ import numpy as np
 
 from ..actions import Action
 from .costmodel import (
-    CopyWindow, SegmentCosts, backward_need, boundary_kept, copied_bytes, elements, forward_own, internal_kept, on_demand,
-    outside_mask, recompute_ms, Prediction, referenced_outputs, resolve_windows, segment_costs, simulate_chain,
+    CopyWindow, SegmentCosts, backward_need, boundary_kept, copied_bytes, elements, forward_own, internal_kept, outside_mask,
+    recompute_ms, Prediction, referenced_outputs, resolve_windows, segment_costs, simulate_chain,
 )
 from ..errors import InfeasibleBudgetError
 from .plan import Plan
@@ -122,7 +123,6 @@ class _Transitions:
         k = len(acts)
         self.overlap = profile.copies_overlap
         self.window = window
-        self.prefetch, self.inflight = window.prefetch_segments, window.inflight_segments
         self.prefetch_bytes, self.inflight_bytes = window.prefetch_bytes, window.inflight_bytes
         self.copies = [[copied_bytes(s, a) for a in acts] for s in segs]
         #: The most any allowed action copies, per element: the bound for elements the state forgot.
@@ -145,82 +145,56 @@ class _Transitions:
                     self._fill(profile, costs, i, prev, pi, p)
         self.tail_need = np.array([costs.tail_base_bytes + (self._in_flight(n, k, ai) if n else 0) for ai in range(k)], dtype=np.int64)
 
-    def _window(self, i: int, pi: int, last: int, depth: int) -> int:
-        """Bytes copied by segments ``i-depth .. i-1``: segment ``i-1`` under the action the
-        state knows (``pi``; ``last`` when ``i`` is past the end), the older ones bounded."""
-        if depth == 0 or i == 0:
-            return 0
-        known = self.copies[i - 1][last if i == self.n else pi]
-        return known + sum(self.most[max(i - depth, 0):i - 1])
+    def _before(self, i: int, known: int) -> int:
+        """Bytes copied by the elements before ``i``: element ``i-1`` under the action the state
+        knows (``known``), the older ones bounded (Note [Deep copy windows])."""
+        return self.copies[i - 1][known] + sum(self.most[:i - 1]) if i else 0
 
     def _in_flight(self, i: int, pi: int, last: int, own: int = 0) -> int:
-        """What is in flight in element ``i``'s forward window (past the end: the turnaround),
-        bounded (Notes [Deep copy windows] and [Copy windows in bytes, priced])."""
-        if self.inflight_bytes is None:
-            return self._window(i, pi, last, self.inflight)
+        """What is in flight in element ``i``'s forward window (past the end: the turnaround, the
+        last element's action ``last``), bounded (Note [Copy windows, priced])."""
         if not self.overlap:
             return 0
-        return min(self.inflight_bytes, self._window(i, pi, last, i) + own)
+        return min(self.inflight_bytes, self._before(i, last if i == self.n else pi) + own)
 
     def _prefetched(self, i: int, pi: int, own: int) -> int:
-        if self.prefetch_bytes is None:
-            return self._window(i, pi, pi, self.prefetch)
         if not self.prefetch_bytes:
             return 0
-        # Note [Copy windows in bytes, priced]: the rest of this element's bytes and those before
-        # it, within the window or one storage above it.
+        # Note [Copy windows, priced]: the rest of this element's bytes and those before it,
+        # within the window or one storage above it.
         largest = max((s.largest_offload_bytes for s in self.segs[: i + 1]), default=0)
-        return min(max(self.prefetch_bytes, largest), own + self._window(i, pi, pi, i))
+        return min(max(self.prefetch_bytes, largest), own + self._before(i, pi))
 
     def _fill(self, profile: ModelProfile, costs: SegmentCosts, i: int, prev: Optional[SegmentProfile], pi: int, p: Optional[Action]) -> None:
-        segs, n = self.segs, self.n
-        s = segs[i]
-        if self.prefetch_bytes is None:
-            demand, per_tensor = on_demand(i, n, self.prefetch, overlap=self.overlap), False
-        else:  # Note [Copy windows in bytes, priced]: fetched per entry, what is ahead on top
-            demand, per_tensor = True, self.prefetch_bytes == 0
-        own_overlap = self.overlap and self.inflight_bytes is None  # a byte window retires the rest
+        s = self.segs[i]
+        per_tensor = self.prefetch_bytes == 0  # fetched per saved tensor; else per entry, what is ahead on top
         for ai, a in enumerate(self.acts):
             if not self.may[i][ai]:
                 self.fwd_need[i, pi, ai] = _FORBIDDEN
                 continue
             in_flight = self._in_flight(i, pi, pi, self.copies[i][ai])
-            self.fwd_need[i, pi, ai] = costs.forward_base_bytes[i] + forward_own(s, a, overlap=own_overlap) + in_flight + self.referenced[i]
-            need = backward_need(costs.backward_base_bytes[i], prev, p, s, a, on_demand=demand, per_tensor=per_tensor)
+            self.fwd_need[i, pi, ai] = costs.forward_base_bytes[i] + forward_own(s, a) + in_flight + self.referenced[i]
+            need = backward_need(costs.backward_base_bytes[i], prev, p, s, a, per_tensor=per_tensor)
             self.bwd_need[i, pi, ai] = need + self._prefetched(i, pi, self.copies[i][ai])
             self.add_kept[i, pi, ai] = internal_kept(s, a) + boundary_kept(prev, p, s, a)
-            self.add_ms[i, pi, ai] = self._ms(profile, i, pi, p, ai, a)
+            self.add_ms[i, pi, ai] = self._ms(profile, i, ai, a)
 
-    def _ms(self, profile: ModelProfile, i: int, pi: int, p: Optional[Action], ai: int, a: Action) -> float:
-        """The time segment ``i`` adds (exact for one segment in flight and one prefetched;
-        otherwise an estimate: the plan's numbers come from ``simulate``)."""
-        segs, n, s = self.segs, self.n, self.segs[i]
+    def _ms(self, profile: ModelProfile, i: int, ai: int, a: Action) -> float:
+        """The time segment ``i`` adds: exact where every copy is waited for (windows of 0, or
+        CPU), otherwise an estimate (the plan's numbers come from ``simulate``)."""
+        s = self.segs[i]
         ms = recompute_ms(s, a)
         vol = self.copies[i][ai]
-        if not self.overlap or (self.prefetch_bytes == 0 and self.inflight_bytes == 0):
+        if not self.overlap:
             return ms + vol / profile.d2h_bytes_per_ms + vol / profile.h2d_bytes_per_ms
-        if self.prefetch_bytes is not None or self.inflight_bytes is not None:  # an estimate: simulate prices it
-            hidden = s.forward_ms if self.inflight_bytes else 0.0
-            ms += max(0.0, vol / profile.d2h_bytes_per_ms - hidden)
-            return ms + max(0.0, vol / profile.h2d_bytes_per_ms - (s.backward_ms if self.prefetch_bytes else 0.0))
-        hidden = sum(t.forward_ms for t in segs[i + 1:i + 1 + self.inflight])
-        if i + self.inflight >= n and self.inflight:
-            hidden += profile.tail_ms
-        ms += max(0.0, vol / profile.d2h_bytes_per_ms - hidden)
-        if p is not None and self.copies[i - 1][pi] and self.prefetch:
-            ms += max(0.0, self.copies[i - 1][pi] / profile.h2d_bytes_per_ms - s.backward_ms - recompute_ms(s, a))
-        if i == n - 1 or not self.prefetch:
-            ms += vol / profile.h2d_bytes_per_ms
-        return ms
+        ms += max(0.0, vol / profile.d2h_bytes_per_ms - (s.forward_ms if self.inflight_bytes else 0.0))
+        return ms + max(0.0, vol / profile.h2d_bytes_per_ms - (s.backward_ms if self.prefetch_bytes else 0.0))
 
     @property
     def exact(self) -> bool:
-        """Does the state (previous action) see every segment the windows reach?"""
-        if self.prefetch_bytes is not None or self.inflight_bytes is not None:
-            # Note [Copy windows in bytes, priced]: exact only where nothing is held ahead or in
-            # flight (a window of 0, or copies done when issued).
-            return not self.overlap or (not self.prefetch_bytes and not self.inflight_bytes)
-        return self.prefetch <= 1 and self.inflight <= 1
+        """Does the state (previous action) see every element the windows reach (Note [Deep copy
+        windows])? Only where nothing is held ahead or in flight."""
+        return not self.overlap or (not self.prefetch_bytes and not self.inflight_bytes)
 
 
 def _pareto(kept: np.ndarray, score: np.ndarray, max_states: int, width: float) -> np.ndarray:
@@ -328,18 +302,14 @@ def min_budget_bytes(
     *,
     actions: Optional[Iterable[Action]] = None,
     max_states: int = DEFAULT_MAX_STATES,
-    prefetch_segments: Optional[int] = None,
-    inflight_segments: int = 1,
     prefetch_bytes: Optional[int | str] = None,
     inflight_bytes: Optional[int | str] = None,
 ) -> int:
     """The smallest predicted peak of any plan: the least budget ``solve`` can meet.
-    ``prefetch_segments`` / ``inflight_segments``, or ``prefetch_bytes`` / ``inflight_bytes``:
-    as the runtime will run (Notes [Copy windows] and [Copy windows in bytes, priced];
-    ``"auto"``: the least over the planner's windows)."""
+    ``prefetch_bytes`` / ``inflight_bytes``: as the runtime will run (Note [Copy windows, priced];
+    ``None`` or ``"auto"``: the least over the planner's windows)."""
     return least_peak_plan(
-        profile, actions=actions, max_states=max_states, prefetch_segments=prefetch_segments, inflight_segments=inflight_segments,
-        prefetch_bytes=prefetch_bytes, inflight_bytes=inflight_bytes,
+        profile, actions=actions, max_states=max_states, prefetch_bytes=prefetch_bytes, inflight_bytes=inflight_bytes
     ).predicted_peak_bytes
 
 
@@ -349,8 +319,6 @@ def least_peak_plan(
     batch_size: Optional[int] = None,
     actions: Optional[Iterable[Action]] = None,
     max_states: int = DEFAULT_MAX_STATES,
-    prefetch_segments: Optional[int] = None,
-    inflight_segments: int = 1,
     prefetch_bytes: Optional[int | str] = None,
     inflight_bytes: Optional[int | str] = None,
 ) -> Plan:
@@ -362,7 +330,7 @@ def least_peak_plan(
     costs = segment_costs(profile)
     max_states = _check_int(max_states, "max_states")
     best: Optional[Plan] = None
-    for window in resolve_windows(profile, prefetch_segments, inflight_segments, prefetch_bytes, inflight_bytes):
+    for window in resolve_windows(profile, prefetch_bytes, inflight_bytes):
         if not elements(profile):
             plan = _as_plan(profile, [], simulate_chain(profile, [], costs, **window.keywords()), None, window)
         else:
@@ -564,8 +532,6 @@ def solve(
     batch_size: Optional[int] = None,
     actions: Optional[Iterable[Action]] = None,
     max_states: int = DEFAULT_MAX_STATES,
-    prefetch_segments: Optional[int] = None,
-    inflight_segments: int = 1,
     prefetch_bytes: Optional[int | str] = None,
     inflight_bytes: Optional[int | str] = None,
 ) -> Plan:
@@ -573,11 +539,10 @@ def solve(
 
     ``batch_size`` (default: the profile's) rescales the profile (Note [Batch scaling]);
     ``actions`` restricts the actions considered for the segments (the regions outside them are
-    kept or offloaded: Note [What each element may take]); ``prefetch_segments`` /
-    ``inflight_segments`` are the runtime's settings the plan will run under (Note [Copy
-    windows]; ``None``: the runtime's default for the device), replaced by ``prefetch_bytes`` /
-    ``inflight_bytes`` where given (Note [Copy windows in bytes, priced]; ``"auto"``: the planner
-    chooses, Note [The planner chooses the copy windows], and the plan records them). Raises
+    kept or offloaded: Note [What each element may take]); ``prefetch_bytes`` / ``inflight_bytes``
+    are the copy windows the plan will run under (Note [Copy windows, priced]; ``None`` or
+    ``"auto"``: the planner chooses, Note [The planner chooses the copy windows]); the plan
+    records them. Raises
     :class:`InfeasibleBudgetError`, with the least budget any plan fits, when none fits.
     """
     budget_bytes = _check_int(budget_bytes, "budget_bytes")
@@ -587,7 +552,7 @@ def solve(
     max_states = _check_int(max_states, "max_states")
     acts = _allowed(actions)
     costs = segment_costs(profile)
-    windows = resolve_windows(profile, prefetch_segments, inflight_segments, prefetch_bytes, inflight_bytes)
+    windows = resolve_windows(profile, prefetch_bytes, inflight_bytes)
     best: Optional[tuple[list[Action], Prediction, ModelProfile, CopyWindow]] = None
     for window in windows:
         found = _fastest_fitting(profile, costs, _Transitions(profile, costs, acts, window), budget_bytes, max_states)
@@ -611,8 +576,6 @@ def brute_force(
     *,
     budget_bytes: int,
     actions: Optional[Iterable[Action]] = None,
-    prefetch_segments: Optional[int] = None,
-    inflight_segments: int = 1,
     prefetch_bytes: Optional[int | str] = None,
     inflight_bytes: Optional[int | str] = None,
 ) -> Optional[tuple[tuple[Action, ...], float, int]]:
@@ -623,7 +586,7 @@ def brute_force(
     costs = segment_costs(profile)
     mask = outside_mask(profile)
     best = None
-    for window in resolve_windows(profile, prefetch_segments, inflight_segments, prefetch_bytes, inflight_bytes):
+    for window in resolve_windows(profile, prefetch_bytes, inflight_bytes):
         for combo in itertools.product(*(_element_actions(acts, o) for o in mask)):
             if not _runs(profile, combo):
                 continue

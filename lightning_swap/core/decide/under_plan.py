@@ -31,8 +31,7 @@ from ..actions import Action
 from ..measure.model_profile import ModelProfile
 from ..measure.model_profile import SegmentProfile
 from .costmodel import (
-    _window, boundary_held, boundary_kept, chain_actions, copied_bytes, copy_window, elements, held_out, internal_kept,
-    outside_mask, recompute_ms, segment_costs, simulate_chain,
+    boundary_held, boundary_kept, chain_actions, elements, held_out, internal_kept, outside_mask, segment_costs, simulate_chain,
 )
 
 __all__ = ["as_plain", "present_bytes"]
@@ -80,13 +79,13 @@ def _opened(
     return max(rest + swap + (s.output_bytes if output else 0), start + swap - (s.input_bytes if held else 0))
 
 
-def _plain_tail(profile: ModelProfile, acts: Sequence[Action], kept_p: list[int], kept_k: list[int], copies: list[int], inflight: int) -> int:
+def _plain_tail(profile: ModelProfile, acts: Sequence[Action], kept_p: list[int], kept_k: list[int]) -> int:
     """The tail's peak under plain (the moment the loss's backward begins where the head and
     loss are a planned region, else the whole tail): what the plan kept swapped for what plain
     keeps, the tail's opening apart where measured so (:func:`_opened`)."""
     segs, mask = elements(profile), outside_mask(profile)
     n = len(acts)
-    swap = kept_k[n] - kept_p[n] - _window(copies, n - inflight, n)
+    swap = kept_k[n] - kept_p[n]
     if n == 0 or profile.has_tail_region() or profile.tail_start_bytes < 0 or profile.tail_rest_bytes < 0:
         return profile.tail_peak_bytes + swap
     last = max(i for i, o in enumerate(mask) if not o)
@@ -125,31 +124,27 @@ def _plain_elements(
 
 def as_plain(
     profile: ModelProfile, actions: Mapping[str, Action] | Sequence[Action], *, outside: Optional[Mapping[str, Action]] = None,
-    held: bool = False, prefetch_segments: Optional[int] = None, inflight_segments: int = 1,
-    prefetch_bytes: Optional[int] = None, inflight_bytes: Optional[int] = None,
+    held: bool = False, prefetch_bytes: Optional[int] = None, inflight_bytes: Optional[int] = None,
     selective_ops: Optional[Mapping[str, Sequence[str]]] = None,
 ) -> ModelProfile:
     """``profile`` was measured in a step run under ``actions`` (and ``outside`` for the regions
     outside the segments; ``held``: the meter counted what they offloaded as kept, Note [Regions
     held as kept] in ``measure/trace.py``), the tail's as measured (Note [A step measured under a
-    plan]); the same profile with plain training's windows. The copy windows: as the step ran
-    (the copies in flight at the tail). ``selective_ops``: the plan's (Note [Lighter selective] in
+    plan]); the same profile with plain training's windows. The copy windows (accepted as the
+    step ran them): what was still in flight at the tail is not taken off, a bound on CUDA (Note
+    [Copy windows, priced]). ``selective_ops``: the plan's (Note [Lighter selective] in
     ``measure/profiler.py``: what its selective segments kept)."""
     ran = chain_actions(profile, actions, outside)
     mask = outside_mask(profile)
     measured = [Action.KEEP if held and a is Action.OFFLOAD else a for a in ran]
     keep = [Action.KEEP] * len(ran)
     segs = elements(profile.with_selective_ops(selective_ops))
-    _, inflight = copy_window(prefetch_segments, inflight_segments, overlap=profile.copies_overlap)
-    if inflight_bytes is not None:  # in bytes (Note [Copy windows in bytes, priced]): none taken off, a bound on CUDA
-        inflight = 0
-    copies = [copied_bytes(s, a) for s, a in zip(segs, measured)]
     kept_p, kept_k = _kept_before(segs, measured), _kept_before(segs, keep)
     plain_elements = _plain_elements(profile, ran, measured, kept_p, kept_k, segs)
     plain = dataclasses.replace(
         profile, segments=tuple(e for e, o in zip(plain_elements, mask) if not o),
         outside=tuple(e for e, o in zip(plain_elements, mask) if o),
-        tail_peak_bytes=_plain_tail(profile, measured, kept_p, kept_k, copies, inflight),
+        tail_peak_bytes=_plain_tail(profile, measured, kept_p, kept_k),
     )
-    peak = simulate_chain(plain, keep, segment_costs(plain), prefetch_segments=prefetch_segments, inflight_segments=inflight_segments).peak_bytes
+    peak = simulate_chain(plain, keep, segment_costs(plain)).peak_bytes
     return dataclasses.replace(plain, peak_bytes=peak)

@@ -26,21 +26,11 @@ refers to it has been unpacked (``pending``), so ``fetched_bytes == offloaded_by
 step with one backward; reading ``ctx.saved_tensors`` twice counts once per saved tensor
 (``round``). A second backward over a retained graph fetches again only if the
 first one's device copy died. ``fetched_bytes`` counts each storage's first crossing in a round;
-a crossing again in the same round (a window of 0 bytes: Note [Copy windows in bytes]) counts in
+a crossing again in the same round (a window of 0 bytes: Note [Copy windows]) counts in
 ``refetched_bytes``.
 
-Note [Prefetch schedule]: segment forwards are numbered as they run (``run``, recorded in this
-step's forward: a model may run a segment twice, or the whole model twice per backward, in
-any order of the plan). When the backward of run ``r`` starts (the gradient of its output
-is ready), the host-to-device copies of what runs ``r-1 .. r-k`` offloaded are queued, ``k =
-prefetch_segments``, each entry at most once per step; an unpack whose bytes were not
-prefetched fetches them on demand. Nothing is fetched that no unpack will consume in this
-backward: a prefetch is only ever issued for an entry that has not been fetched yet, so the
-extra device memory of prefetching is bounded by the ``k`` segments' offloaded bytes.
-
-Note [Copy windows in bytes]: with ``prefetch_bytes`` / ``inflight_bytes`` given,
-what is fetched ahead and what is in flight are bounded in bytes instead of in segments, so a
-large segment does not pin its whole size twice:
+Note [Copy windows]: what is in flight to the host and what is fetched ahead are bounded in
+bytes, so that a large segment does not pin its whole size twice:
 
 - ``inflight_bytes = W``: after each copy to the host, the oldest sources are retired (the
   compute stream waits on their copies, rule 2 of Note [Stream protocol]) until at most ``W``
@@ -48,8 +38,8 @@ large segment does not pin its whole size twice:
 - ``prefetch_bytes = W > 0``: in backward, entries are fetched ahead in the reverse of the order
   they were offloaded in (the order backward mostly needs them in), whenever an unpack makes
   room, while the bytes fetched and not yet unpacked stay within ``W`` (one entry at least,
-  however large); each entry at most once per step. A fetched entry is held until its last unpack (Note [One storage, one
-  copy]).
+  however large); each entry at most once per step, and only one no unpack has reached yet. A
+  fetched entry is held until its last unpack (Note [One storage, one copy]).
 - ``prefetch_bytes = 0``: fetch on demand at the granularity of one saved tensor, as
   ``save_on_cpu`` does: an unpack fetches the bytes it needs, and the device copy is not held
   for the storage's later unpacks — it lives as long as the op that unpacked it holds it (a later
@@ -59,11 +49,22 @@ large segment does not pin its whole size twice:
   reads, the least any plan can hold: the crossings after a storage's first in a backward are
   ``refetched_bytes``, so ``fetched_bytes + reused_bytes == offloaded_bytes`` still.
 
+Note [Default copy windows]: a window left ``None`` (not given, and the plan priced none: a
+forced policy, a plan written by hand; the planner always prices and records both) is one
+element's worth where copies overlap compute — the most bytes one segment's forward, or one
+stretch of code between segments, has offloaded so far in the step — and ``0`` where they do not
+(CPU: every copy is done when issued, so nothing is ever in flight, and fetching ahead only
+raises the peak). So a forced ``offload`` on CUDA keeps about one segment's copies in flight and
+one segment's bytes fetched ahead, sized to the model without a profile; the cost model prices it
+as the largest element's copied bytes under the plan (Note [Copy windows, priced] in
+``decide/costmodel.py``), which the running maximum here reaches in backward (the forward is
+over) and stays under in forward.
+
 Note [Used in place]: an offloaded storage may still be on the device when backward needs it
-— its copy was still in flight when backward started (the last ``inflight_segments``
-segments), or something else holds it (the batch, a kept segment's saved tensor, the user).
-Then the original is used (and held by the entry until its last unpack, as a fetched copy
-would be) instead of a second device copy: nothing is fetched while its original is alive.
+— its copy was still in flight when backward started (within ``inflight_bytes``), or something
+else holds it (the batch, a kept segment's saved tensor, the user). Then the original is used
+(and held by the entry until its last unpack, as a fetched copy would be) instead of a second
+device copy: nothing is fetched while its original is alive.
 The version check (Note [Saved version check]) guards that the bytes are still those saved.
 Backward does not wait for the copies still reading those originals (both only read them):
 the copy streams let go of each source once the host sees its copy complete, without waiting,
@@ -151,7 +152,7 @@ class OffloadCounters:
     #: fetched (Note [Used in place]); ``fetched + reused == offloaded`` for one backward.
     reused_bytes: int = 0
     #: Bytes that crossed back again in the same backward, fetched per saved tensor under a window
-    #: of 0 bytes (Note [Copy windows in bytes]); not in ``fetched_bytes``.
+    #: of 0 bytes (Note [Copy windows]); not in ``fetched_bytes``.
     refetched_bytes: int = 0
     prefetched_bytes: int = 0
     #: Host-measured copy time on CPU (synchronous copies); on CUDA see ``CopyStreams.exposed``.
@@ -196,7 +197,7 @@ class _Entry:
         self.pending = 0
         #: Counts the times every saved tensor referring to the entry has been unpacked.
         self.round = 0
-        #: Fetched ahead under a byte window and not unpacked yet (Note [Copy windows in bytes]).
+        #: Fetched ahead under a byte window and not unpacked yet (Note [Copy windows]).
         self.ahead = False
         #: What the engine's observer said of each pack, handed back at the first unpack (Note [A
         #: traced step sees what the plan moves] in ``measure/trace.py``).
@@ -315,8 +316,6 @@ class OffloadEngine:
         device: torch.device,
         *,
         min_offload_bytes: int,
-        prefetch_segments: int,
-        inflight_segments: int = 1,
         pool: Optional[HostPool] = None,
         ops: Optional[StreamOps] = None,
         prefetch_bytes: Optional[int] = None,
@@ -324,18 +323,16 @@ class OffloadEngine:
     ) -> None:
         self.device = device
         self.min_offload_bytes = min_offload_bytes
-        #: Note [Copy windows in bytes]: a byte window replaces the segment count when given.
-        self.prefetch_bytes = prefetch_bytes
-        self.prefetch_segments = prefetch_segments if prefetch_bytes is None else 0
+        #: Note [Copy windows]; ``None``: Note [Default copy windows].
+        self.prefetch_bytes, self.inflight_bytes = prefetch_bytes, inflight_bytes
         ops = ops if ops is not None else default_ops(device)
-        self.copies = CopyStreams(device, ops, inflight_segments=inflight_segments, inflight_limit_bytes=inflight_bytes)
+        self.copies = CopyStreams(device, ops)
         # Pinned slabs by default (Note [Pinned slabs]); managed buffers under unified memory.
         self.pool = pool if pool is not None else SlabHostPool(pin_memory=device.type == "cuda")
         self._lock = threading.RLock()
         self._skip_ptrs: frozenset[int] = frozenset()
         self._gathered_ptrs: frozenset[int] = frozenset()
         self._by_storage: dict[int, weakref.ref] = {}
-        self._by_run: dict[int, list[weakref.ref]] = {}
         self._backward = False
         # Queued fetches the compute stream has not waited for yet, by id: held here, not only by
         # their entries, so that one is never dropped unwaited (rule 3 of Note [Stream protocol]).
@@ -348,10 +345,12 @@ class OffloadEngine:
         #: (an offloaded storage dies at once on CPU, and its id is reused).
         self._seen: dict[int, weakref.ref] = {}
         #: Entries in the order they were offloaded, and the next one a byte window fetches
-        #: (Note [Copy windows in bytes]); bytes fetched ahead and not unpacked yet.
+        #: (Note [Copy windows]); bytes fetched ahead and not unpacked yet.
         self._order: list[weakref.ref] = []
         self._cursor = -1
         self._ahead_bytes = 0
+        #: Note [Default copy windows]: bytes offloaded by the element running, and the most by one.
+        self._element_bytes = self._most_bytes = 0
         #: A traced step's recorder (Note [A traced step sees what the plan moves] in
         #: ``measure/trace.py``): ``moved(t, offloaded)`` with every tensor a hook of this engine is
         #: asked to save; ``unpacked(what moved returned)`` before an offloaded one's first unpack,
@@ -367,12 +366,11 @@ class OffloadEngine:
         self._skip_ptrs = frozenset(local_tensor(t).untyped_storage().data_ptr() for t in skip)
         self._gathered_ptrs = frozenset()
         self._by_storage.clear()
-        self._by_run.clear()
         self._backward = False
         self.counters = OffloadCounters()
         self._seen.clear()
         self._order.clear()
-        self._cursor, self._ahead_bytes = -1, 0
+        self._cursor, self._ahead_bytes, self._element_bytes, self._most_bytes = -1, 0, 0, 0
 
     def end_step(self) -> tuple[OffloadCounters, Timing]:
         """The step's counters and the time the compute stream stood waiting for copies (read
@@ -394,7 +392,6 @@ class OffloadEngine:
                 entry.device = None
                 entry.landed = None
         self._by_storage.clear()
-        self._by_run.clear()
         self._order.clear()
         self._cursor, self._ahead_bytes = -1, 0
         self._backward = False
@@ -411,7 +408,6 @@ class OffloadEngine:
         self._settle()
         self.copies.close()
         self._by_storage.clear()
-        self._by_run.clear()
         self.pool.clear()
 
     # -- hooks --------------------------------------------------------------------------
@@ -421,7 +417,7 @@ class OffloadEngine:
     def segment_started(self) -> None:
         """A segment's forward starts (with autograd recording)."""
         self._backward = False
-        self.copies.segment_started()
+        self._element_bytes = 0  # Note [Default copy windows]: a new element
 
     def segment_parameters(self, tensors: Iterable[torch.Tensor]) -> None:
         """The parameters of the segment whose forward starts, as they are now: under FSDP the
@@ -430,8 +426,8 @@ class OffloadEngine:
         self._gathered_ptrs = frozenset(t.untyped_storage().data_ptr() for t in tensors)
 
     def segment_ended(self) -> None:
-        """A segment's forward ended: bounds what is in flight (Note [Stream protocol], rule 2)."""
-        self.copies.segment_ended()
+        """A segment's forward ended: what runs next is another element (Note [Default copy windows])."""
+        self._element_bytes = 0
 
     def _packer(self, segment: int) -> Callable[[torch.Tensor], Any]:
         def pack(t: torch.Tensor) -> Any:
@@ -511,7 +507,6 @@ class OffloadEngine:
         if region is not None:
             self.counters.by_region[region] = self.counters.by_region.get(region, 0) + entry.nbytes
         self._by_storage[key] = weakref.ref(entry)
-        self._by_run.setdefault(self.copies.ordinal, []).append(weakref.ref(entry))
         self._order.append(weakref.ref(entry))
         return _Packed(entry, t)
 
@@ -531,6 +526,9 @@ class OffloadEngine:
                 after=reuse_events,
                 then=lambda stream: pool.after_write(buffer, nbytes, stream),
             )
+        self._element_bytes += nbytes
+        self._most_bytes = max(self._most_bytes, self._element_bytes)
+        self.copies.retire(self._window(self.inflight_bytes))
         if not self.copies.asynchronous:
             self.counters.copy_ms += (time.perf_counter() - start) * 1e3
         self.counters.offloaded_bytes += nbytes
@@ -604,17 +602,16 @@ class OffloadEngine:
         self.counters.prefetched_bytes += entry.nbytes
         return entry.nbytes
 
-    def _prefetch_run(self, run: int) -> None:
-        for ref in self._by_run.get(run, ()):
-            entry = ref()
-            if entry is not None:
-                self._prefetch_entry(entry)
+    def _window(self, given: Optional[int]) -> int:
+        """A copy window in bytes: ``given``, else Note [Default copy windows]."""
+        if given is not None:
+            return given
+        return self._most_bytes if self.copies.asynchronous else 0
 
-    def _prefetch_window(self) -> None:
-        """Note [Copy windows in bytes]: fetch ahead, newest offloaded first, while the bytes
-        fetched and not unpacked stay under ``prefetch_bytes`` (one entry at least)."""
-        limit = self.prefetch_bytes or 0
-        while limit > 0 and self._cursor >= 0:
+    def _prefetch_window(self, limit: int) -> None:
+        """Note [Copy windows]: fetch ahead, newest offloaded first, while the bytes fetched and
+        not unpacked stay under ``limit`` (one entry at least)."""
+        while self._cursor >= 0:
             entry = self._order[self._cursor]()
             if entry is not None and self._ahead_bytes and self._ahead_bytes + entry.nbytes > limit:
                 return  # no room: it waits for the next unpack
@@ -626,20 +623,6 @@ class OffloadEngine:
             if self._prefetch_entry(entry):
                 entry.ahead = True
                 self._ahead_bytes += entry.nbytes
-
-    @property
-    def run(self) -> int:
-        """The ordinal of the segment forward now running, in this engine's execution order."""
-        return self.copies.ordinal
-
-    def backward_started(self, run: int) -> None:
-        """The backward of the segment forward ``run`` (:attr:`run` during it) starts: Note
-        [Prefetch schedule]."""
-        with self._lock:
-            self._start_backward()
-            for j in range(run - 1, run - self.prefetch_segments - 1, -1):
-                if j in self._by_run:
-                    self._prefetch_run(j)
 
     def _device_bytes(self, entry: _Entry) -> torch.Tensor:
         if entry.device is not None:
@@ -676,20 +659,21 @@ class OffloadEngine:
             dst = self._device_bytes(entry)
             if observed:
                 observer.fetched(observed, dst)
-            if entry.ahead:  # Note [Copy windows in bytes]: it leaves the window
+            if entry.ahead:  # Note [Copy windows]: it leaves the window
                 entry.ahead = False
                 self._ahead_bytes -= entry.nbytes
             if packed.round != entry.round:  # a second unpack of one saved tensor counts once
                 packed.round = entry.round
                 entry.pending -= 1
-            if entry.device is not None and (entry.pending <= 0 or self.prefetch_bytes == 0):
+            ahead = self._window(self.prefetch_bytes)
+            if entry.device is not None and (entry.pending <= 0 or ahead == 0):
                 # Note [One storage, one copy]: every saved view has been handed out; or, fetched
-                # per saved tensor (Note [Copy windows in bytes]), not held for the others.
+                # per saved tensor (Note [Copy windows]), not held for the others.
                 entry.landed = weakref.ref(entry.device.untyped_storage())
                 entry.device = None
             if entry.pending <= 0:
                 entry.pending = entry.packs  # a second backward unpacks each once more
                 entry.round += 1
-            if self.prefetch_bytes:
-                self._prefetch_window()
+            if ahead:
+                self._prefetch_window(ahead)
         return packed.rebuild(dst)

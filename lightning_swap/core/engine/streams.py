@@ -11,10 +11,10 @@ checked on CPU by an adversarial double of this module (``tests/stream_double.py
    on the compute stream now (the bytes were produced there); before an h2d copy the h2d stream
    waits on the event of the d2h copy that filled the host buffer.
 2. Device memory read by a d2h copy goes back to the allocator without the host ever waiting:
-   the source is held in a stash until ``inflight_segments`` later segments' forwards have ended
-   (the copy overlaps them); then the *compute* stream waits on the copy's event and the
-   reference is dropped. The block belongs to
-   the compute stream's pool, so any later reuse is ordered after that wait (no
+   the source is held in a stash while the copy overlaps the forward, until more than the
+   in-flight window's bytes are stashed (Note [Copy windows] in ``offload.py``); then the
+   *compute* stream waits on the oldest copies' events and their references are dropped. The
+   block belongs to the compute stream's pool, so any later reuse is ordered after that wait (no
    ``record_stream``: under ``um="all"`` the allocator never reclaims blocks freed after one,
    and without it memory is freed at a point the host, the meter and the planner all agree on).
    This also bounds what is in flight: a fast forward cannot pile activations up behind a
@@ -237,39 +237,17 @@ class CopyStreams:
     ``exposed`` accumulates the time the compute stream stood waiting for a copy.
     """
 
-    def __init__(self, device: torch.device, ops: StreamOps, *, inflight_segments: int = 1, inflight_limit_bytes: Optional[int] = None) -> None:
+    def __init__(self, device: torch.device, ops: StreamOps) -> None:
         self.device = device
         self.ops = ops
-        self.inflight_segments = inflight_segments
-        #: Note [Copy windows in bytes] (engine/offload.py): when given, what is in flight is
-        #: bounded in bytes after every copy instead of in segments when one ends.
-        self.inflight_limit_bytes = inflight_limit_bytes
         self.asynchronous = ops.asynchronous
         self.d2h = ops.new_stream() if ops.asynchronous else None
         self.h2d = ops.new_stream() if ops.asynchronous else None
-        # (forward ordinal, source bytes, d2h event): rule 2.
-        self._stash: list[tuple[int, torch.Tensor, Any]] = []
-        self._ordinal = 0
+        # (source bytes, d2h event), oldest first: rule 2.
+        self._stash: list[tuple[torch.Tensor, Any]] = []
         self.exposed = Timing(ops)
 
     # -- forward: device to host ---------------------------------------------------------
-    @property
-    def ordinal(self) -> int:
-        """The forward ordinal of the segment now running (what it offloads is tagged with it)."""
-        return self._ordinal
-
-    def segment_started(self) -> None:
-        """A segment's forward starts: what it offloads is tagged with a new ordinal."""
-        self._ordinal += 1
-
-    def segment_ended(self) -> None:
-        """A segment's forward ended: the sources of all but the last ``inflight_segments``
-        segments retire (rule 2), so that the forward of the next one overlaps their copies and
-        no more than that many segments' copies are ever in flight, the tail's included. Under
-        a byte window, :meth:`to_host` bounds it instead."""
-        if self.inflight_limit_bytes is None:
-            self.retire(before=self._ordinal - self.inflight_segments + 1)
-
     def to_host(self, src: torch.Tensor, host: torch.Tensor, *, after: tuple = (), then: Optional[Callable[[Any], None]] = None) -> Any:
         """Queue ``host.copy_(src)``; returns its event. ``after``: events of earlier copies that
         touched ``host`` (rule 4); ``then(stream)`` queues more work after the copy on its stream."""
@@ -286,53 +264,35 @@ class CopyStreams:
         copied = ops.record(self.d2h)
         # rule 2: freeing the source waits for the copy only, not for what ``then`` queues
         # (Note [Two events] in :meth:`to_device`).
-        self._stash.append((self._ordinal, src, copied))
+        self._stash.append((src, copied))
         if then is not None:
             with ops.use(self.d2h):
                 then(self.d2h)
             done = ops.record(self.d2h)
         else:
             done = copied
-        if self.inflight_limit_bytes is not None:
-            self.retire_bytes(self.inflight_limit_bytes)
         return done
 
-    def retire_bytes(self, limit_bytes: int) -> None:
-        """The oldest stashed sources retire (rule 2) until at most ``limit_bytes`` of sources
-        remain in flight (Note [Copy windows in bytes] in engine/offload.py)."""
-        total = sum(src.numel() for _, src, _ in self._stash)
+    def retire(self, limit_bytes: int = 0) -> None:
+        """The compute stream waits on the copies of the oldest stashed sources, whose references
+        then drop (rule 2), until at most ``limit_bytes`` of sources remain in flight (all retire
+        with 0: Note [Copy windows] in ``offload.py``)."""
+        total = sum(src.numel() for src, _ in self._stash)
         cut, last = 0, None
         while cut < len(self._stash) and total > limit_bytes:
-            total -= self._stash[cut][1].numel()
-            last = self._stash[cut][2]
+            total -= self._stash[cut][0].numel()
+            last = self._stash[cut][1]
             cut += 1
         if last is not None:
             # One stream's events complete in order: waiting on the newest covers the rest.
             self._wait_compute(last)
-            self._stash = self._stash[cut:]
-
-    def retire(self, before: Optional[int] = None) -> None:
-        """The compute stream waits on the copies of stashed sources (all, or those of forward
-        ordinals ``< before``), whose references then drop (rule 2)."""
-        if not self._stash:
-            return
-        keep = []
-        last = None
-        for entry in self._stash:
-            if before is None or entry[0] < before:
-                last = entry[2]
-            else:
-                keep.append(entry)
-        if last is not None:
-            # One stream's events complete in order: waiting on the newest covers the rest.
-            self._wait_compute(last)
-        self._stash = keep
+            del self._stash[:cut]
 
     def retire_done(self) -> None:
         """Drop the stashed sources whose copies the host sees complete (rule 2, without a wait:
         nothing later can overlap a finished copy); one stream's events complete in order."""
         done = 0
-        for _, _, event in self._stash:
+        for _, event in self._stash:
             if not self.ops.done(event):
                 break
             done += 1
@@ -340,11 +300,11 @@ class CopyStreams:
 
     def stashed_ptrs(self) -> set[int]:
         """The data pointers of the sources whose copies are in flight (rule 2)."""
-        return {src.untyped_storage().data_ptr() for _, src, _ in self._stash}
+        return {src.untyped_storage().data_ptr() for src, _ in self._stash}
 
     @property
     def inflight_bytes(self) -> int:
-        return sum(src.numel() for _, src, _ in self._stash)
+        return sum(src.numel() for src, _ in self._stash)
 
     # -- backward: host to device --------------------------------------------------------
     def to_device(self, host: torch.Tensor, nbytes: int, *, after: tuple = (), before: Optional[Callable[[Any], None]] = None, then: Optional[Callable[[Any], None]] = None) -> tuple[torch.Tensor, Any, Any]:
@@ -399,4 +359,3 @@ class CopyStreams:
         if self.asynchronous:
             for stream in (self.d2h, self.h2d):
                 self.ops.synchronize(self.ops.record(stream))
-        self._ordinal = 0

@@ -71,8 +71,8 @@ class SegmentProfile:
     #: ... and how much lower that is when nothing else holds the segment's input, so that it
     #: too comes back on demand (Note [Offloaded backward fetches on demand] in ``trace.py``)
     offload_input_saving_bytes: int = 0
-    #: ... and, fetched per saved tensor (a prefetch window of 0 bytes: Note [Copy windows in
-    #: bytes] in ``engine/offload.py``), how much lower than ``offload_backward_peak_bytes`` with
+    #: ... and, fetched per saved tensor (a prefetch window of 0 bytes: Note [Copy windows] in
+    #: ``engine/offload.py``), how much lower than ``offload_backward_peak_bytes`` with
     #: the input and output held by neighbours, and how much lower than that again with the input,
     #: the output, or both fetched per tensor too
     tensor_saving_bytes: int = 0

@@ -469,7 +469,7 @@ class _Recorder:
         yet, estimate the offloaded segment's backward. Boundary storages (input, output) are
         left in, since a neighbour may hold them (``offload_bwd_peak``); the input is also
         counted as fetched on demand (``offload_bwd_peak_in``), for when no neighbour holds it.
-        Fetched per saved tensor (Note [Copy windows in bytes] in ``engine/offload.py``), a
+        Fetched per saved tensor (Note [Copy windows] in ``engine/offload.py``), a
         storage is there only while an op reads it: at each op, less every such storage alive in
         plain training that the op does not read (``tensor_bwd_peak``; ``_in``, ``_out``,
         ``_both``: the input, the output, both, also per tensor, for when no neighbour holds them)."""
@@ -733,7 +733,7 @@ def run_trace(
     )
     engine, hooks = None, None
     if not fake and device.type == "cpu":
-        engine = OffloadEngine(device, min_offload_bytes=min_offload_bytes, prefetch_segments=0, prefetch_bytes=0, inflight_bytes=0)
+        engine = OffloadEngine(device, min_offload_bytes=min_offload_bytes, prefetch_bytes=0, inflight_bytes=0)
         engine.begin_step(static)
         engine.observer, tracer.rec.hold = tracer.rec, True
         rec = tracer.rec

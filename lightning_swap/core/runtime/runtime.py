@@ -79,7 +79,7 @@ from ..engine.recompute import RecomputeTimer, checkpointed
 from ..segments import own_checkpointing_error, region_after, resolve_modules, split_call, unwrap_compiled
 from ..sharded import gathered_parameters, is_sharded, units_inside
 from ..engine.streams import Timing, default_ops
-from ..config import DEFAULT_MIN_OFFLOAD_BYTES, UMMode, check_inflight_segments, check_min_offload_bytes, check_window_bytes
+from ..config import DEFAULT_MIN_OFFLOAD_BYTES, UMMode, check_min_offload_bytes, check_window_bytes
 from ..tensors import ModuleHook, normalize_device, on_backward_start, pop_saved_tensors_hooks, tensors_in
 from .calls import SegmentCalls
 from .measured_rows import RowMeasure
@@ -87,7 +87,7 @@ from .online import OnlineBudget
 from .stats import StatsHistory, StepRecord, StepStats
 
 __all__ = [
-    "DEFAULT_MIN_OFFLOAD_BYTES", "StatsHistory", "StepStats", "SwapRuntime", "check_inflight_segments", "check_min_offload_bytes", "tensors_in",
+    "DEFAULT_MIN_OFFLOAD_BYTES", "StatsHistory", "StepStats", "SwapRuntime", "check_min_offload_bytes", "tensors_in",
 ]
 
 log = logging.getLogger(__name__)
@@ -155,17 +155,6 @@ class _CompiledForward(_SegmentForward):
         return self.fn(*args, **kwargs)
 
 
-def _prefetch_for(device: torch.device, prefetch_segments: Optional[int]) -> int:
-    """``prefetch_segments`` checked; ``None`` is one segment on CUDA and none on CPU, where
-    nothing overlaps, so fetching ahead only raises the peak (Note [Copy windows] in
-    decide/costmodel.py models both)."""
-    if prefetch_segments is None:
-        return 1 if device.type == "cuda" else 0
-    if isinstance(prefetch_segments, bool) or not isinstance(prefetch_segments, int) or prefetch_segments < 0:
-        raise ValueError(f"`prefetch_segments` must be an int >= 0; got {prefetch_segments!r}.")
-    return prefetch_segments
-
-
 def _checked_actions(plan: Plan) -> Mapping[str, Action]:
     for name, action in plan.actions.items():
         if not isinstance(action, Action):
@@ -199,8 +188,6 @@ class SwapRuntime:
         *,
         device: Optional[torch.device | str] = None,
         min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
-        prefetch_segments: Optional[int] = None,
-        inflight_segments: int = 1,
         unified: Optional[Any] = None,
         prefetch_bytes: Optional[int] = None,
         inflight_bytes: Optional[int] = None,
@@ -216,7 +203,7 @@ class SwapRuntime:
         self.min_offload_bytes = check_min_offload_bytes(min_offload_bytes)
         first = next(model.parameters(), None) if device is None else None
         self.device = normalize_device(device if device is not None else first.device if first is not None else "cpu")
-        self._given_windows = (prefetch_segments, inflight_segments, prefetch_bytes, inflight_bytes)
+        self._given_windows = (prefetch_bytes, inflight_bytes)
         self._set_windows(*self._given_windows)
         # Canonical names (Note [Canonical segment names]); a call's segment is its module's.
         self._calls = SegmentCalls(_checked_actions(self.plan))
@@ -253,11 +240,9 @@ class SwapRuntime:
         #: Finished steps, newest last, some with device times still running.
         self.records = StatsHistory()
 
-    def _set_windows(self, prefetch_segments: Optional[int], inflight_segments: int, prefetch_bytes: Optional[int], inflight_bytes: Optional[int]) -> None:
-        """The copy windows: in bytes, given here or those the plan was priced for (Note [Copy
-        windows in bytes] in engine/offload.py), else in segments."""
-        self.prefetch_segments = _prefetch_for(self.device, prefetch_segments)
-        self.inflight_segments = check_inflight_segments(inflight_segments)
+    def _set_windows(self, prefetch_bytes: Optional[int], inflight_bytes: Optional[int]) -> None:
+        """The copy windows: given here, else those the plan was priced for, else the engine's
+        default (Notes [Copy windows] and [Default copy windows] in engine/offload.py)."""
         self.prefetch_bytes = check_window_bytes(prefetch_bytes if prefetch_bytes is not None else self.plan.prefetch_bytes, "prefetch_bytes")
         self.inflight_bytes = check_window_bytes(inflight_bytes if inflight_bytes is not None else self.plan.inflight_bytes, "inflight_bytes")
 
@@ -275,8 +260,6 @@ class SwapRuntime:
             self.engine = OffloadEngine(
                 self.device,
                 min_offload_bytes=self.min_offload_bytes,
-                prefetch_segments=self.prefetch_segments,
-                inflight_segments=self.inflight_segments,
                 pool=self.unified.host_pool() if self.unified is not None else None,
                 ops=self.ops,
                 prefetch_bytes=self.prefetch_bytes,
@@ -502,9 +485,7 @@ class SwapRuntime:
         self.plan = plan
         self._set_windows(*self._given_windows)
         if self.engine is not None:
-            self.engine.prefetch_bytes = self.prefetch_bytes
-            self.engine.prefetch_segments = self.prefetch_segments if self.prefetch_bytes is None else 0
-            self.engine.copies.inflight_segments, self.engine.copies.inflight_limit_bytes = self.inflight_segments, self.inflight_bytes
+            self.engine.prefetch_bytes, self.engine.inflight_bytes = self.prefetch_bytes, self.inflight_bytes
         self.measure_rows, self._row_measure, self.measured_plan_result = not plan.rows, None, None
         self.now, self.outside_now = dict(plan.actions), dict(plan.outside)
         return True
@@ -525,7 +506,7 @@ class SwapRuntime:
 
     def _also_direct(self, fn: Any, index: int, module: nn.Module) -> Any:
         """Note [Direct forward calls]: ``block.forward(x)`` skips the module's forward hooks,
-        which bound what is in flight and trigger the prefetch; the segment's own forward then
+        which mark where the segment's forward begins and ends; the segment's own forward then
         does what they would have done."""
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -552,17 +533,14 @@ class SwapRuntime:
         if index is not None:  # a call beyond the plan's is kept: its region is the last planned one's
             self._last_ran = index
         if torch.is_grad_enabled():
-            run = engine.run  # this forward's place in the execution order, not the plan's
             engine.segment_ended()
-            if engine.prefetch_segments > 0:
-                on_backward_start(output, lambda: engine.backward_started(run))
             if self.switchable:
                 on_backward_start(output, self._saw_backward)
 
     def _forward_trigger(self, index: Any) -> Any:
-        """A forward pre-hook on every segment: what is in flight is bounded in segments
-        (Note [Stream protocol], rule 2). ``index``: the segment's, or a function giving the
-        running call's (Note [A segment per call] in ``calls.py``)."""
+        """A forward pre-hook on every segment: a new element of the step begins (the regions
+        outside the segments, Note [Default copy windows] in ``offload.py``). ``index``: the
+        segment's, or a function giving the running call's (Note [A segment per call] in ``calls.py``)."""
 
         def hook(module: nn.Module, args: Any) -> None:
             if torch._C._current_graph_task_id() != -1:
@@ -575,9 +553,8 @@ class SwapRuntime:
         return ModuleHook(hook)
 
     def _backward_trigger(self, index: Any) -> Any:
-        """A forward hook: the segment's copies to the host may stay in flight only so long
-        (Note [Stream protocol]), and its outputs mark when its backward starts (Note [Prefetch
-        schedule] in offload.py). ``index`` as :meth:`_forward_trigger`'s."""
+        """A forward hook: the segment's element ends, and under ``auto`` its outputs mark when its
+        backward starts. ``index`` as :meth:`_forward_trigger`'s."""
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if torch._C._current_graph_task_id() != -1:

@@ -35,7 +35,7 @@ class StepStats:
     #: time in a backward (again: ``refetched_bytes``); with ``reused_bytes``, equals
     #: ``offloaded_bytes`` in a step with one backward.
     fetched_bytes: int
-    #: Bytes of ``fetched_bytes`` copied ahead of need (Note [Prefetch schedule]).
+    #: Bytes of ``fetched_bytes`` copied ahead of need (Note [Copy windows] in ``engine/offload.py``).
     prefetched_bytes: int
     #: Saved tensors offloaded (distinct storages), and saved tensors that shared one of them.
     offloaded_tensors: int
@@ -62,7 +62,7 @@ class StepStats:
     #: in place instead of fetched (Note [Used in place] in ``engine/offload.py``).
     reused_bytes: int = 0
     #: Bytes copied back again in the same backward: a window of 0 bytes fetches per saved tensor,
-    #: so a storage several ops saved crosses once per op (Note [Copy windows in bytes]).
+    #: so a storage several ops saved crosses once per op (Note [Copy windows] in ``engine/offload.py``).
     refetched_bytes: int = 0
     #: Note [Unplanned bytes] in ``engine/offload.py``: bytes saved for backward in this step
     #: (each storage once; parameters, buffers and the batch excluded) as far as the offload

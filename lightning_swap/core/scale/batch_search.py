@@ -284,8 +284,8 @@ RunTrial = Callable[[int, Plan], TrialMeasurement]
 
 
 def _planner(profile: ModelProfile, actions: Optional[tuple[Action, ...]], window: dict) -> Callable[[int, int], Optional[Plan]]:
-    """``window``: the runtime's ``prefetch_segments`` / ``inflight_segments`` the plans will run
-    under (Note [Copy windows] in decide/costmodel.py)."""
+    """``window``: the copy windows the plans will run under (Note [Copy windows, priced] in
+    decide/costmodel.py)."""
 
     def plan_at(batch_size: int, budget_bytes: int) -> Optional[Plan]:
         try:
@@ -411,8 +411,6 @@ def search_batch_size(
     *,
     actions: Optional[tuple[Action, ...]] = None,
     base_batch_size: Optional[int] = None,
-    prefetch_segments: Optional[int] = None,
-    inflight_segments: int = 1,
     prefetch_bytes: Optional[int | str] = None,
     inflight_bytes: Optional[int | str] = None,
 ) -> ScaleResult:
@@ -422,9 +420,9 @@ def search_batch_size(
     applies the plan, runs ``config.steps_per_trial`` real steps at that batch, and returns a
     :class:`TrialMeasurement` (or raises out-of-memory); the caller restores model and
     optimizer state. ``actions`` restricts the planner (a forced single-action policy);
-    ``prefetch_segments`` / ``inflight_segments`` (or ``prefetch_bytes`` / ``inflight_bytes``;
-    ``"auto"``: the planner's choice, recorded in each plan) are the runtime's settings the
-    trials run under (Note [Copy windows] in decide/costmodel.py).
+    ``prefetch_bytes`` / ``inflight_bytes`` (``None`` or ``"auto"``: the planner's choice, recorded
+    in each plan) are the copy windows the trials run under (Note [Copy windows, priced] in
+    decide/costmodel.py).
 
     ``base_batch_size``: the batch the user configured, in ``[min_batch_size,
     max_batch_size]``. In ``mode="throughput"`` plain training at it is measured and the answer
@@ -433,10 +431,7 @@ def search_batch_size(
     """
     budget_bytes = parse_bytes(budget_bytes, field="budget_bytes")
     _check_base_batch_size(base_batch_size, config)
-    window = {
-        "prefetch_segments": prefetch_segments, "inflight_segments": inflight_segments, "prefetch_bytes": prefetch_bytes,
-        "inflight_bytes": inflight_bytes,
-    }
+    window = {"prefetch_bytes": prefetch_bytes, "inflight_bytes": inflight_bytes}
     search = _Search(
         profile=profile, budget_bytes=budget_bytes, run_trial=run_trial, config=config, actions=actions,
         base_batch_size=base_batch_size, plan_at=_planner(profile, actions, window),
@@ -557,8 +552,6 @@ def predict_batch_size(
     config: ScaleConfig = ScaleConfig(),
     *,
     actions: Optional[tuple[Action, ...]] = None,
-    prefetch_segments: Optional[int] = None,
-    inflight_segments: int = 1,
     prefetch_bytes: Optional[int | str] = None,
     inflight_bytes: Optional[int | str] = None,
 ) -> Optional[Plan]:
@@ -571,10 +564,7 @@ def predict_batch_size(
     """
     budget_bytes = parse_bytes(budget_bytes, field="budget_bytes")
     effective = int(budget_bytes * (1 - config.margin))
-    plan_at = _planner(profile, actions, {
-        "prefetch_segments": prefetch_segments, "inflight_segments": inflight_segments, "prefetch_bytes": prefetch_bytes,
-        "inflight_bytes": inflight_bytes,
-    })
+    plan_at = _planner(profile, actions, {"prefetch_bytes": prefetch_bytes, "inflight_bytes": inflight_bytes})
     batch = _largest_feasible(plan_at, effective, config.min_batch_size, config.max_batch_size)
     return None if batch is None else plan_at(batch, effective)
 

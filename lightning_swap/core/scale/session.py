@@ -624,8 +624,7 @@ class SwapSession:
         self._pinned, self._pinned_steps = pinned, 0
         runtime = SwapRuntime(
             self.model, plan, device=self.device, min_offload_bytes=self.config.min_offload_bytes,
-            prefetch_segments=self.config.prefetch_segments, inflight_segments=self.config.inflight_segments, unified=self.unified,
-            prefetch_bytes=self.config.prefetch_bytes, inflight_bytes=self.config.inflight_bytes,
+            unified=self.unified, prefetch_bytes=self.config.prefetch_bytes, inflight_bytes=self.config.inflight_bytes,
             switchable=self.auto is not None and not pinned and self._budget_bytes is not None,
         )
         runtime.install()
