@@ -141,15 +141,13 @@ def _run_auto(size: dict, budget: int, rank: int) -> tuple[list[int], list[float
     session = SwapSession(model, config, "cpu", collectives=_collectives())
 
     def step():
-        session.before_step(batch, [batch, optimizer.state], [optimizer.state])
+        session.open_step(batch, [batch, optimizer.state], [optimizer])
         loss = _loss(model, batch)
-        session.backward_begins()
-        loss.backward()
-        session.backward_done()
+        with session.backward():
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        session.end_step()
-        session.step_done()
+        session.close_step()
         newest = session.records.newest()
         return newest.peak_device_bytes if newest is not None else None
 

@@ -588,18 +588,15 @@ def _session_steps(session, compiled, optimizer, backend, steps: int) -> tuple[l
     kind and the compiled graph runs its forward and backward made."""
     kinds, runs = [], []
     for x, y in _batches(steps):
-        states = [optimizer.state]
-        kinds.append(session.before_step(x, [x, y, states], states))
+        kinds.append(session.open_step(x, [x, y, optimizer.state], [optimizer]))
         before = backend.runs
         loss = nn.functional.mse_loss(compiled(x), y)
-        session.backward_begins()
-        loss.backward()
+        with session.backward():
+            loss.backward()
         ran = backend.runs - before
-        session.backward_done()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        session.end_step()
-        session.step_done()
+        session.close_step()
         runs.append(ran)
     return kinds, runs
 

@@ -56,14 +56,14 @@ def _fit(build, loss_fn, batches, strategy="auto", step=None, monkeypatch=None):
     module = _Lit(build, loss_fn, batches, step)
     kinds = []
     if monkeypatch is not None:
-        original = lightning_swap.core.SwapSession.before_step
+        original = lightning_swap.core.SwapSession._before_step
 
         def before_step(self, *args, **kwargs):
             kind = original(self, *args, **kwargs)
             kinds.append(kind.value)
             return kind
 
-        monkeypatch.setattr(lightning_swap.core.SwapSession, "before_step", before_step)
+        monkeypatch.setattr(lightning_swap.core.SwapSession, "_before_step", before_step)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=len(batches), num_sanity_val_steps=0, **QUIET_TRAINER)
     trainer.fit(module)
     if monkeypatch is not None:

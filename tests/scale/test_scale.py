@@ -426,15 +426,15 @@ def test_a_trial_meters_its_first_step_and_only_times_the_rest():
         stats = []
         for _ in range(3):
             opt.zero_grad(set_to_none=True)
-            session.begin_step([x, opt.state], measure=True)
+            session.open_step(x, [x, opt.state], [opt], measure=True)
             model(x).square().mean().backward()
-            stats.append(session.end_step())
+            stats.append(session.close_step())
             opt.step()
         session.apply(session.plan, pinned=True)  # the next trial: its first step is metered again
         opt.zero_grad(set_to_none=True)
-        session.begin_step([x, opt.state])
+        session.open_step(x, [x, opt.state], [opt])
         model(x).square().mean().backward()
-        stats.append(session.end_step())
+        stats.append(session.close_step())
     finally:
         DeviceMemoryMeter.__enter__ = enter
         session.close()

@@ -122,7 +122,7 @@ class HookedSwapSession(SwapSession):
         if self.auto is not None and not self._planning_suspended:
             self.open_step((args, kwargs), track, [optimizer for optimizer, _ in self._optimizers.values()])
         elif self.runtime is not None:
-            self.begin_step(track)
+            self._begin_step(track)
             self._step_open = True
         return None
 
@@ -144,7 +144,7 @@ class HookedSwapSession(SwapSession):
     def close(self) -> None:
         """Remove the hooks and the runtime. (:meth:`remove`, which the core calls to swap one
         plan for another or to profile, removes the runtime only.)"""
-        self.abort_step()
+        self._abort_step()
         self.step_pending = False
         for handle in (self._pre_hook, self._post_hook, *(h for _, h in self._optimizers.values())):
             if handle is not None:

@@ -172,7 +172,7 @@ def _trial_runner(session: "SwapSession", run_steps: RunSteps, config: ScaleConf
             raise RuntimeError("the trial run made no measured training step; `run_steps` returned no statistics.")
         warm = stats[1:] or stats  # the first step includes warm-up costs
         peaks = [s.peak_device_bytes for s in stats if s.peak_device_bytes is not None]
-        if not peaks:  # a pinned plan's steps are measured (SwapSession.begin_step): a caller's bug
+        if not peaks:  # a pinned plan's steps are measured (SwapSession.open_step): a caller's bug
             raise RuntimeError("the trial's steps were not measured (peak_device_bytes is None); open them with measure=True.")
         peak = collectives.reduce_max(float(max(peaks)))
         # The median, not the mean: Note [A throughput search that can only win].

@@ -122,7 +122,7 @@ class SwapSession:
     def __init__(
         self, model: nn.Module, config: SwapConfig, device: torch.device | str, *, unified: Optional[UnifiedMemory] = None,
         collectives: Collectives = Collectives(), grads_freed_before_backward: bool = False, plan_sink: Optional[PlanSink] = None,
-        advice: str = "CPUSwapStrategy(budget_bytes='8GiB'), SwapPlugin(budget_bytes='8GiB') or ACCELERATE_CPU_SWAP_BUDGET_BYTES=8GiB",
+        advice: str = "SwapConfig(budget_bytes='8GiB')",
     ) -> None:
         self.model = model
         self.config = config
@@ -255,9 +255,9 @@ class SwapSession:
         """A training batch starts: ``auto`` decides its plan (a plan made is logged: Note [The
         plan's log]), and the step's window opens. ``track``: what is alive besides the model (the
         batch, the optimizers' states); ``optimizers``: the step's optimizers; ``measure``: as
-        :meth:`begin_step`'s."""
+        :meth:`_begin_step`'s."""
         self._in_backward = False
-        kind = self.before_step(batch, track, optimizers, measure=measure)
+        kind = self._before_step(batch, track, optimizers, measure=measure)
         if kind is not StepKind.RUN:
             self.plan_log.made(self.plan, _WHY[kind])
         self._step_open = True
@@ -267,19 +267,19 @@ class SwapSession:
     def backward(self) -> Iterator[None]:
         """Around one backward pass of the step (a step may have several). A failed one is
         :meth:`step_failed`'s, its error raised as it was."""
-        self.backward_begins()
+        self._backward_begins()
         try:
             yield
         except BaseException as exc:
             self.step_failed(exc)
             raise
-        self.backward_done()
+        self._backward_done()
 
     def step_failed(self, exc: BaseException) -> bool:
         """The open step raised ``exc``: nothing of it is kept (its window and trace are dropped,
         the library's hooks taken off: Note [Hooks never outlive the library] in ``tensors.py``).
         Returns whether the adapter should run the step again (never: nothing is replayed)."""
-        self.abort_step()
+        self._abort_step()
         if is_out_of_memory(exc) and self.auto is not None:
             log.warning(
                 "lightning-swap: a step under policy='auto' ran out of device memory within a budget of %s: the device "
@@ -292,8 +292,8 @@ class SwapSession:
         numbers gets the ones its first step measured: Note [The plan's log]), and ``auto`` learns
         from it. Its statistics."""
         self._step_open = False
-        stats = self.end_step()
-        self.step_done()
+        stats = self._end_step()
+        self._step_done()
         return stats
 
     def end_training(self) -> Optional[StepStats]:
@@ -301,7 +301,7 @@ class SwapSession:
         the device's times (the one wait allowed: no step runs now), the plan's measured table is
         logged if it was not yet, and :meth:`close` removes everything. Returns the last step's
         statistics; :attr:`records` keeps every step's."""
-        self.abort_step()
+        self._abort_step()
         self.records.resolve(wait=True)
         self._note_measured_plan(wait=True)
         stats = self.stats(wait=True)
@@ -330,11 +330,11 @@ class SwapSession:
         self.plan_log.measured(measured)
 
     # -- the parts of a step ------------------------------------------------------------
-    def before_step(self, batch: Any, track: Any, optimizers: Any, *, measure: bool = False) -> StepKind:
+    def _before_step(self, batch: Any, track: Any, optimizers: Any, *, measure: bool = False) -> StepKind:
         """Before a training step's forward: ``auto`` decides the step's plan, which is installed,
         and the window opens. ``track``: what is alive besides the model (the batch, the
         optimizers' states); ``optimizers``: the step's optimizers (or their states); ``measure``:
-        as :meth:`begin_step`'s. Every process calls it for every step (plans are broadcast from
+        as :meth:`_begin_step`'s. Every process calls it for every step (plans are broadcast from
         the main process)."""
         self._backwards, self._step = 0, None
         first = self.least_bytes is None and self._first is None and self._first_over is None and self._budget_bytes is not None and not self._pinned
@@ -347,7 +347,7 @@ class SwapSession:
                 self._refuse_over(self.least_bytes)
                 self.auto.least_bytes = self.least_bytes
         if self.auto is None or self._pinned:
-            self.begin_step(track, measure=measure or first)
+            self._begin_step(track, measure=measure or first)
             self._first_windows(first, optimizers)
             return StepKind.RUN
         step = StepInputs(self._agreed(BatchKey.of(batch)), self._state_sizes(optimizers))
@@ -359,7 +359,7 @@ class SwapSession:
         if plan != self.plan or self.runtime is None:  # by value: other processes get a new object each time
             self.apply(plan)
         self._step = (decision, step, optimizers)
-        self.begin_step(track, measure=measure or decision.trace or self.auto.check_pending, online=self.auto.online)
+        self._begin_step(track, measure=measure or decision.trace or self.auto.check_pending, online=self.auto.online)
         self._first_windows(first and decision.kind is StepKind.FIRST, optimizers)
         if decision.trace:
             self._trace = ObservedStep(
@@ -432,7 +432,7 @@ class SwapSession:
         its first step measured it: Note [The plan's log])."""
         return self.apply(self._received(self.collectives.on_main(self.forced_plan)))
 
-    def backward_begins(self) -> None:
+    def _backward_begins(self) -> None:
         """The loss exists and its backward is about to run (once per backward pass of the step)."""
         self._backwards += 1
         self._in_backward = True
@@ -446,7 +446,7 @@ class SwapSession:
             elif self._trace.open:  # a second pass: the trace is of the first (Note [Auto learns from the steps it runs])
                 self._trace.close()
 
-    def backward_done(self) -> None:
+    def _backward_done(self) -> None:
         """The loss's backward is over (what follows, the optimizer step, is its own window in a
         traced step)."""
         self._in_backward = False
@@ -455,7 +455,7 @@ class SwapSession:
         if self._trace is not None and self._trace.open and not self._trace.backward_over:
             self._trace.backward_done()
 
-    def end_step(self) -> Optional[StepStats]:
+    def _end_step(self) -> Optional[StepStats]:
         """The step is over (adapters call it after the optimizer step when they can, else after
         the backward): its statistics (``None`` when no window was open)."""
         if self._trace is not None:
@@ -481,7 +481,7 @@ class SwapSession:
         self._note_measured_plan(wait=False)
         return self.last_stats
 
-    def step_done(self) -> None:
+    def _step_done(self) -> None:
         """The whole step (optimizer step included) is over: ``auto`` learns from it (Note [Auto
         learns from the steps it runs]); every process, with the largest of every process's
         measurements."""
@@ -513,10 +513,10 @@ class SwapSession:
         """Note [The least budget from the first step]: a budget below the least is refused now,
         the open step dropped."""
         if least is not None and self._budget_bytes is not None and least > self._budget_bytes:
-            self.abort_step()
+            self._abort_step()
             raise InfeasibleBudgetError(budget_bytes=self._budget_bytes, min_budget_bytes=least, lower_bound=lower_bound)
 
-    def abort_step(self) -> None:
+    def _abort_step(self) -> None:
         """The step failed (out of memory, an exception) or is dropped: nothing of it is kept, no
         step is open, and the library's hooks are off torch's stack (Note [Hooks never outlive the
         library])."""
@@ -609,7 +609,7 @@ class SwapSession:
         self.records.clear()
         self.plan = None
         if self.auto is not None:
-            self.abort_step()
+            self._abort_step()
             self.auto = self._new_planner()
         self._pinned, self._pinned_steps = False, 0
 
@@ -631,7 +631,7 @@ class SwapSession:
         self.runtime, self.plan = runtime, plan
         return plan
 
-    def begin_step(self, track: Iterable[Any] = (), *, measure: bool = False, online: Any = None) -> None:
+    def _begin_step(self, track: Iterable[Any] = (), *, measure: bool = False, online: Any = None) -> None:
         """Open the step window. ``measure=True`` measures device memory even for a compiled model
         on CPU (running that step eagerly: Note [No dispatch mode under compile] in runtime.py);
         a pinned plan's first step (a batch-size finder's trial) is always measured, its later
@@ -663,6 +663,6 @@ class SwapSession:
     def close(self) -> None:
         """The session is over: everything it installed on the model is removed (the runtime;
         an adapter's session removes its own hooks too), and the model is the user's again."""
-        self.abort_step()
+        self._abort_step()
         self._remove_optimizer_hooks()
         self.remove()
