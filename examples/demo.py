@@ -205,7 +205,7 @@ def main() -> None:
     plan = auto_strategy.plan
     print(f"\nThe auto plan for a budget of {format_bytes(budget)} ({args.budget_fraction:.0%} of plain):\n{plan.render()}")
     if auto_strategy.report_path is not None:
-        print(f"\nMemory over one plain and one planned step: {auto_strategy.report_path}")
+        print(f"\nMemory over one steady step under the auto plan, with its budget: {auto_strategy.report_path}")
 
 
 if __name__ == "__main__":

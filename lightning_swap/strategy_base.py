@@ -75,7 +75,7 @@ class _StrategyOptions(SwapConfig):
         True, "send ``swap/...`` metrics (plain floats) to the loggers every ``log_every_n_steps`` (default on).", check=check_bool,
     )
     report: bool = option(
-        False, "once training is in its steady state, draw one plain and one planned step's device memory on "
+        False, "once training is in its steady state, draw one step's device memory under the plan, with the budget, on "
         "``swap_memory_timeline.png`` in the trainer's log directory (``strategy.report_path``; default off).", check=check_bool,
     )
 
@@ -284,14 +284,15 @@ class _SwapStrategyMixin(SessionViews):
         observes or plans first); a timeline is recorded over it when one is due."""
         states = _optimizer_states(self.optimizers)
         # The planned timeline needs the meter open (Note [No dispatch mode under compile]).
-        timeline_wanted = self.report and self.report_path is None and self.swap_config.is_auto
+        timeline_wanted = self.report and self.report_path is None
         kind = session.open_step(args[0] if args else kwargs.get("batch"), [args, kwargs, states], list(self.optimizers), measure=timeline_wanted)
         if kind is StepKind.RUN and self._report_due():
             label = f"planned ({session.plan.summary()})"
             self._recorder = TimelineRecorder(self.lightning_module, session.segments, session.step_meter, label).__enter__()
 
     def _report_due(self) -> bool:
-        """The planned timeline is recorded once, in the steady state: the plan's check passed."""
+        """The planned timeline is recorded once, in the steady state: a step ran before (its
+        optimizer state exists) and ``auto``'s plan was checked."""
         session = self._session
         return (
             self.report
@@ -299,7 +300,7 @@ class _SwapStrategyMixin(SessionViews):
             and self._recorder is None
             and not session.pinned
             and session.measuring
-            and self.swap_config.is_auto
+            and bool(session.records.all())
             and not session.check_pending
         )
 
@@ -364,6 +365,10 @@ class _SwapStrategyMixin(SessionViews):
     @override
     def teardown(self) -> None:
         self._drop_recorder()
+        if self.report and self.report_path is None and self._session is not None and self.is_global_zero:  # never silently
+            logging.getLogger(__name__).warning(
+                "lightning-swap: report=True drew no memory picture: training ended before a steady step ran under a checked plan."
+            )
         if self._session is not None:
             self._session.end_training()  # its statistics stay readable (`stats_history`)
         if getattr(self, "_bar_log", None) is not None:

@@ -91,6 +91,20 @@ def test_report_draws_the_planned_step_beside_the_budget(tmp_path, fraction):
     assert_same_state(module, plain)  # recording it changed nothing in training
 
 
+def test_report_draws_a_forced_plans_steady_step_and_says_when_it_drew_none(tmp_path, caplog):
+    """Issue 42, item 3: the picture is drawn from a step the run made (a forced plan's too), and
+    a run too short for a steady step says so instead of writing nothing silently."""
+    import logging
+
+    strategy = CPUSwapStrategy(policy="offload", min_offload_bytes=0, report=True)
+    fit("cnn", strategy, steps=3, default_root_dir=tmp_path / "forced")
+    assert strategy.report_path is not None and strategy.report_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    caplog.set_level(logging.INFO)
+    short = CPUSwapStrategy(policy="offload", min_offload_bytes=0, report=True)
+    fit("cnn", short, steps=1, default_root_dir=tmp_path / "short")
+    assert short.report_path is None and any("drew no memory picture" in r.getMessage() for r in caplog.records)
+
+
 def test_timeline_marks_every_segment_forward_and_backward():
     from lightning_swap.core import SwapRuntime, find_segments
     from lightning_swap.core.measure.timeline import TimelineRecorder
