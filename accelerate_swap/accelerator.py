@@ -14,7 +14,7 @@ Note [Auto policy in Accelerate]: a forced policy needs no batch, so its plan is
 ``prepare``. ``policy="auto"`` plans from the training steps themselves, as the Lightning
 strategy does (Note [Auto learns from the steps it runs] in ``lightning_swap/core/scale/auto.py``), in
 the session's forward pre-hook (Note [Hooked step window]); the processes agree through
-Accelerate's ``broadcast_object_list`` and ``gather`` (:meth:`SwapAccelerator._swap_collectives`).
+``torch.distributed``'s default group, which Accelerate initialised (``process_group_collectives``).
 
 Note [Accelerate leaves no trace]: the runtime is applied to ``unwrap_model(model)``, never
 to the DDP wrapper, so segment names are the user's and ``state_dict`` keys do not change.
@@ -31,11 +31,11 @@ from typing import Any, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, DynamoBackend, broadcast_object_list, gather_object
+from accelerate.utils import DistributedType, DynamoBackend
 from torch import nn
 from typing_extensions import override
 
-from lightning_swap.core import Collectives
+from lightning_swap.core import process_group_collectives
 from lightning_swap.core import HookedSwapSession
 from lightning_swap.core import Plan
 from lightning_swap.core import StepStats
@@ -192,7 +192,7 @@ class SwapAccelerator(Accelerator):
                 "with `evaluation_mode=True`."
             )
         session = HookedSwapSession(
-            module, self.swap_plugin.to_config(), self.device, advice=_ADVICE, collectives=self._swap_collectives(),
+            module, self.swap_plugin.to_config(), self.device, advice=_ADVICE, collectives=process_group_collectives(self.device),
             unified=self.swap_unified_memory,
         )
         session.on_step_end = self._after_swap_step
@@ -206,28 +206,6 @@ class SwapAccelerator(Accelerator):
             session.close()
             raise
         self._swap_session = session
-
-    def _swap_collectives(self) -> Collectives:
-        """How the processes agree (plans, verdicts, the batch-size search): the main process's
-        objects broadcast, numbers gathered; one process's identity when there is one."""
-        if self.num_processes == 1:
-            return Collectives()
-
-        def broadcast(obj: Any) -> Any:
-            payload = [obj]
-            broadcast_object_list(payload, from_process=0)
-            return payload[0]
-
-        def gathered(value: float) -> torch.Tensor:
-            return self.gather(torch.tensor([float(value)], dtype=torch.float64, device=self.device))
-
-        return Collectives(
-            is_main=self.is_main_process,
-            broadcast=broadcast,
-            reduce_max=lambda v: float(gathered(v).max().item()),
-            reduce_min=lambda v: int(gathered(v).min().item()),
-            gather=lambda obj: gather_object([obj]),
-        )
 
     # -- steps --------------------------------------------------------------------------
     @override

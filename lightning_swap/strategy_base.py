@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from .core import Collectives
+from .core import process_group_collectives
 from .core import SwapConfig, build_options, check_bool, describe_options, option, split_options
 from .core import SessionViews, StepKind, SwapSession
 from .core import TimelineRecorder
@@ -195,7 +195,7 @@ class _SwapStrategyMixin(SessionViews):
         module = self.lightning_module
         self._bar_log = _ProgressBarLog.install(trainer)
         self._session = SwapSession(
-            module, self.swap_config, self.root_device, unified=self.unified_memory, collectives=self._swap_collectives(),
+            module, self.swap_config, self.root_device, unified=self.unified_memory, collectives=process_group_collectives(self.root_device),
             # Lightning's closure runs forward, zero_grad, backward: without accumulation the last
             # step's gradients are gone before the backward (Note [Steady-state shift]).
             grads_freed_before_backward=bool(module.automatic_optimization and getattr(trainer, "accumulate_grad_batches", 1) == 1),
@@ -206,23 +206,6 @@ class _SwapStrategyMixin(SessionViews):
         if self.log_stats and self._stats_callback_class is not None:
             self._stats_callback = self._stats_callback_class(self)
             trainer.callbacks.append(self._stats_callback)
-
-    def _swap_collectives(self) -> Collectives:
-        """How the ranks agree (plans, verdicts, the batch-size search): Lightning's broadcast
-        from rank 0 and its reductions, every rank's profile gathered."""
-        device = self.root_device
-
-        def reduce(value: float, op: str) -> float:
-            # float64: the batch key's agreement packs a 32-bit hash and a size in one number
-            return float(self.reduce(torch.tensor(float(value), dtype=torch.float64, device=device), reduce_op=op).item())
-
-        return Collectives(
-            is_main=self.is_global_zero,
-            broadcast=lambda obj: self.broadcast(obj, src=0),
-            reduce_max=lambda value: reduce(value, "max"),
-            reduce_min=lambda value: int(reduce(value, "min")),
-            gather=_gather_objects,
-        )
 
     def profile_step_fn(self) -> Any:
         """One training step as the batch-size finder's profiler runs it, in Lightning's closure
@@ -385,15 +368,6 @@ class _SwapStrategyMixin(SessionViews):
                 trainer.callbacks.remove(self._stats_callback)
         self._stats_callback = None
         super().teardown()
-
-
-def _gather_objects(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order (one process: ``[obj]``)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [obj]
-    gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, obj)
-    return gathered
 
 
 def _optimizer_states(optimizers: Any) -> list:

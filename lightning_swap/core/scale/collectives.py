@@ -10,12 +10,11 @@ profiles are :attr:`Collectives.gather`-ed and merged by
 :func:`~lightning_swap.core.measure.model_profile.max_profile`. The main process then decides
 from those, and broadcasts (:meth:`Collectives.on_main`).
 
-The one mechanism every agreement goes through: the session's plans and guard verdicts
-(:meth:`Collectives.on_main`), the batch-size search's profile, measurements and answer. The
-adapters build it from their framework (Lightning's ``strategy.broadcast`` / ``reduce``,
-Accelerate's ``broadcast_object_list`` / ``gather``), or take :func:`process_group_collectives`
-(``torch.distributed``'s default group, which Fabric's strategies start); the defaults are one
-process's identity.
+The one mechanism every agreement goes through: the session's plans and least budget
+(:meth:`Collectives.on_main`, :meth:`Collectives.largest`), the batch-size search's profile,
+measurements and answer. Every front end takes :func:`process_group_collectives`:
+``torch.distributed``'s default group, which Lightning's, Fabric's and Accelerate's data-parallel
+launchers all start; the defaults are one process's identity.
 """
 
 from __future__ import annotations
