@@ -54,7 +54,8 @@ forced policy, a plan written by hand; the planner always prices and records bot
 element's worth where copies overlap compute — the most bytes one segment's forward, or one
 stretch of code between segments, has offloaded so far in the step — and ``0`` where they do not
 (CPU: every copy is done when issued, so nothing is ever in flight, and fetching ahead only
-raises the peak). So a forced ``offload`` on CUDA keeps about one segment's copies in flight and
+raises the peak); there a storage fetched on demand is held until its last unpack (Note [One
+storage, one copy]), fetched once, as a window of 0 given does not. So a forced ``offload`` on CUDA keeps about one segment's copies in flight and
 one segment's bytes fetched ahead, sized to the model without a profile; the cost model prices it
 as the largest element's copied bytes under the plan (Note [Copy windows, priced] in
 ``decide/costmodel.py``), which the running maximum here reaches in backward (the forward is
@@ -666,9 +667,9 @@ class OffloadEngine:
                 packed.round = entry.round
                 entry.pending -= 1
             ahead = self._window(self.prefetch_bytes)
-            if entry.device is not None and (entry.pending <= 0 or ahead == 0):
+            if entry.device is not None and (entry.pending <= 0 or self.prefetch_bytes == 0):
                 # Note [One storage, one copy]: every saved view has been handed out; or, fetched
-                # per saved tensor (Note [Copy windows]), not held for the others.
+                # per saved tensor (a window of 0 given: Note [Copy windows]), not held for the others.
                 entry.landed = weakref.ref(entry.device.untyped_storage())
                 entry.device = None
             if entry.pending <= 0:
