@@ -48,7 +48,9 @@ for; each independent of the other:
   all of the copy time exposed.
 - not given (``None``: a plan the planner did not make): Note [Default copy windows] in
   ``engine/offload.py``, priced as the largest element's copied bytes under the plan where
-  copies overlap compute, else ``0``. The planner always prices given windows, or chooses them
+  copies overlap compute, else as nothing fetched ahead, each storage held from its first unpack
+  to its last (the profiler's on-demand estimate), not per saved tensor: the engine fetches per
+  tensor only under a ``0`` given. The planner always prices given windows, or chooses them
   (:func:`window_candidates`), and the plan records them.
 
 On CPU copies are done when issued: nothing is in flight whatever ``W``, and a prefetch only
@@ -413,6 +415,7 @@ class _Walk:
     #: Note [Copy windows, priced], the defaults resolved.
     prefetch_bytes: int
     inflight_bytes: int
+    per_tensor: bool  # a prefetch window of 0 given: fetched per saved tensor
     clock: float = 0.0
     kept_before: list[int] = field(default_factory=list)
     kept_rows: list[int] = field(default_factory=list)
@@ -519,7 +522,7 @@ def _backward(walk: _Walk, profile: ModelProfile) -> list[int]:
         # Per tensor, the output is there only while read, unless the next element holds it (known
         # here, not to the solver's state, which bounds it as held).
         free_output = i + 1 < n and segs[i + 1].input_from_previous and not boundary_held(s, a, segs[i + 1], acts[i + 1])
-        need = backward_need(costs.backward_base_bytes[i], prev, p, s, a, per_tensor=limit == 0, free_output=free_output and limit == 0)
+        need = backward_need(costs.backward_base_bytes[i], prev, p, s, a, per_tensor=walk.per_tensor, free_output=free_output and walk.per_tensor)
         peaks.append(walk.kept_before[i] + need + held_ahead)
         walk.clock += s.backward_ms + recompute_ms(s, a)
     peaks.reverse()
@@ -567,7 +570,7 @@ def simulate_chain(
     walk = _Walk(
         segs=segs, acts=acts, costs=costs, copies=copies, added=[recompute_ms(s, a) for s, a in zip(segs, acts)],
         overlap=profile.copies_overlap, prefetch_bytes=default if windows[0] is None else windows[0],
-        inflight_bytes=default if windows[1] is None else windows[1],
+        inflight_bytes=default if windows[1] is None else windows[1], per_tensor=windows[0] == 0,
     )
     fwd_peaks, tail_peak = _forward(walk, profile)
     bwd_peaks = _backward(walk, profile)
