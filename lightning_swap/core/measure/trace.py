@@ -348,20 +348,20 @@ class _Recorder:
         their storages would have been freed by then; all of them once the backward is over."""
         if not self.held or not (window.is_backward or window.kind in (WindowKind.OPTIMIZER, WindowKind.END)):
             return
-
-        def ran_at(region: Any) -> int:  # its place in the forward: a segment, then the code after it
-            if region == PREFIX:
-                return -1
-            return 2 * self._exec.index(region) if is_segment(region) else 2 * self._exec.index(region.segment) + 1
-
         if window.kind is WindowKind.PREFIX_BACKWARD or not window.is_backward:
             now = -1 if window.is_backward else -2
         elif window.segment not in self._exec:
             return
         else:
             now = 2 * self._exec.index(window.segment) + (window.kind is WindowKind.AFTER_BACKWARD)
-        for region in [r for r in self.held if ran_at(r) > now]:  # their backward is over
+        for region in [r for r in self.held if self.ran_at(r) > now]:  # their backward is over
             self.meter.let_go(self.held.pop(region))
+
+    def ran_at(self, region: Any) -> int:
+        """A region's place in the forward: a segment, then the code after it."""
+        if region == PREFIX:
+            return -1
+        return 2 * self._exec.index(region) if is_segment(region) else 2 * self._exec.index(region.segment) + 1
 
     def region_before(self, i: int) -> Any:
         """The outside region that runs just before segment ``i`` in this forward: the prefix, or
@@ -493,8 +493,10 @@ class _Recorder:
                 (self.trace.tensor_bwd_peak, held), (self.trace.tensor_bwd_peak_in, saved),
                 (self.trace.tensor_bwd_peak_out, {k: n for k, n in every.items() if k != inp}), (self.trace.tensor_bwd_peak_both, every),
             )
-            # A storage another region saved stays alive in plain training past its last use here.
-            elsewhere = {key for region, keys in self.trace.saved.items() if region != i for key in keys}
+            # A storage a region that ran before this one saved stays alive in plain training past
+            # its last use here, until that region's backward; one only later regions also saved
+            # is freed there (a block's output its last op and the next block's first op save).
+            elsewhere = {key for region, keys in self.trace.saved.items() if self.ran_at(region) < self.ran_at(i) for key in keys}
             for peaks, storages in estimates:
                 for k, (level, needed) in enumerate(ops):
                     absent = sum(n for key, n in storages.items() if key not in needed and (last.get(key, k) >= k or key in elsewhere))
@@ -543,9 +545,9 @@ class _Recorder:
     def unpacked(self, observed: list) -> None:
         """Note [Regions held as kept]: an offloaded storage's first unpack in backward, before its
         copy is fetched back: its holds go, the copy is counted from then on as the original was
-        until then. (A storage two ops saved, fetched again for the second after the first freed
-        its copy, is not counted in between, where plain training holds it: a few hundred bytes
-        under on the tests' GPT, 0.005% of its peak.)"""
+        until then. (Under a window of 0, a storage two ops saved, fetched again for the second
+        after the first freed its copy, is not counted in between, where plain training holds it,
+        and the second copy is not known by the original's key; :func:`run_trace` holds it.)"""
         tokens = [token for token, _ in (o for o in observed if o is not None) if token is not None]
         self.meter.let_go(tokens)
         for held in self.held.values():
@@ -725,15 +727,18 @@ def run_trace(
 ) -> StepTrace:
     """Run ``step`` (forward, loss, backward) once with every window measured. On CPU (real
     tensors) what the segments save is offloaded as it is saved and held as kept (Note [Regions
-    held as kept]): the windows are plain training's, and each segment's forward is also measured
-    without its saved tensors (:func:`released_working`)."""
+    held as kept]), and fetched back once, held to its last unpack (CPU's default window): the
+    windows are plain training's, every op reads a storage by its original's key (a block's
+    output, which the next block's first op and its own last op save: measured per saved tensor,
+    its second copy went unseen, and a window of 0 was priced a storage under), and each
+    segment's forward is also measured without its saved tensors (:func:`released_working`)."""
     tracer = StepTracer(
         model, names, device=device, static=static, params=params, fake=fake, min_offload_bytes=min_offload_bytes,
         flops_per_ms=flops_per_ms, bytes_per_ms=bytes_per_ms,
     )
     engine, hooks = None, None
     if not fake and device.type == "cpu":
-        engine = OffloadEngine(device, min_offload_bytes=min_offload_bytes, prefetch_bytes=0, inflight_bytes=0)
+        engine = OffloadEngine(device, min_offload_bytes=min_offload_bytes)
         engine.begin_step(static)
         engine.observer, tracer.rec.hold = tracer.rec, True
         rec = tracer.rec
