@@ -9,6 +9,7 @@ batch's shape changes from step to step.
     python benchmarks/dynamic_shapes.py --pad-to-multiple-of 64   # fewer shapes: lengths rounded up, as a collator can
     python benchmarks/dynamic_shapes.py --batching token-budget    # batch size x length about constant (fairseq's max_tokens)
     python benchmarks/dynamic_shapes.py --online-cost              # the budget held online: its cost per step, on vs off
+    python benchmarks/dynamic_shapes.py --no-fsdp --steps 128      # a longer run: new longest shapes get rarer, traced steps amortize
 
 **The data.** Each batch is ``batch`` documents; a document's length is drawn from a seeded
 log-normal, ``round(exp(N(ln(median), sigma)))`` clipped to ``[min_len, max_len]`` (default:
@@ -537,6 +538,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="round each batch's padded length up to a multiple of this (a collator's pad_to_multiple_of; default: none)")
     parser.add_argument("--batching", choices=("padding", "token-budget"), default="padding",
                         help="dynamic padding (a fixed number of documents a batch) or a token budget (default: padding)")
+    parser.add_argument("--steps", type=int, default=None, help="the single-process part's steps (default: the size's, 32 / 10 quick)")
     parser.add_argument("--online-cost", action="store_true", help="only the online budget's cost, on vs off")
     parser.add_argument("--log", choices=("DEBUG", "INFO", "WARNING"), default=None, help="the library's log level, on stderr")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -548,6 +550,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     global DEVICE
     DEVICE = torch.device(args.device)
     size = dict(SIZES["quick" if args.quick else "default"], multiple=args.pad_to_multiple_of, token_budget=args.batching == "token-budget")
+    if args.steps is not None:
+        if args.steps < 1:
+            parser.error(f"--steps must be a positive integer, got {args.steps}")
+        size["steps"] = args.steps
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if args.log:

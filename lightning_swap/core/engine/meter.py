@@ -19,7 +19,7 @@ Note [Holds are tokens, not ids]: a storage held (:meth:`DeviceMemoryMeter.hold`
 stays counted until let go; once freed, its ``id`` is free for Python to give to the next
 storage, which a later region may hold too. Holds keyed by ``id`` would merge the two: letting
 go of the later region (its backward starts first) would release the earlier one's bytes as
-well, at random (wherever the allocator reused the address), and a guard step's profile would
+well, at random (wherever the allocator reused the address), and a traced step's profile would
 come out up to a storage lower in every backward window (about 1 run in 10; a plan chosen from
 it measured 4.5% over its budget). So each hold is a token; a freed storage's bytes go when the
 last token holding it is let go (a storage two regions saved stays counted until the earlier
