@@ -158,12 +158,9 @@ def test_core_predictions_hold_on_every_rank(job):
         for policy, predicted in core["predicted"].items():
             measured = core["measured"][policy]
             within = 1.10 if "offload" in policy else 1.05
-            # Never under, but for a few hundred bytes the profile's held trace leaves out (0.005%),
-            # and the step's own variation: with both CPUs busy, `keep` on the smaller rank measured
-            # 4,804,824 B in about 1 run in 6 where it measures 4,801,752 B otherwise (predicted
-            # 4,801,496): 3,072 B (0.064%) more at the peak, by timing alone, likely a collective's
-            # buffer that gloo's worker thread still holds. So 0.1% under is allowed, no more.
-            assert 0.999 * measured <= predicted <= within * measured, (policy, predicted, measured)
+            # never under, but for a few hundred bytes the profile's held trace leaves out (0.005%);
+            # measured: the least of two steps (timing alone raises one now and then, train_fsdp.py)
+            assert 0.9999 * measured <= predicted <= within * measured, (policy, predicted, measured)
 
 
 @pytest.mark.slow
