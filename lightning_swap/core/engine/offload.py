@@ -55,11 +55,11 @@ element's worth where copies overlap compute — the most bytes one segment's fo
 stretch of code between segments, has offloaded so far in the step — and ``0`` where they do not
 (CPU: every copy is done when issued, so nothing is ever in flight, and fetching ahead only
 raises the peak); there a storage fetched on demand is held until its last unpack (Note [One
-storage, one copy]), fetched once, as a window of 0 given does not. So a forced ``offload`` on CUDA keeps about one segment's copies in flight and
-one segment's bytes fetched ahead, sized to the model without a profile; the cost model prices it
-as the largest element's copied bytes under the plan (Note [Copy windows, priced] in
-``decide/costmodel.py``), which the running maximum here reaches in backward (the forward is
-over) and stays under in forward.
+storage, one copy]), fetched once, as a window of 0 given does not. So a forced ``offload`` on
+CUDA keeps about one segment's copies in flight and one segment's bytes fetched ahead, sized to
+the model without a profile; the cost model prices it as the largest element's copied bytes
+under the plan (Note [Copy windows, priced] in ``decide/costmodel.py``), which the running
+maximum here reaches in backward (the forward is over) and stays under in forward.
 
 Note [Used in place]: an offloaded storage may still be on the device when backward needs it
 — its copy was still in flight when backward started (within ``inflight_bytes``), or something
@@ -669,7 +669,8 @@ class OffloadEngine:
             ahead = self._window(self.prefetch_bytes)
             if entry.device is not None and (entry.pending <= 0 or self.prefetch_bytes == 0):
                 # Note [One storage, one copy]: every saved view has been handed out; or, fetched
-                # per saved tensor (a window of 0 given: Note [Copy windows]), not held for the others.
+                # per saved tensor (a window of 0 given: Note [Copy windows]), not held for the
+                # others.
                 entry.landed = weakref.ref(entry.device.untyped_storage())
                 entry.device = None
             if entry.pending <= 0:

@@ -496,7 +496,8 @@ class _Recorder:
             # A storage a region that ran before this one saved stays alive in plain training past
             # its last use here, until that region's backward; one only later regions also saved
             # is freed there (a block's output its last op and the next block's first op save).
-            elsewhere = {key for region, keys in self.trace.saved.items() if self.ran_at(region) < self.ran_at(i) for key in keys}
+            here = self.ran_at(i)
+            elsewhere = {key for region, keys in self.trace.saved.items() if self.ran_at(region) < here for key in keys}
             for peaks, storages in estimates:
                 for k, (level, needed) in enumerate(ops):
                     absent = sum(n for key, n in storages.items() if key not in needed and (last.get(key, k) >= k or key in elsewhere))
