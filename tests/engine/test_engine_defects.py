@@ -479,6 +479,20 @@ def test_host_pool_soak_batch_sizes_cycling(steps):
 
 
 # -- #5/#6: a tensor still on the device when needed is used in place --------------------------
+def _in_flight_at_backward_start(monkeypatch) -> list[int]:
+    """The bytes in flight to the host as each backward starts, appended as they are seen."""
+    flying = []
+    start = OffloadEngine._start_backward
+
+    def spy(self):
+        if not self._backward:
+            flying.append(self.copies.inflight_bytes)
+        return start(self)
+
+    monkeypatch.setattr(OffloadEngine, "_start_backward", spy)
+    return flying
+
+
 def _fetches_while_alive(monkeypatch):
     """Spy: bytes fetched back while their device original was still alive."""
     seen = {"alive": 0}
@@ -496,15 +510,7 @@ def _fetches_while_alive(monkeypatch):
 @pytest.mark.parametrize("inflight", [1 << 16, None])
 def test_what_is_in_flight_at_backward_start_is_used_in_place(monkeypatch, inflight):
     seen = _fetches_while_alive(monkeypatch)
-    flying = []
-    start = OffloadEngine._start_backward
-
-    def spy(self):
-        if not self._backward:
-            flying.append(self.copies.inflight_bytes)
-        return start(self)
-
-    monkeypatch.setattr(OffloadEngine, "_start_backward", spy)
+    flying = _in_flight_at_backward_start(monkeypatch)
     build, data, loss_fn = MODELS["gpt"]
     torch.manual_seed(0)
     model = build()
@@ -673,15 +679,7 @@ class _Direct(nn.Module):
 
 @pytest.mark.parametrize("policy", ["offload", "recompute_offload"])
 def test_direct_forward_calls_retire_like_module_calls(monkeypatch, policy):
-    seen = []
-    original = OffloadEngine._start_backward
-
-    def spy(self):
-        if not self._backward:
-            seen.append(self.copies.inflight_bytes)
-        return original(self)
-
-    monkeypatch.setattr(OffloadEngine, "_start_backward", spy)
+    seen = _in_flight_at_backward_start(monkeypatch)
     results = []
     for direct in (False, True):
         torch.manual_seed(0)
